@@ -1,0 +1,171 @@
+#include "xla_ffi/adam_kernel.h"
+
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+
+#include "xla_ffi/adam_kernel_isa.h"
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
+
+namespace jax_superoffload {
+namespace {
+
+bool CpuSupports(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar:
+      return true;
+#if defined(__x86_64__)
+    case Isa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    case Isa::kAvx512:
+      return __builtin_cpu_supports("avx512f");
+#endif
+#if defined(__aarch64__)
+    case Isa::kNeon:
+      return true;
+#if defined(__linux__) && defined(HWCAP_SVE)
+    case Isa::kSve:
+      return (getauxval(AT_HWCAP) & HWCAP_SVE) != 0;
+#endif
+#endif
+    default:
+      return false;
+  }
+}
+
+bool Compiled(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar:
+      return internal::ScalarCompiled();
+    case Isa::kAvx2:
+      return internal::Avx2Compiled();
+    case Isa::kAvx512:
+      return internal::Avx512Compiled();
+    case Isa::kNeon:
+      return internal::NeonCompiled();
+    case Isa::kSve:
+      return internal::SveCompiled();
+  }
+  return false;
+}
+
+// 1 / (1 - decay^t) in double, then rounded once to fp32.
+float InverseBiasCorrection(float decay, double t) {
+  return static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(decay), t)));
+}
+
+bool IsSixteenBit(ElementType type) {
+  return type == ElementType::kBF16 || type == ElementType::kF16;
+}
+
+}  // namespace
+
+const char* IsaName(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar:
+      return "scalar";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kNeon:
+      return "neon";
+    case Isa::kSve:
+      return "sve";
+  }
+  return "unknown";
+}
+
+bool IsaAvailable(Isa isa) { return Compiled(isa) && CpuSupports(isa); }
+
+Isa BestIsa() {
+  for (Isa isa : {Isa::kAvx512, Isa::kSve, Isa::kAvx2, Isa::kNeon}) {
+    if (IsaAvailable(isa)) return isa;
+  }
+  return Isa::kScalar;
+}
+
+AdamConstants MakeAdamConstants(const AdamConfig& config) {
+  const double t = static_cast<double>(config.count) + 1.0;
+  AdamConstants k;
+  k.learning_rate = config.learning_rate;
+  k.b1 = config.b1;
+  k.one_minus_b1 = std::isnan(config.one_minus_b1) ? 1.0f - config.b1
+                                                   : config.one_minus_b1;
+  k.b2 = config.b2;
+  k.one_minus_b2 = std::isnan(config.one_minus_b2) ? 1.0f - config.b2
+                                                   : config.one_minus_b2;
+  k.eps = config.eps;
+  k.eps_root = config.eps_root;
+  k.weight_decay = config.weight_decay;
+  k.grad_scale = config.grad_scale;
+  k.c1 = InverseBiasCorrection(config.b1, t);
+  k.c1_next = InverseBiasCorrection(config.b1, t + 1.0);
+  k.c2 = InverseBiasCorrection(config.b2, t);
+  k.nesterov = config.nesterov;
+  return k;
+}
+
+const char* ValidateAdamBuffers(const AdamBuffers& b) {
+  if (b.size < 0) return "size must be non-negative";
+  if (b.grad_type != ElementType::kF32 && !IsSixteenBit(b.grad_type)) {
+    return "gradient type must be f32, bf16 or f16";
+  }
+  if (b.lowp_type != ElementType::kNone && !IsSixteenBit(b.lowp_type)) {
+    return "low-precision copy type must be none, bf16 or f16";
+  }
+  if (b.size == 0) return nullptr;
+  if (!b.master_in || !b.grad || !b.mu_in || !b.nu_in || !b.master_out ||
+      !b.mu_out || !b.nu_out) {
+    return "null buffer";
+  }
+  if (b.lowp_type != ElementType::kNone && !b.lowp_out) {
+    return "null low-precision output buffer";
+  }
+  return nullptr;
+}
+
+void AdamStepRange(const AdamConstants& constants, const AdamBuffers& buffers,
+                   int64_t begin, int64_t end, Isa isa) {
+  if (begin >= end) return;
+  if (!IsaAvailable(isa)) isa = Isa::kScalar;
+  switch (isa) {
+    case Isa::kAvx2:
+      return internal::AdamStepRangeAvx2(constants, buffers, begin, end);
+    case Isa::kAvx512:
+      return internal::AdamStepRangeAvx512(constants, buffers, begin, end);
+    case Isa::kNeon:
+      return internal::AdamStepRangeNeon(constants, buffers, begin, end);
+    case Isa::kSve:
+      return internal::AdamStepRangeSve(constants, buffers, begin, end);
+    default:
+      return internal::AdamStepRangeScalar(constants, buffers, begin, end);
+  }
+}
+
+void AdamStep(const AdamConfig& config, const AdamBuffers& buffers) {
+  AdamStepRange(MakeAdamConstants(config), buffers, 0, buffers.size,
+                BestIsa());
+}
+
+void StreamRooflineRange(const AdamBuffers& buffers, int64_t begin,
+                         int64_t end) {
+  if (begin >= end) return;
+  switch (BestIsa()) {
+    case Isa::kAvx2:
+      return internal::RooflineRangeAvx2(buffers, begin, end);
+    case Isa::kAvx512:
+      return internal::RooflineRangeAvx512(buffers, begin, end);
+    case Isa::kNeon:
+      return internal::RooflineRangeNeon(buffers, begin, end);
+    case Isa::kSve:
+      return internal::RooflineRangeSve(buffers, begin, end);
+    default:
+      return internal::RooflineRangeScalar(buffers, begin, end);
+  }
+}
+
+}  // namespace jax_superoffload

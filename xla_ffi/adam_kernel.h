@@ -1,0 +1,136 @@
+// Grace Adam: a fused, vectorised Adam/AdamW step over fp32 master weights.
+//
+// Pure C++17: no XLA or Python headers, so the kernel can be tested,
+// benchmarked and cross-compiled on its own. One pass per element reads the
+// fp32 master weight, the gradient (f32, bf16 or f16) and both fp32 moments,
+// writes the new weight and moments, and optionally a bf16/f16 copy of the new
+// weight rounded to nearest even.
+//
+// Every instruction set computes bit-identical results: each step of the
+// formula below is one correctly rounded IEEE operation (no fused
+// multiply-add, no reciprocal estimates), in the same order everywhere.
+//
+//   g     = grad * grad_scale
+//   mu    = b1 * mu + (1 - b1) * g
+//   nu    = b2 * nu + (1 - b2) * (g * g)
+//   mu^   = mu * c1                     (c1 = 1 / (1 - b1^t))
+//         or, with Nesterov, b1 * (mu * c1_next) + (1 - b1) * (g * c1)
+//   nu^   = nu * c2                     (c2 = 1 / (1 - b2^t))
+//   u     = mu^ / (sqrt(nu^ + eps_root) + eps)
+//   u     = u + weight_decay * master   (only when weight_decay != 0)
+//   master = master - learning_rate * u
+//
+// with t = count + 1, as in optax's scale_by_adam.
+
+#ifndef JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_H_
+#define JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_H_
+
+#include <cstdint>
+#include <limits>
+
+namespace jax_superoffload {
+
+// Storage type of the gradient and of the optional low-precision copy.
+enum class ElementType : int {
+  kNone = 0,  // Only valid for the low-precision copy: no copy is written.
+  kF32 = 1,
+  kBF16 = 2,
+  kF16 = 3,
+};
+
+// Instruction sets the kernel is compiled for.
+enum class Isa : int {
+  kScalar = 0,
+  kAvx2 = 1,
+  kAvx512 = 2,
+  kNeon = 3,
+  kSve = 4,
+};
+
+const char* IsaName(Isa isa);
+
+// True when this binary contains `isa` and the running CPU supports it.
+bool IsaAvailable(Isa isa);
+
+// The fastest available instruction set.
+Isa BestIsa();
+
+// Hyperparameters and per-step scalars, as given by the caller.
+struct AdamConfig {
+  float learning_rate = 1e-3f;
+  float b1 = 0.9f;
+  float b2 = 0.999f;
+  // 1 - b1 and 1 - b2. Callers that hold the betas in higher precision (as
+  // Python floats) pass the rounded differences here, which is what optax
+  // multiplies by; NaN means "compute 1 - b in fp32".
+  float one_minus_b1 = std::numeric_limits<float>::quiet_NaN();
+  float one_minus_b2 = std::numeric_limits<float>::quiet_NaN();
+  float eps = 1e-8f;
+  float eps_root = 0.0f;
+  float weight_decay = 0.0f;
+  float grad_scale = 1.0f;
+  bool nesterov = false;
+  // Steps already taken (optax's `count`); this step uses t = count + 1.
+  int64_t count = 0;
+};
+
+// Constants derived once per step from an AdamConfig.
+struct AdamConstants {
+  float learning_rate;
+  float b1;
+  float one_minus_b1;
+  float b2;
+  float one_minus_b2;
+  float eps;
+  float eps_root;
+  float weight_decay;
+  float grad_scale;
+  float c1;       // 1 / (1 - b1^t)
+  float c1_next;  // 1 / (1 - b1^(t+1)), used by Nesterov only.
+  float c2;       // 1 / (1 - b2^t)
+  bool nesterov;
+};
+
+AdamConstants MakeAdamConstants(const AdamConfig& config);
+
+// The buffers of one step. `*_in` and `*_out` may alias (in-place update) but
+// must not partially overlap. `grad` holds `grad_type` elements; `lowp_out`
+// holds `lowp_type` elements and is ignored when `lowp_type` is kNone.
+struct AdamBuffers {
+  int64_t size = 0;
+  const float* master_in = nullptr;
+  const void* grad = nullptr;
+  const float* mu_in = nullptr;
+  const float* nu_in = nullptr;
+  float* master_out = nullptr;
+  float* mu_out = nullptr;
+  float* nu_out = nullptr;
+  void* lowp_out = nullptr;
+  ElementType grad_type = ElementType::kF32;
+  ElementType lowp_type = ElementType::kNone;
+};
+
+// Returns an error message for invalid buffers or types, nullptr if valid.
+const char* ValidateAdamBuffers(const AdamBuffers& buffers);
+
+// Updates elements [begin, end) of `buffers` with instruction set `isa`,
+// which must be available. Single-threaded: callers split the range.
+void AdamStepRange(const AdamConstants& constants, const AdamBuffers& buffers,
+                   int64_t begin, int64_t end, Isa isa);
+
+// Convenience: the whole range with the best instruction set.
+void AdamStep(const AdamConfig& config, const AdamBuffers& buffers);
+
+// The same-traffic roofline: reads master, grad (f32), mu and nu and writes
+// master, mu and nu with no Adam math (master += grad, mu and nu swapped), so
+// the Adam kernel can be compared with the memory-bandwidth limit.
+void StreamRooflineRange(const AdamBuffers& buffers, int64_t begin,
+                         int64_t end);
+
+// Elements per work chunk when a step is split across threads: large enough
+// to amortise scheduling, small enough to balance a few threads.
+inline constexpr int64_t kChunkElements = 1 << 16;
+
+}  // namespace jax_superoffload
+
+#endif  // JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_H_

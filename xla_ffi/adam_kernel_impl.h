@@ -1,0 +1,217 @@
+// The Adam step written once over a small set of vector operations.
+//
+// Included only by the per-instruction-set translation units
+// (adam_kernel_<isa>.cc), each compiled with its own target flags. All
+// definitions have internal linkage (see float_convert.h for why).
+
+#ifndef JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_IMPL_H_
+#define JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_IMPL_H_
+
+#include <cstdint>
+
+#include "xla_ffi/adam_kernel.h"
+#include "xla_ffi/float_convert.h"
+
+#define JSO_INLINE inline __attribute__((always_inline))
+
+namespace jax_superoffload {
+namespace {
+
+// One fp32 lane: the reference the vector paths must match bit for bit, and
+// the tail loop of every vectorised path.
+struct ScalarOps {
+  using V = float;
+  static constexpr int64_t kLanes = 1;
+  static JSO_INLINE V Set(float x) { return x; }
+  static JSO_INLINE V Add(V a, V b) { return a + b; }
+  static JSO_INLINE V Sub(V a, V b) { return a - b; }
+  static JSO_INLINE V Mul(V a, V b) { return a * b; }
+  static JSO_INLINE V Div(V a, V b) { return a / b; }
+  static JSO_INLINE V Sqrt(V a) { return __builtin_sqrtf(a); }
+  static JSO_INLINE V Load(const float* p) { return *p; }
+  static JSO_INLINE void Store(float* p, V x) { *p = x; }
+  static JSO_INLINE V LoadBf16(const uint16_t* p) { return Bf16BitsToFloat(*p); }
+  static JSO_INLINE V LoadF16(const uint16_t* p) { return F16BitsToFloat(*p); }
+  static JSO_INLINE void StoreBf16(uint16_t* p, V x) { *p = FloatToBf16Bits(x); }
+  static JSO_INLINE void StoreF16(uint16_t* p, V x) { *p = FloatToF16Bits(x); }
+};
+
+// The Adam formula of adam_kernel.h on one vector of lanes.
+template <class Ops, bool kNesterov, bool kDecay>
+JSO_INLINE void AdamMath(const AdamConstants& k, typename Ops::V grad,
+                         typename Ops::V& master, typename Ops::V& mu,
+                         typename Ops::V& nu) {
+  using V = typename Ops::V;
+  const V g = Ops::Mul(grad, Ops::Set(k.grad_scale));
+  mu = Ops::Add(Ops::Mul(Ops::Set(k.b1), mu),
+                Ops::Mul(Ops::Set(k.one_minus_b1), g));
+  nu = Ops::Add(Ops::Mul(Ops::Set(k.b2), nu),
+                Ops::Mul(Ops::Set(k.one_minus_b2), Ops::Mul(g, g)));
+  V mu_hat;
+  if constexpr (kNesterov) {
+    mu_hat = Ops::Add(
+        Ops::Mul(Ops::Set(k.b1), Ops::Mul(mu, Ops::Set(k.c1_next))),
+        Ops::Mul(Ops::Set(k.one_minus_b1), Ops::Mul(g, Ops::Set(k.c1))));
+  } else {
+    mu_hat = Ops::Mul(mu, Ops::Set(k.c1));
+  }
+  const V nu_hat = Ops::Mul(nu, Ops::Set(k.c2));
+  V update = Ops::Div(
+      mu_hat, Ops::Add(Ops::Sqrt(Ops::Add(nu_hat, Ops::Set(k.eps_root))),
+                       Ops::Set(k.eps)));
+  if constexpr (kDecay) {
+    update = Ops::Add(update, Ops::Mul(Ops::Set(k.weight_decay), master));
+  }
+  master = Ops::Sub(master, Ops::Mul(Ops::Set(k.learning_rate), update));
+}
+
+template <class Ops, ElementType kGrad>
+JSO_INLINE typename Ops::V LoadGrad(const void* grad, int64_t i) {
+  if constexpr (kGrad == ElementType::kF32) {
+    return Ops::Load(static_cast<const float*>(grad) + i);
+  } else if constexpr (kGrad == ElementType::kBF16) {
+    return Ops::LoadBf16(static_cast<const uint16_t*>(grad) + i);
+  } else {
+    return Ops::LoadF16(static_cast<const uint16_t*>(grad) + i);
+  }
+}
+
+template <class Ops, ElementType kLowp>
+JSO_INLINE void StoreLowp(void* out, int64_t i, typename Ops::V x) {
+  if constexpr (kLowp == ElementType::kBF16) {
+    Ops::StoreBf16(static_cast<uint16_t*>(out) + i, x);
+  } else if constexpr (kLowp == ElementType::kF16) {
+    Ops::StoreF16(static_cast<uint16_t*>(out) + i, x);
+  }
+}
+
+// Fixed-width loop: full vectors, then the scalar tail with the same math.
+template <class Ops, ElementType kGrad, ElementType kLowp, bool kNesterov,
+          bool kDecay>
+void AdamLoop(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
+              int64_t end) {
+  int64_t i = begin;
+  for (; i + Ops::kLanes <= end; i += Ops::kLanes) {
+    typename Ops::V master = Ops::Load(b.master_in + i);
+    typename Ops::V mu = Ops::Load(b.mu_in + i);
+    typename Ops::V nu = Ops::Load(b.nu_in + i);
+    const typename Ops::V grad = LoadGrad<Ops, kGrad>(b.grad, i);
+    AdamMath<Ops, kNesterov, kDecay>(k, grad, master, mu, nu);
+    Ops::Store(b.master_out + i, master);
+    Ops::Store(b.mu_out + i, mu);
+    Ops::Store(b.nu_out + i, nu);
+    StoreLowp<Ops, kLowp>(b.lowp_out, i, master);
+  }
+  if constexpr (Ops::kLanes > 1) {
+    AdamLoop<ScalarOps, kGrad, kLowp, kNesterov, kDecay>(k, b, i, end);
+  }
+}
+
+template <class Ops>
+void RooflineLoop(const AdamBuffers& b, int64_t begin, int64_t end) {
+  const float* grad = static_cast<const float*>(b.grad);
+  int64_t i = begin;
+  for (; i + Ops::kLanes <= end; i += Ops::kLanes) {
+    const typename Ops::V master = Ops::Load(b.master_in + i);
+    const typename Ops::V mu = Ops::Load(b.mu_in + i);
+    const typename Ops::V nu = Ops::Load(b.nu_in + i);
+    Ops::Store(b.master_out + i, Ops::Add(master, Ops::Load(grad + i)));
+    Ops::Store(b.mu_out + i, nu);
+    Ops::Store(b.nu_out + i, mu);
+  }
+  if constexpr (Ops::kLanes > 1) RooflineLoop<ScalarOps>(b, i, end);
+}
+
+// Turns the runtime choices into template arguments, so the inner loop has
+// no branches. `Loop<G, L, N, D>::Run(k, b, begin, end)` does the work.
+template <template <ElementType, ElementType, bool, bool> class Loop,
+          ElementType kGrad, ElementType kLowp, bool kNesterov>
+void DispatchDecay(const AdamConstants& k, const AdamBuffers& b,
+                   int64_t begin, int64_t end) {
+  if (k.weight_decay != 0.0f) {
+    Loop<kGrad, kLowp, kNesterov, true>::Run(k, b, begin, end);
+  } else {
+    Loop<kGrad, kLowp, kNesterov, false>::Run(k, b, begin, end);
+  }
+}
+
+template <template <ElementType, ElementType, bool, bool> class Loop,
+          ElementType kGrad, ElementType kLowp>
+void DispatchNesterov(const AdamConstants& k, const AdamBuffers& b,
+                      int64_t begin, int64_t end) {
+  if (k.nesterov) {
+    DispatchDecay<Loop, kGrad, kLowp, true>(k, b, begin, end);
+  } else {
+    DispatchDecay<Loop, kGrad, kLowp, false>(k, b, begin, end);
+  }
+}
+
+template <template <ElementType, ElementType, bool, bool> class Loop,
+          ElementType kGrad>
+void DispatchLowp(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
+                  int64_t end) {
+  switch (b.lowp_type) {
+    case ElementType::kBF16:
+      return DispatchNesterov<Loop, kGrad, ElementType::kBF16>(k, b, begin,
+                                                               end);
+    case ElementType::kF16:
+      return DispatchNesterov<Loop, kGrad, ElementType::kF16>(k, b, begin,
+                                                              end);
+    default:
+      return DispatchNesterov<Loop, kGrad, ElementType::kNone>(k, b, begin,
+                                                               end);
+  }
+}
+
+template <template <ElementType, ElementType, bool, bool> class Loop>
+void DispatchAdam(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
+                  int64_t end) {
+  switch (b.grad_type) {
+    case ElementType::kBF16:
+      return DispatchLowp<Loop, ElementType::kBF16>(k, b, begin, end);
+    case ElementType::kF16:
+      return DispatchLowp<Loop, ElementType::kF16>(k, b, begin, end);
+    default:
+      return DispatchLowp<Loop, ElementType::kF32>(k, b, begin, end);
+  }
+}
+
+// Adapts AdamLoop over a fixed-width Ops to the dispatcher's shape.
+template <class Ops>
+struct FixedWidth {
+  template <ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay>
+  struct Loop {
+    static void Run(const AdamConstants& k, const AdamBuffers& b,
+                    int64_t begin, int64_t end) {
+      AdamLoop<Ops, kGrad, kLowp, kNesterov, kDecay>(k, b, begin, end);
+    }
+  };
+};
+
+}  // namespace
+}  // namespace jax_superoffload
+
+// Defines the entry points of adam_kernel_isa.h for a fixed-width Ops.
+#define JSO_DEFINE_FIXED_WIDTH_ISA(Name, Ops)                                \
+  namespace jax_superoffload::internal {                                    \
+  bool Name##Compiled() { return true; }                                    \
+  void AdamStepRange##Name(const AdamConstants& k, const AdamBuffers& b,    \
+                           int64_t begin, int64_t end) {                    \
+    DispatchAdam<FixedWidth<Ops>::template Loop>(k, b, begin, end);         \
+  }                                                                         \
+  void RooflineRange##Name(const AdamBuffers& b, int64_t begin,             \
+                           int64_t end) {                                   \
+    RooflineLoop<Ops>(b, begin, end);                                       \
+  }                                                                         \
+  }  // namespace jax_superoffload::internal
+
+// Defines the entry points of an instruction set this build does not target.
+#define JSO_DEFINE_MISSING_ISA(Name)                                         \
+  namespace jax_superoffload::internal {                                    \
+  bool Name##Compiled() { return false; }                                   \
+  void AdamStepRange##Name(const AdamConstants&, const AdamBuffers&,        \
+                           int64_t, int64_t) {}                             \
+  void RooflineRange##Name(const AdamBuffers&, int64_t, int64_t) {}         \
+  }  // namespace jax_superoffload::internal
+
+#endif  // JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_IMPL_H_

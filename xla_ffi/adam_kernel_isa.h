@@ -1,0 +1,33 @@
+// Entry points of the per-instruction-set translation units.
+//
+// Every unit is compiled on every platform; a unit built without its target
+// flags reports `...Compiled() == false` and is never called.
+
+#ifndef JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_ISA_H_
+#define JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_ISA_H_
+
+#include <cstdint>
+
+#include "xla_ffi/adam_kernel.h"
+
+namespace jax_superoffload::internal {
+
+#define JSO_DECLARE_ISA(Name)                                               \
+  bool Name##Compiled();                                                    \
+  void AdamStepRange##Name(const AdamConstants& constants,                  \
+                           const AdamBuffers& buffers, int64_t begin,       \
+                           int64_t end);                                    \
+  void RooflineRange##Name(const AdamBuffers& buffers, int64_t begin,       \
+                           int64_t end);
+
+JSO_DECLARE_ISA(Scalar)
+JSO_DECLARE_ISA(Avx2)
+JSO_DECLARE_ISA(Avx512)
+JSO_DECLARE_ISA(Neon)
+JSO_DECLARE_ISA(Sve)
+
+#undef JSO_DECLARE_ISA
+
+}  // namespace jax_superoffload::internal
+
+#endif  // JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_ISA_H_

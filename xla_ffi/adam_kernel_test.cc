@@ -1,0 +1,535 @@
+// Tests of the Grace Adam kernel against an independent float64 AdamW.
+//
+// The reference below is written from the AdamW definition (Loshchilov &
+// Hutter; optax's scale_by_adam + add_decayed_weights + scale by -lr), in
+// double precision, and shares no code with the kernel. Every instruction
+// set available on the running CPU must also agree with the scalar path bit
+// for bit. Prints "N passed, N failed" and exits non-zero on any failure.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <algorithm>
+#include <initializer_list>
+#include <limits>
+#include <vector>
+
+#include "xla_ffi/adam_kernel.h"
+
+namespace jax_superoffload {
+namespace {
+
+int g_passed = 0;
+int g_failed = 0;
+
+void Check(bool ok, const char* what, const char* context) {
+  if (ok) {
+    ++g_passed;
+  } else {
+    ++g_failed;
+    std::printf("FAILED: %s [%s]\n", what, context);
+  }
+}
+
+uint64_t SplitMix(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+double Uniform(uint64_t& state) {  // In [-1, 1).
+  return static_cast<double>(SplitMix(state) >> 11) * 0x1.0p-52 - 1.0;
+}
+
+uint32_t Bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+
+float FromBits(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+
+// --- Independent 16-bit references, by exhaustive tables and doubles. ---
+
+double HalfValue(uint16_t h) {  // IEEE binary16 by its definition.
+  const int sign = (h >> 15) ? -1 : 1;
+  const int exponent = (h >> 10) & 0x1f;
+  const int mantissa = h & 0x3ff;
+  if (exponent == 0x1f) {
+    return mantissa ? std::numeric_limits<double>::quiet_NaN()
+                    : sign * std::numeric_limits<double>::infinity();
+  }
+  if (exponent == 0) return sign * std::ldexp(mantissa, -24);
+  return sign * std::ldexp(1024 + mantissa, exponent - 25);
+}
+
+// Nearest binary16 to a finite float, ties to even mantissa, overflow to inf.
+uint16_t ReferenceHalf(float x) {
+  const double v = std::fabs(static_cast<double>(x));
+  const uint16_t sign = std::signbit(x) ? 0x8000 : 0;
+  // Largest finite half is 0x7bff; binary search the last h with value <= v.
+  int lo = 0, hi = 0x7bff;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (HalfValue(static_cast<uint16_t>(mid)) <= v) lo = mid; else hi = mid - 1;
+  }
+  const double below = HalfValue(static_cast<uint16_t>(lo));
+  const double above = lo == 0x7bff ? 65536.0 : HalfValue(static_cast<uint16_t>(lo + 1));
+  int chosen;
+  if (v - below < above - v) chosen = lo;
+  else if (v - below > above - v) chosen = lo + 1;
+  else chosen = (lo % 2 == 0) ? lo : lo + 1;
+  return static_cast<uint16_t>(sign | chosen);  // lo + 1 == 0x7c00 is inf.
+}
+
+// Nearest bfloat16 to a finite float: bf16 values are the f32 values whose
+// low 16 bits are zero, so the two candidates bracket the truncation.
+uint16_t ReferenceBf16(float x) {
+  const uint32_t b = Bits(x);
+  const uint32_t down = b & 0xffff0000u;
+  const uint32_t up = down + 0x10000u;
+  const double v = std::fabs(static_cast<double>(x));
+  const double dv = std::fabs(static_cast<double>(FromBits(down)));
+  const double uv = std::isinf(FromBits(up)) ? std::ldexp(1.0, 128)
+                                             : std::fabs(static_cast<double>(FromBits(up)));
+  uint32_t chosen;
+  if (v - dv < uv - v) chosen = down;
+  else if (v - dv > uv - v) chosen = up;
+  else chosen = ((down >> 16) & 1) ? up : down;
+  return static_cast<uint16_t>(chosen >> 16);
+}
+
+float Bf16Value(uint16_t h) { return FromBits(static_cast<uint32_t>(h) << 16); }
+
+// --- The float64 AdamW reference. ---
+
+struct Hyper {
+  double lr, b1, b2, eps, eps_root, wd, grad_scale;
+  bool nesterov;
+};
+
+// A float64 trajectory, plus the magnitudes each quantity's rounding error
+// scales with (sums of absolute values of the terms that were added), since
+// a moving average of mixed-sign gradients can cancel to near zero.
+struct RefState {
+  std::vector<double> master, mu, nu;
+  std::vector<double> master_scale, mu_scale;
+};
+
+struct StepResult {
+  double master, mu, nu;
+  double master_scale, mu_scale;  // Error scales for this one step.
+};
+
+// One AdamW step on element i from the given state, by the definition.
+StepResult ReferenceElement(const Hyper& h, int64_t t, double grad,
+                            double master, double mu, double nu) {
+  const double bc1 = 1.0 - std::pow(h.b1, static_cast<double>(t));
+  const double bc1_next = 1.0 - std::pow(h.b1, static_cast<double>(t + 1));
+  const double bc2 = 1.0 - std::pow(h.b2, static_cast<double>(t));
+  const double g = grad * h.grad_scale;
+  StepResult r;
+  r.mu_scale = std::fabs(h.b1 * mu) + std::fabs((1.0 - h.b1) * g);
+  r.mu = h.b1 * mu + (1.0 - h.b1) * g;
+  r.nu = h.b2 * nu + (1.0 - h.b2) * g * g;
+  const double mu_hat = h.nesterov ? h.b1 * r.mu / bc1_next + (1.0 - h.b1) * g / bc1
+                                   : r.mu / bc1;
+  const double mu_hat_scale =
+      h.nesterov ? r.mu_scale / bc1_next + std::fabs((1.0 - h.b1) * g / bc1)
+                 : r.mu_scale / bc1;
+  const double denominator = std::sqrt(r.nu / bc2 + h.eps_root) + h.eps;
+  const double update = mu_hat / denominator + h.wd * master;
+  r.master = master - h.lr * update;
+  r.master_scale = std::fabs(r.master) +
+                   h.lr * (mu_hat_scale / denominator + std::fabs(h.wd * master));
+  return r;
+}
+
+// --- Buffers at chosen misalignments. ---
+
+template <class T>
+struct Misaligned {
+  std::vector<T> storage;
+  T* data;
+  Misaligned(int64_t n, int offset) : storage(n + offset + 16) {
+    data = storage.data() + offset;
+  }
+};
+
+uint16_t EncodeGrad(double g, ElementType type) {
+  return type == ElementType::kBF16 ? ReferenceBf16(static_cast<float>(g))
+                                    : ReferenceHalf(static_cast<float>(g));
+}
+
+double DecodeGrad(uint16_t h, ElementType type) {
+  return type == ElementType::kBF16 ? Bf16Value(h) : HalfValue(h);
+}
+
+struct Case {
+  ElementType grad_type;
+  ElementType lowp_type;
+  bool nesterov;
+  float weight_decay;
+  float eps_root;
+  float grad_scale;
+};
+
+const char* TypeName(ElementType t) {
+  switch (t) {
+    case ElementType::kF32: return "f32";
+    case ElementType::kBF16: return "bf16";
+    case ElementType::kF16: return "f16";
+    default: return "none";
+  }
+}
+
+// Ulps of fp32 at magnitude `scale`.
+double UlpsAt(double diff, double scale) {
+  const double ulp = std::ldexp(1.0, std::ilogb(std::max(scale, 1e-30)) - 23);
+  return std::fabs(diff) / ulp;
+}
+
+void RunCase(int64_t n, const Case& c, int steps) {
+  char context[160];
+  std::snprintf(context, sizeof(context),
+                "n=%lld grad=%s lowp=%s nesterov=%d wd=%g eps_root=%g scale=%g",
+                static_cast<long long>(n), TypeName(c.grad_type),
+                TypeName(c.lowp_type), c.nesterov, c.weight_decay, c.eps_root,
+                c.grad_scale);
+  uint64_t rng = 1234 + n;
+  const std::vector<Isa> isas = [] {
+    std::vector<Isa> out;
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
+      if (IsaAvailable(isa)) out.push_back(isa);
+    }
+    return out;
+  }();
+  const int kNumIsas = static_cast<int>(isas.size());
+
+  // One copy of the fp32 state per instruction set, each misaligned
+  // differently from its neighbours and from 16/32/64-byte boundaries.
+  std::vector<Misaligned<float>> master, mu, nu;
+  std::vector<Misaligned<uint16_t>> lowp;
+  for (int k = 0; k < kNumIsas; ++k) {
+    master.emplace_back(n, 1 + k);
+    mu.emplace_back(n, 2 + k);
+    nu.emplace_back(n, 3 + k);
+    lowp.emplace_back(n, 5 + k);
+  }
+  RefState ref{std::vector<double>(n), std::vector<double>(n, 0.0),
+               std::vector<double>(n, 0.0), std::vector<double>(n, 0.0),
+               std::vector<double>(n, 0.0)};
+  for (int64_t i = 0; i < n; ++i) {
+    const float w = static_cast<float>(Uniform(rng));
+    ref.master[i] = w;
+    for (int k = 0; k < kNumIsas; ++k) {
+      master[k].data[i] = w;
+      mu[k].data[i] = 0.0f;
+      nu[k].data[i] = 0.0f;
+    }
+  }
+  Misaligned<float> grad32(n, 3);
+  Misaligned<uint16_t> grad16(n, 1);
+
+  const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
+  // Worst errors in ulps: of one step taken from the kernel's own state, and
+  // of the whole trajectory against the float64 one.
+  double worst_master = 0, worst_mu = 0, worst_nu = 0;
+  double drift_master = 0, drift_mu = 0, drift_nu = 0;
+  std::vector<float> before_master(n), before_mu(n), before_nu(n);
+  bool isas_agree = true, lowp_exact = true;
+  for (int step = 0; step < steps; ++step) {
+    // A warmup-then-decay learning-rate schedule, changing every step.
+    const float lr = 1e-2f * std::min(1.0f, (step + 1) / 5.0f) / (1.0f + 0.1f * step);
+    std::vector<double> grad(n);
+    for (int64_t i = 0; i < n; ++i) {
+      // Gradients spanning several decades, so moments are not all alike.
+      double g = Uniform(rng) * std::pow(10.0, Uniform(rng) * 3.0);
+      if (c.grad_type == ElementType::kF32) {
+        grad32.data[i] = static_cast<float>(g);
+        g = grad32.data[i];
+      } else {
+        grad16.data[i] = EncodeGrad(g, c.grad_type);
+        g = DecodeGrad(grad16.data[i], c.grad_type);
+      }
+      grad[i] = g;
+    }
+    AdamConfig config;
+    config.learning_rate = lr;
+    config.b1 = b1;
+    config.b2 = b2;
+    config.eps = eps;
+    config.eps_root = c.eps_root;
+    config.weight_decay = c.weight_decay;
+    config.grad_scale = c.grad_scale;
+    config.nesterov = c.nesterov;
+    config.count = step;
+    const AdamConstants constants = MakeAdamConstants(config);
+    std::memcpy(before_master.data(), master[0].data, n * sizeof(float));
+    std::memcpy(before_mu.data(), mu[0].data, n * sizeof(float));
+    std::memcpy(before_nu.data(), nu[0].data, n * sizeof(float));
+    for (int k = 0; k < kNumIsas; ++k) {
+      AdamBuffers b;
+      b.size = n;
+      b.master_in = b.master_out = master[k].data;
+      b.mu_in = b.mu_out = mu[k].data;
+      b.nu_in = b.nu_out = nu[k].data;
+      b.grad = c.grad_type == ElementType::kF32
+                   ? static_cast<const void*>(grad32.data)
+                   : static_cast<const void*>(grad16.data);
+      b.grad_type = c.grad_type;
+      b.lowp_type = c.lowp_type;
+      b.lowp_out = lowp[k].data;
+      Check(ValidateAdamBuffers(b) == nullptr, "buffers valid", context);
+      // Split at an odd point so a chunk boundary falls mid-vector.
+      const int64_t split = n / 3 + (n > 2 ? 1 : 0);
+      AdamStepRange(constants, b, 0, split, isas[k]);
+      AdamStepRange(constants, b, split, n, isas[k]);
+    }
+    // The reference sees the same fp32-rounded hyperparameters.
+    const Hyper h{lr, b1, b2, eps, c.eps_root, c.weight_decay, c.grad_scale,
+                  c.nesterov};
+    for (int64_t i = 0; i < n; ++i) {
+      for (int k = 1; k < kNumIsas; ++k) {
+        if (Bits(master[k].data[i]) != Bits(master[0].data[i]) ||
+            Bits(mu[k].data[i]) != Bits(mu[0].data[i]) ||
+            Bits(nu[k].data[i]) != Bits(nu[0].data[i]) ||
+            (c.lowp_type != ElementType::kNone &&
+             lowp[k].data[i] != lowp[0].data[i])) {
+          isas_agree = false;
+        }
+      }
+      const float p = master[0].data[i];
+      if (c.lowp_type == ElementType::kBF16) {
+        lowp_exact &= lowp[0].data[i] == ReferenceBf16(p);
+      } else if (c.lowp_type == ElementType::kF16) {
+        lowp_exact &= lowp[0].data[i] == ReferenceHalf(p);
+      }
+      const StepResult one = ReferenceElement(h, step + 1, grad[i], before_master[i],
+                                              before_mu[i], before_nu[i]);
+      worst_master = std::max(worst_master, UlpsAt(p - one.master, one.master_scale));
+      worst_mu = std::max(worst_mu, UlpsAt(mu[0].data[i] - one.mu, one.mu_scale));
+      worst_nu = std::max(worst_nu, UlpsAt(nu[0].data[i] - one.nu, one.nu));
+      const StepResult traj = ReferenceElement(h, step + 1, grad[i], ref.master[i],
+                                               ref.mu[i], ref.nu[i]);
+      ref.master_scale[i] = std::max(ref.master_scale[i], traj.master_scale);
+      ref.mu_scale[i] = std::max(ref.mu_scale[i] * h.b1, traj.mu_scale);
+      ref.master[i] = traj.master;
+      ref.mu[i] = traj.mu;
+      ref.nu[i] = traj.nu;
+      drift_master = std::max(drift_master, UlpsAt(p - ref.master[i], ref.master_scale[i]));
+      drift_mu = std::max(drift_mu, UlpsAt(mu[0].data[i] - ref.mu[i], ref.mu_scale[i]));
+      drift_nu = std::max(drift_nu, UlpsAt(nu[0].data[i] - ref.nu[i], ref.nu[i]));
+    }
+  }
+  Check(isas_agree, "every instruction set equals scalar bit for bit", context);
+  Check(lowp_exact, "low-precision copy is the master rounded to nearest even",
+        context);
+  // One step is a handful of correctly rounded operations: a few ulps.
+  Check(worst_master <= 4.0, "each step's master within 4 ulps of float64", context);
+  Check(worst_mu <= 2.0, "each step's mu within 2 ulps of float64", context);
+  Check(worst_nu <= 2.0, "each step's nu within 2 ulps of float64", context);
+  // Over the trajectory rounding accumulates at most about an ulp a step.
+  const double allowed = 0.5 * steps;
+  Check(drift_master <= allowed && drift_mu <= allowed && drift_nu <= allowed,
+        "trajectory within half an ulp a step of float64", context);
+  if (worst_master > 4.0 || worst_mu > 2.0 || worst_nu > 2.0 ||
+      drift_master > allowed || drift_mu > allowed || drift_nu > allowed) {
+    std::printf("  ulps: step master %.2f mu %.2f nu %.2f; trajectory %.2f %.2f %.2f\n",
+                worst_master, worst_mu, worst_nu, drift_master, drift_mu, drift_nu);
+  }
+}
+
+void TestConversionsExhaustively() {
+  // Every binary16 widens exactly (checked through the kernel's f16 path:
+  // with lr = 0 and b1 = 0, mu after one step is the widened gradient).
+  std::vector<uint16_t> halves(1 << 16);
+  for (int i = 0; i < (1 << 16); ++i) halves[i] = static_cast<uint16_t>(i);
+  for (ElementType type : {ElementType::kF16, ElementType::kBF16}) {
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
+      if (!IsaAvailable(isa)) continue;
+      const int64_t n = 1 << 16;
+      std::vector<float> master(n, 0.0f), mu(n, 0.0f), nu(n, 0.0f);
+      AdamConfig config;
+      config.learning_rate = 0.0f;
+      config.b1 = 0.0f;
+      config.one_minus_b1 = 1.0f;
+      AdamBuffers b;
+      b.size = n;
+      b.master_in = b.master_out = master.data();
+      b.mu_in = b.mu_out = mu.data();
+      b.nu_in = b.nu_out = nu.data();
+      b.grad = halves.data();
+      b.grad_type = type;
+      AdamStepRange(MakeAdamConstants(config), b, 0, n, isa);
+      bool ok = true;
+      for (int i = 0; i < n; ++i) {
+        const double want = type == ElementType::kF16 ? HalfValue(halves[i])
+                                                      : Bf16Value(halves[i]);
+        const double got = mu[i];
+        // +0 + (-0) is +0, so the sign of a zero gradient does not survive.
+        ok &= std::isnan(want) ? std::isnan(got) : got == want;
+      }
+      Check(ok, "16-bit gradients widen exactly", IsaName(isa));
+    }
+  }
+  // Narrowing: random and edge-case floats through the low-precision copy.
+  uint64_t rng = 99;
+  std::vector<float> values;
+  for (uint32_t b : {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u,
+                     0x477fe000u, 0x477ff000u, 0x477fefffu, 0x38800000u,
+                     0x387fffffu, 0x33800000u, 0x33000000u, 0x33000001u,
+                     0x7f7fffffu, 0xff7fffffu, 0x00000001u, 0x3f808000u,
+                     0x3f818000u, 0x3f80ffffu}) {
+    values.push_back(FromBits(b));
+  }
+  for (int i = 0; i < 200000; ++i) {
+    values.push_back(FromBits(static_cast<uint32_t>(SplitMix(rng))));
+  }
+  const int64_t n = static_cast<int64_t>(values.size());
+  for (ElementType type : {ElementType::kF16, ElementType::kBF16}) {
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
+      if (!IsaAvailable(isa)) continue;
+      std::vector<float> master = values, mu(n, 0.0f), nu(n, 0.0f), grad(n, 0.0f);
+      std::vector<uint16_t> out(n);
+      AdamConfig config;
+      config.learning_rate = 0.0f;  // The master passes through unchanged...
+      AdamBuffers b;
+      b.size = n;
+      b.master_in = b.master_out = master.data();
+      b.mu_in = b.mu_out = mu.data();
+      b.nu_in = b.nu_out = nu.data();
+      b.grad = grad.data();
+      b.lowp_type = type;
+      b.lowp_out = out.data();
+      AdamStepRange(MakeAdamConstants(config), b, 0, n, isa);
+      bool ok = true;
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = values[i];
+        if (std::isnan(x)) {
+          ok &= type == ElementType::kF16 ? std::isnan(HalfValue(out[i]))
+                                          : std::isnan(Bf16Value(out[i]));
+        } else {
+          // ...except 0 * inf = NaN: lr * update is NaN only for inf weights
+          // when weight decay is on, which it is not here.
+          ok &= out[i] == (type == ElementType::kF16 ? ReferenceHalf(x)
+                                                     : ReferenceBf16(x));
+        }
+      }
+      Check(ok, type == ElementType::kF16 ? "f16 copy rounds to nearest even"
+                                          : "bf16 copy rounds to nearest even",
+            IsaName(isa));
+    }
+  }
+}
+
+void TestNonFiniteGradients() {
+  const int64_t n = 1000;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
+    if (!IsaAvailable(isa)) continue;
+    std::vector<float> clean_p(n, 0.5f), clean_m(n, 0.0f), clean_v(n, 0.0f);
+    std::vector<float> p(n, 0.5f), m(n, 0.0f), v(n, 0.0f), g(n, 0.25f);
+    std::vector<float> clean_g = g;
+    g[3] = std::numeric_limits<float>::quiet_NaN();
+    g[17] = std::numeric_limits<float>::infinity();
+    g[500] = -std::numeric_limits<float>::infinity();
+    g[n - 1] = std::numeric_limits<float>::quiet_NaN();
+    auto run = [&](std::vector<float>& pp, std::vector<float>& mm,
+                   std::vector<float>& vv, const std::vector<float>& gg) {
+      AdamConfig config;
+      config.weight_decay = 0.01f;
+      AdamBuffers b;
+      b.size = n;
+      b.master_in = b.master_out = pp.data();
+      b.mu_in = b.mu_out = mm.data();
+      b.nu_in = b.nu_out = vv.data();
+      b.grad = gg.data();
+      AdamStepRange(MakeAdamConstants(config), b, 0, n, isa);
+    };
+    run(p, m, v, g);
+    run(clean_p, clean_m, clean_v, clean_g);
+    bool ok = true;
+    for (int64_t i = 0; i < n; ++i) {
+      const bool poisoned = !std::isfinite(g[i]);
+      // As in optax: NaN stays NaN; +-inf gives inf moments and inf/inf = NaN.
+      if (poisoned) {
+        ok &= std::isnan(p[i]) && !std::isfinite(m[i]) && !std::isfinite(v[i]);
+      } else {
+        ok &= Bits(p[i]) == Bits(clean_p[i]) && Bits(m[i]) == Bits(clean_m[i]);
+      }
+    }
+    Check(ok, "NaN/Inf gradients poison only their own elements", IsaName(isa));
+  }
+}
+
+void TestOutOfPlaceAndRoofline() {
+  const int64_t n = 777;
+  std::vector<float> p(n, 1.0f), m(n, 0.1f), v(n, 0.2f), g(n, 0.5f);
+  std::vector<float> p2(n), m2(n), v2(n);
+  AdamBuffers b;
+  b.size = n;
+  b.master_in = p.data();
+  b.mu_in = m.data();
+  b.nu_in = v.data();
+  b.grad = g.data();
+  b.master_out = p2.data();
+  b.mu_out = m2.data();
+  b.nu_out = v2.data();
+  AdamStep(AdamConfig{}, b);
+  bool inputs_kept = true, outputs_moved = true;
+  for (int64_t i = 0; i < n; ++i) {
+    inputs_kept &= p[i] == 1.0f && m[i] == 0.1f && v[i] == 0.2f;
+    outputs_moved &= p2[i] < 1.0f && m2[i] != 0.1f;
+  }
+  Check(inputs_kept && outputs_moved, "out-of-place step leaves inputs", "");
+  StreamRooflineRange(b, 0, n);
+  bool roofline = true;
+  for (int64_t i = 0; i < n; ++i) {
+    roofline &= p2[i] == 1.5f && m2[i] == 0.2f && v2[i] == 0.1f;
+  }
+  Check(roofline, "roofline moves the same bytes", "");
+  AdamBuffers bad = b;
+  bad.lowp_type = ElementType::kF32;
+  Check(ValidateAdamBuffers(bad) != nullptr, "f32 low-precision copy rejected", "");
+  bad = b;
+  bad.grad = nullptr;
+  Check(ValidateAdamBuffers(bad) != nullptr, "null gradient rejected", "");
+  AdamBuffers empty;
+  Check(ValidateAdamBuffers(empty) == nullptr, "empty step is valid", "");
+  AdamStep(AdamConfig{}, empty);  // Must not touch any (null) buffer.
+}
+
+}  // namespace
+}  // namespace jax_superoffload
+
+int main() {
+  using namespace jax_superoffload;
+  std::printf("best instruction set: %s\n", IsaName(BestIsa()));
+  TestConversionsExhaustively();
+  TestNonFiniteGradients();
+  TestOutOfPlaceAndRoofline();
+  const ElementType kGrads[] = {ElementType::kF32, ElementType::kBF16,
+                                ElementType::kF16};
+  const ElementType kLowps[] = {ElementType::kNone, ElementType::kBF16,
+                                ElementType::kF16};
+  for (int64_t n : {0, 1, 7, 22, 64, 1000}) {
+    for (ElementType grad : kGrads) {
+      for (ElementType lowp : kLowps) {
+        RunCase(n, Case{grad, lowp, false, 0.0f, 0.0f, 1.0f}, 32);
+        RunCase(n, Case{grad, lowp, true, 0.01f, 1e-12f, 0.5f}, 32);
+      }
+    }
+  }
+  const int64_t big = (1 << 18) + 3;
+  RunCase(big, Case{ElementType::kF32, ElementType::kBF16, false, 0.1f, 0.0f, 1.0f}, 30);
+  RunCase(big, Case{ElementType::kBF16, ElementType::kNone, true, 0.0f, 0.0f, 0.25f}, 30);
+  RunCase(big, Case{ElementType::kF16, ElementType::kF16, false, 0.01f, 1e-10f, 1.0f}, 30);
+  std::printf("%d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}
