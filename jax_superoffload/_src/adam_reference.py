@@ -1,0 +1,113 @@
+"""The Adam step in plain `jax.numpy`, with the kernel's semantics.
+
+Used by tests, by the `xla_host` and `device` executors, and for dtypes the
+kernel does not cover (float64 master weights, for instance). Each line is
+the same correctly rounded operation, in the same order, as the kernel's
+formula in xla_ffi/adam_kernel.h; only the bias corrections are computed in
+the master dtype rather than in double precision.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_superoffload._src import adam_args
+
+
+def adam_step_reference(
+  master: jax.Array,
+  grad: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  *,
+  count: jax.typing.ArrayLike,
+  learning_rate: jax.typing.ArrayLike,
+  b1: jax.typing.ArrayLike = 0.9,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  eps_root: jax.typing.ArrayLike = 0.0,
+  weight_decay: jax.typing.ArrayLike = 0.0,
+  nesterov: bool = False,
+  grad_scale: jax.typing.ArrayLike = 1.0,
+  lowp_dtype: jax.typing.DTypeLike | None = None,
+) -> tuple[jax.Array, ...]:
+  """`kernels.adam_step` in `jax.numpy`, for any real floating master dtype.
+
+  Args and returns are those of `jax_superoffload.kernels.adam_step`, except
+  that `master`, `mu` and `nu` may be any one real floating dtype (the
+  gradient is converted to it).
+  """
+  lowp = adam_args.validate(
+    master,
+    grad,
+    mu,
+    nu,
+    count=count,
+    learning_rate=learning_rate,
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    eps_root=eps_root,
+    weight_decay=weight_decay,
+    grad_scale=grad_scale,
+    lowp_dtype=lowp_dtype,
+    master_dtypes=(
+      np.dtype(np.float16),
+      np.dtype(jnp.bfloat16),
+      np.dtype(np.float32),
+      np.dtype(np.float64),
+    ),
+  )
+  dtype = master.dtype
+  scalars = adam_args.pack_scalars(
+    learning_rate=learning_rate,
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    eps_root=eps_root,
+    weight_decay=weight_decay,
+    grad_scale=grad_scale,
+  )
+  if dtype == jnp.float64:
+    # Keep Python-float hyperparameters in double for a float64 master.
+    scalars = jnp.stack(
+      [
+        jnp.asarray(v, dtype)
+        for v in (
+          learning_rate,
+          b1,
+          adam_args.one_minus(b1),
+          b2,
+          adam_args.one_minus(b2),
+          eps,
+          eps_root,
+          weight_decay,
+          grad_scale,
+        )
+      ]
+    )
+  (lr, b1_, omb1, b2_, omb2, eps_, eps_root_, wd, scale) = (
+    scalars[i].astype(dtype) for i in range(len(adam_args.SCALAR_NAMES))
+  )
+  t = jnp.asarray(count, jnp.int32).astype(dtype) + 1
+  c1 = 1 / (1 - b1_**t)
+  c1_next = 1 / (1 - b1_ ** (t + 1))
+  c2 = 1 / (1 - b2_**t)
+
+  g = grad.astype(dtype) * scale
+  mu = b1_ * mu + omb1 * g
+  nu = b2_ * nu + omb2 * (g * g)
+  if nesterov:
+    mu_hat = b1_ * (mu * c1_next) + omb1 * (g * c1)
+  else:
+    mu_hat = mu * c1
+  update = mu_hat / (jnp.sqrt(nu * c2 + eps_root_) + eps_)
+  # As in the kernel, weight decay is skipped when zero, so an inf weight
+  # with no decay does not turn into NaN through 0 * inf.
+  update = jnp.where(wd != 0, update + wd * master, update)
+  master = master - lr * update
+  if lowp is None:
+    return master, mu, nu
+  return master, mu, nu, master.astype(lowp)

@@ -1,0 +1,125 @@
+"""Grace Adam through XLA FFI: registration and the `ffi_call` wrappers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_superoffload import _grace_adam
+from jax_superoffload._src import adam_args
+
+_PREFIX = 'jax_superoffload_'
+ADAM_STEP_TARGET = _PREFIX + 'adam_step'
+ADAM_STEP_LOWP_TARGET = _PREFIX + 'adam_step_lowp'
+STREAM_ROOFLINE_TARGET = _PREFIX + 'stream_roofline'
+
+for _name, _capsule in _grace_adam.registrations().items():
+  jax.ffi.register_ffi_target(_name, _capsule, platform='cpu')
+
+
+def instruction_set() -> str:
+  """Returns the instruction set the kernel uses on this CPU (e.g. 'avx2')."""
+  return _grace_adam.instruction_set()
+
+
+def adam_step(
+  master: jax.Array,
+  grad: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  *,
+  count: jax.typing.ArrayLike,
+  learning_rate: jax.typing.ArrayLike,
+  b1: jax.typing.ArrayLike = 0.9,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  eps_root: jax.typing.ArrayLike = 0.0,
+  weight_decay: jax.typing.ArrayLike = 0.0,
+  nesterov: bool = False,
+  grad_scale: jax.typing.ArrayLike = 1.0,
+  lowp_dtype: jax.typing.DTypeLike | None = None,
+) -> tuple[jax.Array, ...]:
+  """One fused Adam/AdamW step by the Grace Adam kernel (CPU).
+
+  See `jax_superoffload.kernels.adam_step` for the full documentation.
+  """
+  lowp = adam_args.validate(
+    master,
+    grad,
+    mu,
+    nu,
+    count=count,
+    learning_rate=learning_rate,
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    eps_root=eps_root,
+    weight_decay=weight_decay,
+    grad_scale=grad_scale,
+    lowp_dtype=lowp_dtype,
+    master_dtypes=(np.dtype(np.float32),),
+  )
+  scalars = adam_args.pack_scalars(
+    learning_rate=learning_rate,
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    eps_root=eps_root,
+    weight_decay=weight_decay,
+    grad_scale=grad_scale,
+  )
+  state_type = jax.ShapeDtypeStruct(master.shape, jnp.float32)
+  out_types = [state_type, state_type, state_type]
+  target = ADAM_STEP_TARGET
+  if lowp is not None:
+    out_types.append(jax.ShapeDtypeStruct(master.shape, lowp))
+    target = ADAM_STEP_LOWP_TARGET
+  call = jax.ffi.ffi_call(
+    target,
+    out_types,
+    # Elementwise, with per-batch scalars handled by the handler: every
+    # operand gains the same leading batch dimensions.
+    vmap_method='broadcast_all',
+    # master, mu and nu are updated in place when the caller donates them.
+    input_output_aliases={0: 0, 2: 1, 3: 2},
+  )
+  return tuple(
+    call(
+      master,
+      grad,
+      mu,
+      nu,
+      jnp.asarray(count, jnp.int32),
+      scalars,
+      nesterov=bool(nesterov),
+    )
+  )
+
+
+def stream_roofline(
+  master: jax.Array, grad: jax.Array, mu: jax.Array, nu: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Moves the bytes of an Adam step with no Adam math (a benchmark bound).
+
+  Reads `master`, `grad`, `mu` and `nu` (all float32, same shape) and returns
+  `(master + grad, nu, mu)`, with the same threads and chunking as
+  `adam_step`, so that the Adam kernel can be compared with the memory
+  bandwidth limit of its own traffic.
+  """
+  arrays = {'master': master, 'grad': grad, 'mu': mu, 'nu': nu}
+  for name, x in arrays.items():
+    if x.dtype != jnp.float32 or x.shape != master.shape:
+      raise TypeError(
+        f'stream_roofline needs float32 arrays of one shape; {name} is '
+        f'{x.dtype}{list(x.shape)}, master is {master.dtype}'
+        f'{list(master.shape)}'
+      )
+  state_type = jax.ShapeDtypeStruct(master.shape, jnp.float32)
+  call = jax.ffi.ffi_call(
+    STREAM_ROOFLINE_TARGET,
+    [state_type] * 3,
+    vmap_method='broadcast_all',
+    input_output_aliases={0: 0, 2: 1, 3: 2},
+  )
+  return tuple(call(master, grad, mu, nu))

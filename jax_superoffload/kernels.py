@@ -1,0 +1,19 @@
+"""Low-level entry points of the Grace Adam CPU kernel.
+
+`adam_step` runs one fused Adam/AdamW step through an XLA FFI custom call;
+`adam_step_reference` is the same step in `jax.numpy`.
+"""
+
+from jax_superoffload._src.adam_reference import adam_step_reference
+from jax_superoffload._src.grace_adam import (
+  adam_step,
+  instruction_set,
+  stream_roofline,
+)
+
+__all__ = [
+  'adam_step',
+  'adam_step_reference',
+  'instruction_set',
+  'stream_roofline',
+]

@@ -1,0 +1,304 @@
+// XLA FFI handlers for the Grace Adam kernel (CPU platform).
+//
+// Scalars arrive as buffers, not attributes, so that a learning-rate
+// schedule, a changing step count or injected hyperparameters never trigger
+// a recompilation. Under vmap (`vmap_method="broadcast_all"`) the scalars
+// gain the same leading batch dimensions as the arrays: set s of the scalars
+// then applies to the s-th contiguous block of the flattened arrays.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/adam_ffi.h"
+#include "xla_ffi/adam_kernel.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_superoffload {
+namespace {
+
+// Layout of the f32 scalars buffer's last dimension.
+enum ScalarIndex : int64_t {
+  kLearningRate = 0,
+  kB1,
+  kOneMinusB1,
+  kB2,
+  kOneMinusB2,
+  kEps,
+  kEpsRoot,
+  kWeightDecay,
+  kGradScale,
+  kNumScalars,
+};
+
+// Runs fn(chunk) for chunk in [0, num_chunks) on the calling thread and up to
+// `pool.num_threads() - 1` pool threads. The caller takes chunks too, so it
+// never blocks on work nobody has started; a pool task that starts after all
+// chunks are claimed returns without touching `fn`.
+template <class Fn>
+void ParallelChunks(ffi::ThreadPool& pool, int64_t num_chunks, const Fn& fn) {
+  const int64_t helpers =
+      std::min<int64_t>(pool.num_threads() - 1, num_chunks - 1);
+  if (helpers <= 0) {
+    for (int64_t c = 0; c < num_chunks; ++c) fn(c);
+    return;
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    int64_t done = 0;  // Guarded by mutex.
+    std::mutex mutex;
+    std::condition_variable all_done;
+  };
+  auto shared = std::make_shared<Shared>();
+  auto work = [shared, num_chunks, &fn]() {
+    int64_t finished = 0;
+    for (int64_t c = shared->next.fetch_add(1); c < num_chunks;
+         c = shared->next.fetch_add(1)) {
+      fn(c);
+      ++finished;
+    }
+    if (finished == 0) return;
+    std::lock_guard<std::mutex> lock(shared->mutex);
+    shared->done += finished;
+    if (shared->done == num_chunks) shared->all_done.notify_all();
+  };
+  for (int64_t i = 0; i < helpers; ++i) {
+    auto task = work;  // Schedule takes ownership of its own copy.
+    pool.Schedule(std::move(task));
+  }
+  work();
+  std::unique_lock<std::mutex> lock(shared->mutex);
+  shared->all_done.wait(lock, [&] { return shared->done == num_chunks; });
+}
+
+ffi::Error InvalidArgument(const std::string& message) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    "jax_superoffload adam_step: " + message);
+}
+
+bool ToElementType(ffi::DataType dtype, ElementType* out) {
+  switch (dtype) {
+    case ffi::DataType::F32:
+      *out = ElementType::kF32;
+      return true;
+    case ffi::DataType::BF16:
+      *out = ElementType::kBF16;
+      return true;
+    case ffi::DataType::F16:
+      *out = ElementType::kF16;
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Checks the scalars and splits the arrays into one block per scalar set.
+ffi::Error ReadScalarSets(ffi::Buffer<ffi::S32> count,
+                          ffi::Buffer<ffi::F32> scalars, bool nesterov,
+                          int64_t size, std::vector<AdamConstants>* sets,
+                          int64_t* block) {
+  const int64_t num_sets = static_cast<int64_t>(count.element_count());
+  if (num_sets < 1 ||
+      static_cast<int64_t>(scalars.element_count()) != num_sets * kNumScalars) {
+    return InvalidArgument("expected " + std::to_string(kNumScalars) +
+                           " scalars per count, got " +
+                           std::to_string(scalars.element_count()) + " for " +
+                           std::to_string(num_sets) + " counts");
+  }
+  if (size % num_sets != 0) {
+    return InvalidArgument("array size " + std::to_string(size) +
+                           " is not a multiple of the scalar sets " +
+                           std::to_string(num_sets));
+  }
+  *block = size / num_sets;
+  sets->resize(num_sets);
+  for (int64_t s = 0; s < num_sets; ++s) {
+    const float* x = scalars.typed_data() + s * kNumScalars;
+    AdamConfig config;
+    config.learning_rate = x[kLearningRate];
+    config.b1 = x[kB1];
+    config.one_minus_b1 = x[kOneMinusB1];
+    config.b2 = x[kB2];
+    config.one_minus_b2 = x[kOneMinusB2];
+    config.eps = x[kEps];
+    config.eps_root = x[kEpsRoot];
+    config.weight_decay = x[kWeightDecay];
+    config.grad_scale = x[kGradScale];
+    config.nesterov = nesterov;
+    config.count = count.typed_data()[s];
+    (*sets)[s] = MakeAdamConstants(config);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error AdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
+                        ffi::AnyBuffer grad, ffi::Buffer<ffi::F32> mu,
+                        ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::S32> count,
+                        ffi::Buffer<ffi::F32> scalars,
+                        ffi::ResultBuffer<ffi::F32> master_out,
+                        ffi::ResultBuffer<ffi::F32> mu_out,
+                        ffi::ResultBuffer<ffi::F32> nu_out,
+                        void* lowp_out,
+                        ffi::DataType lowp_dtype, bool nesterov) {
+  const int64_t size = static_cast<int64_t>(master.element_count());
+  if (static_cast<int64_t>(grad.element_count()) != size ||
+      static_cast<int64_t>(mu.element_count()) != size ||
+      static_cast<int64_t>(nu.element_count()) != size) {
+    return InvalidArgument("master, grad, mu and nu must have the same size");
+  }
+  AdamBuffers b;
+  b.size = size;
+  if (!ToElementType(grad.element_type(), &b.grad_type)) {
+    return InvalidArgument("gradient dtype must be f32, bf16 or f16");
+  }
+  b.master_in = master.typed_data();
+  b.grad = grad.untyped_data();
+  b.mu_in = mu.typed_data();
+  b.nu_in = nu.typed_data();
+  b.master_out = master_out->typed_data();
+  b.mu_out = mu_out->typed_data();
+  b.nu_out = nu_out->typed_data();
+  if (lowp_out != nullptr) {
+    if (lowp_dtype == ffi::DataType::BF16) {
+      b.lowp_type = ElementType::kBF16;
+    } else if (lowp_dtype == ffi::DataType::F16) {
+      b.lowp_type = ElementType::kF16;
+    } else {
+      return InvalidArgument("low-precision copy dtype must be bf16 or f16");
+    }
+    b.lowp_out = lowp_out;
+  }
+  if (const char* error = ValidateAdamBuffers(b)) return InvalidArgument(error);
+  std::vector<AdamConstants> sets;
+  int64_t block = 0;
+  if (ffi::Error error =
+          ReadScalarSets(count, scalars, nesterov, size, &sets, &block);
+      error.failure()) {
+    return error;
+  }
+  if (size == 0) return ffi::Error::Success();
+  const Isa isa = BestIsa();
+  const int64_t num_chunks = (size + kChunkElements - 1) / kChunkElements;
+  ParallelChunks(pool, num_chunks, [&](int64_t chunk) {
+    const int64_t begin = chunk * kChunkElements;
+    const int64_t end = std::min(size, begin + kChunkElements);
+    // A chunk may straddle the blocks of two scalar sets.
+    for (int64_t i = begin; i < end;) {
+      const int64_t set = i / block;
+      const int64_t stop = std::min(end, (set + 1) * block);
+      AdamStepRange(sets[set], b, i, stop, isa);
+      i = stop;
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error AdamStepHandler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
+                    ffi::AnyBuffer grad, ffi::Buffer<ffi::F32> mu,
+                    ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::S32> count,
+                    ffi::Buffer<ffi::F32> scalars,
+                    ffi::ResultBuffer<ffi::F32> master_out,
+                    ffi::ResultBuffer<ffi::F32> mu_out,
+                    ffi::ResultBuffer<ffi::F32> nu_out, bool nesterov) {
+  return AdamStepImpl(pool, master, grad, mu, nu, count, scalars, master_out,
+                      mu_out, nu_out, nullptr, ffi::DataType::F32,
+                      nesterov);
+}
+
+ffi::Error AdamStepLowpHandler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
+                        ffi::AnyBuffer grad, ffi::Buffer<ffi::F32> mu,
+                        ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::S32> count,
+                        ffi::Buffer<ffi::F32> scalars,
+                        ffi::ResultBuffer<ffi::F32> master_out,
+                        ffi::ResultBuffer<ffi::F32> mu_out,
+                        ffi::ResultBuffer<ffi::F32> nu_out,
+                        ffi::Result<ffi::AnyBuffer> lowp_out, bool nesterov) {
+  if (static_cast<int64_t>(lowp_out->element_count()) !=
+      static_cast<int64_t>(master.element_count())) {
+    return InvalidArgument("low-precision copy must have the master's size");
+  }
+  return AdamStepImpl(pool, master, grad, mu, nu, count, scalars, master_out,
+                      mu_out, nu_out, lowp_out->untyped_data(),
+                      lowp_out->element_type(), nesterov);
+}
+
+ffi::Error StreamRooflineHandler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
+                          ffi::Buffer<ffi::F32> grad, ffi::Buffer<ffi::F32> mu,
+                          ffi::Buffer<ffi::F32> nu,
+                          ffi::ResultBuffer<ffi::F32> master_out,
+                          ffi::ResultBuffer<ffi::F32> mu_out,
+                          ffi::ResultBuffer<ffi::F32> nu_out) {
+  const int64_t size = static_cast<int64_t>(master.element_count());
+  if (static_cast<int64_t>(grad.element_count()) != size ||
+      static_cast<int64_t>(mu.element_count()) != size ||
+      static_cast<int64_t>(nu.element_count()) != size) {
+    return InvalidArgument("roofline buffers must have the same size");
+  }
+  AdamBuffers b;
+  b.size = size;
+  b.master_in = master.typed_data();
+  b.grad = grad.typed_data();
+  b.mu_in = mu.typed_data();
+  b.nu_in = nu.typed_data();
+  b.master_out = master_out->typed_data();
+  b.mu_out = mu_out->typed_data();
+  b.nu_out = nu_out->typed_data();
+  const int64_t num_chunks = (size + kChunkElements - 1) / kChunkElements;
+  ParallelChunks(pool, num_chunks, [&](int64_t chunk) {
+    const int64_t begin = chunk * kChunkElements;
+    StreamRooflineRange(b, begin, std::min(size, begin + kChunkElements));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_superoffload
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStep, jax_superoffload::AdamStepHandler,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("nesterov"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowp, jax_superoffload::AdamStepLowpHandler,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("nesterov"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamRoofline,
+                              jax_superoffload::StreamRooflineHandler,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,34 @@
+// Python module `jax_superoffload._grace_adam`: hands the FFI handlers to
+// JAX as capsules and reports which instruction set the kernel uses.
+
+#include <nanobind/nanobind.h>
+
+#include "xla_ffi/adam_ffi.h"
+#include "xla_ffi/adam_kernel.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule EncapsulateFfiHandler(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_grace_adam, m) {
+  m.doc() = "Grace Adam: XLA FFI handlers of the fused CPU Adam kernel.";
+  m.def("registrations", []() {
+    nb::dict handlers;
+    handlers["jax_superoffload_adam_step"] = EncapsulateFfiHandler(JsoAdamStep);
+    handlers["jax_superoffload_adam_step_lowp"] =
+        EncapsulateFfiHandler(JsoAdamStepLowp);
+    handlers["jax_superoffload_stream_roofline"] =
+        EncapsulateFfiHandler(JsoStreamRoofline);
+    return handlers;
+  });
+  m.def("instruction_set",
+        []() { return jax_superoffload::IsaName(jax_superoffload::BestIsa()); },
+        "The instruction set the kernel dispatches to on this CPU.");
+}
