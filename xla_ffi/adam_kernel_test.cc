@@ -271,9 +271,9 @@ void RunCase(int64_t n, const Case& c, int steps) {
     config.nesterov = c.nesterov;
     config.count = step;
     const AdamConstants constants = MakeAdamConstants(config);
-    std::memcpy(before_master.data(), master[0].data, n * sizeof(float));
-    std::memcpy(before_mu.data(), mu[0].data, n * sizeof(float));
-    std::memcpy(before_nu.data(), nu[0].data, n * sizeof(float));
+    std::copy(master[0].data, master[0].data + n, before_master.begin());
+    std::copy(mu[0].data, mu[0].data + n, before_mu.begin());
+    std::copy(nu[0].data, nu[0].data + n, before_nu.begin());
     for (int k = 0; k < kNumIsas; ++k) {
       AdamBuffers b;
       b.size = n;

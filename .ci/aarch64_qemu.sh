@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Cross-compiles the pure kernel and its C++ test for aarch64 twice, a NEON
+# build and an SVE build (Grace / Neoverse V2), and runs both under qemu-user:
+# the NEON build on a CPU without SVE, the SVE build at two vector lengths.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+    g++-aarch64-linux-gnu qemu-user
+fi
+toolchain=build/aarch64-toolchain.cmake
+mkdir -p build
+cat > "$toolchain" <<'TOOLCHAIN'
+set(CMAKE_SYSTEM_NAME Linux)
+set(CMAKE_SYSTEM_PROCESSOR aarch64)
+set(CMAKE_CXX_COMPILER aarch64-linux-gnu-g++)
+TOOLCHAIN
+run() {  # run NAME CMAKE_ARGS QEMU_CPU...
+  local name=$1 args=$2; shift 2
+  cmake -S xla_ffi -B "build/$name" -G Ninja -DCMAKE_TOOLCHAIN_FILE="$PWD/$toolchain" $args >/dev/null
+  cmake --build "build/$name" >/dev/null
+  for cpu in "$@"; do
+    echo "== $name on qemu -cpu $cpu"
+    local log="build/$name/test-${cpu//[,=]/_}.log" status=0
+    qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu "$cpu" \
+      "build/$name/adam_kernel_test" >"$log" 2>&1 || status=$?
+    head -n 1 "$log"
+    grep FAILED "$log" | head -n 20 || true
+    tail -n 1 "$log"
+    [ "$status" -eq 0 ] || exit "$status"
+  done
+}
+# NEON build: armv8-a baseline, no SVE code at all.
+run aarch64-neon "-DJSO_ENABLE_SVE=OFF -DCMAKE_CXX_FLAGS=-march=armv8-a" max,sve=off
+# SVE build, as for Grace: SVE everywhere, checked at 128- and 512-bit vectors.
+run aarch64-sve "-DJSO_ENABLE_SVE=ON -DCMAKE_CXX_FLAGS=-march=armv8.2-a+sve" max,sve128=on max,sve512=on
