@@ -1,0 +1,1 @@
+"""Experiments: a byte-level decoder-only LM trainer for jax_superoffload."""

@@ -1,0 +1,171 @@
+"""The public optimizers: `adam` and `adamw`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+
+from jax_superoffload._src import transform
+
+
+def adam(
+  learning_rate: optax.ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  mu_dtype: Any | None = None,
+  *,
+  nesterov: bool = False,
+  bucket_bytes: int | None = None,
+  executor: str = 'auto',
+) -> optax.GradientTransformationExtraArgs:
+  r"""Adam whose state lives in host memory and whose step runs on the CPU.
+
+  A drop-in replacement for `optax.adam` with the same arguments and the
+  same numbers (up to fp32 rounding). The first and second moments and an
+  fp32 master copy of the weights live in pinned host memory, packed into
+  flat buckets; each step moves the gradients to the host, runs the fused
+  Grace Adam kernel there (XLA host compute) and brings the new weights back
+  in the parameters' dtype. The accelerator keeps only the parameters, the
+  gradients and the activations.
+
+  With :math:`g_t` the gradient, :math:`t` the step (from 1):
+
+  .. math::
+    m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \quad
+    v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2, \\
+    \hat m_t = m_t / (1-\beta_1^t), \quad \hat v_t = v_t / (1-\beta_2^t), \\
+    w_t = w_{t-1} - \eta_t\, \hat m_t / (\sqrt{\hat v_t + \epsilon_{root}}
+    + \epsilon),
+
+  on the fp32 master :math:`w`; with ``nesterov=True``,
+  :math:`\hat m_t = \beta_1 m_t / (1-\beta_1^{t+1}) + (1-\beta_1) g_t /
+  (1-\beta_1^t)`. The returned updates satisfy
+  ``optax.apply_updates(params, updates) == new_master.astype(params.dtype)``
+  leaf by leaf, so bf16 or f16 parameters track an fp32 master exactly as
+  mixed-precision training does.
+
+  Args:
+    learning_rate: A float or an optax schedule of the step count.
+    b1: Decay rate of the first moment.
+    b2: Decay rate of the second moment.
+    eps: Added to the denominator outside the square root.
+    eps_root: Added to the second moment inside the square root.
+    mu_dtype: Dtype of the first moment. `None` or float32 use the kernel;
+      any other dtype takes the optax path (state still in host memory).
+    nesterov: Use the Nesterov (NAdam) momentum.
+    bucket_bytes: Size of the fp32 buckets the state is packed into (default
+      256 MiB); the number of kernel calls per step is the number of
+      buckets. `None` rather than a number by default so that
+      `optax.inject_hyperparams` does not turn it into an array.
+    executor: Where the update runs: "ffi" (the Grace Adam kernel as host
+      compute), "xla_host" (the same math in `jax.numpy` as host compute),
+      "device" (state in host memory between steps, update on the
+      accelerator: the MaxText-style baseline) or "auto" ("ffi" on CPU,
+      "xla_host" on accelerators, where a CPU FFI call inside host compute
+      is not expected to work).
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`. `update` needs `params` to
+    return exact updates; without them it returns the fp32 change of the
+    master weights.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import jax_superoffload as superoffload
+    >>> params = {'w': jnp.ones(3)}
+    >>> tx = optax.chain(superoffload.adam(1e-3))
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({'w': jnp.ones(3)}, state, params)
+    >>> optax.apply_updates(params, updates)['w']
+    Array([0.999, 0.999, 0.999], dtype=float32)
+
+  References:
+    Kingma and Ba, `Adam: A Method for Stochastic Optimization
+    <https://arxiv.org/abs/1412.6980>`_, 2014.
+    Lian et al., `SuperOffload: Unleashing the Power of Large-Scale LLM
+    Training on Superchips <https://arxiv.org/abs/2509.21271>`_, 2025.
+  """
+  return transform.superoffload_adam(
+    learning_rate,
+    b1,
+    b2,
+    eps,
+    eps_root,
+    mu_dtype,
+    0.0,
+    None,
+    nesterov=nesterov,
+    bucket_bytes=bucket_bytes,
+    executor=executor,
+  )
+
+
+def adamw(
+  learning_rate: optax.ScalarOrSchedule,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  mu_dtype: Any | None = None,
+  weight_decay: optax.ScalarOrSchedule = 1e-4,
+  mask: Any | None = None,
+  *,
+  nesterov: bool = False,
+  bucket_bytes: int | None = None,
+  executor: str = 'auto',
+) -> optax.GradientTransformationExtraArgs:
+  r"""AdamW whose state lives in host memory and whose step runs on the CPU.
+
+  A drop-in replacement for `optax.adamw`: `adam` (see its documentation for
+  the offloading and the offload options) plus decoupled weight decay
+  (Loshchilov and Hutter), applied to the fp32 master weights:
+
+  .. math::
+    w_t = w_{t-1} - \eta_t \left(\hat m_t / (\sqrt{\hat v_t +
+    \epsilon_{root}} + \epsilon) + \lambda w_{t-1}\right).
+
+  Args:
+    learning_rate: A float or an optax schedule of the step count.
+    b1: Decay rate of the first moment.
+    b2: Decay rate of the second moment.
+    eps: Added to the denominator outside the square root.
+    eps_root: Added to the second moment inside the square root.
+    mu_dtype: Dtype of the first moment (see `adam`).
+    weight_decay: The decay rate :math:`\lambda`, a float or a schedule.
+    mask: As in optax: a tree (or a prefix of one) of booleans, or a
+      callable returning one from the parameters; `True` leaves are decayed.
+      Its leaves must be Python booleans, since they shape the buckets.
+    nesterov: Use the Nesterov (NAdam) momentum.
+    bucket_bytes: Size of the fp32 buckets the state is packed into.
+    executor: "ffi", "xla_host", "device" or "auto" (see `adam`).
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jax_superoffload as superoffload
+    >>> tx = superoffload.adamw(1e-3, weight_decay=0.1)
+    >>> state = tx.init({'w': jnp.ones(3)})
+
+  References:
+    Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+    <https://arxiv.org/abs/1711.05101>`_, 2019.
+  """
+  return transform.superoffload_adam(
+    learning_rate,
+    b1,
+    b2,
+    eps,
+    eps_root,
+    mu_dtype,
+    weight_decay,
+    mask,
+    nesterov=nesterov,
+    bucket_bytes=bucket_bytes,
+    executor=executor,
+  )

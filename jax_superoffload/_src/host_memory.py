@@ -1,0 +1,86 @@
+"""Where state lives and where the update runs: memory spaces and host compute.
+
+One small shim over the `compute_on` API, which JAX changed between 0.10
+(`compute_on` context manager plus `compute_on2(f, ...)`) and 0.11 (only the
+function form, renamed `compute_on`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.experimental import compute_on as _compute_on
+
+HOST_MEMORY_KIND = 'pinned_host'
+
+
+@functools.cache
+def host_memory_available(backend: str | None = None) -> bool:
+  """Whether the backend's devices have a `pinned_host` memory space."""
+  device = jax.devices(backend)[0]
+  kinds = {m.kind for m in device.addressable_memories()}
+  return HOST_MEMORY_KIND in kinds
+
+
+def to_host(x: jax.Array) -> jax.Array:
+  """Places `x` in pinned host memory (inside or outside `jit`)."""
+  if not host_memory_available():
+    return x
+  return jax.device_put(x, jax.memory.Space.Host)
+
+
+def to_device(x: jax.Array) -> jax.Array:
+  """Places `x` in accelerator memory (inside or outside `jit`)."""
+  if not host_memory_available():
+    return x
+  return jax.device_put(x, jax.memory.Space.Device)
+
+
+def memory_kind(x: jax.Array) -> str | None:
+  """The memory kind of a concrete array, or None for tracers."""
+  sharding = getattr(x, 'sharding', None)
+  return getattr(sharding, 'memory_kind', None)
+
+
+def _function_form() -> Callable[..., Any] | None:
+  # 0.10: compute_on2(f, compute_type=..., out_memory_spaces=...).
+  # 0.11+: compute_on(f, compute_type=..., out_memory_spaces=...).
+  if hasattr(_compute_on, 'compute_on2'):
+    return _compute_on.compute_on2
+  return None
+
+
+def on_host(fn: Callable[..., Any], *args: Any) -> Any:
+  """Runs `fn(*args)` as XLA host compute; its outputs stay in host memory.
+
+  On a GPU, XLA extracts the region into a module compiled for the CPU and
+  runs it asynchronously to the device stream. The outputs are pinned to
+  host memory explicitly: memory-space propagation cannot see through a
+  custom call, and a donated host buffer must come back as a host buffer.
+  """
+  if not host_memory_available():
+    return fn(*args)
+  out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
+  host_spaces = jax.tree.unflatten(
+    out_tree, [jax.memory.Space.Host] * out_tree.num_leaves
+  )
+  compute_on2 = _function_form()
+  if compute_on2 is not None:
+    wrapped = compute_on2(
+      fn, compute_type='device_host', out_memory_spaces=host_spaces
+    )
+    return wrapped(*args)
+  fn_form = _compute_on.compute_on
+  try:
+    wrapped = fn_form(
+      fn, compute_type='device_host', out_memory_spaces=host_spaces
+    )
+  except TypeError:
+    # An older context-manager-only API.
+    with fn_form('device_host'):
+      out = fn(*args)
+    return jax.tree.map(to_host, out)
+  return wrapped(*args)

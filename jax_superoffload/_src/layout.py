@@ -1,0 +1,194 @@
+"""Flat fp32 buckets for a parameter tree, and the checks that go with them.
+
+Leaves the kernel covers (float32, bfloat16 and float16 parameters) are
+grouped by (parameter dtype, weight decay on/off), so one kernel call per
+bucket serves every leaf in it; each group's leaves are laid end to end and
+cut into buckets of at most `bucket_elements`. Other floating leaves
+(float64, complex) go to an optax fallback. The layout is a pure function of
+the tree's structure, shapes, dtypes and mask, so `init` and `update` build
+the same one without storing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KERNEL_PARAM_DTYPES = (
+  np.dtype(np.float32),
+  np.dtype(jnp.bfloat16),
+  np.dtype(np.float16),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """Leaves sharing a parameter dtype and a weight-decay flag."""
+
+  dtype: np.dtype
+  decay: bool
+  leaves: tuple[int, ...]  # Indices into the flattened tree.
+  offsets: tuple[int, ...]  # Start of each leaf in the group's flat vector.
+  sizes: tuple[int, ...]
+  bucket_bounds: tuple[tuple[int, int], ...]  # [start, stop) per bucket.
+
+  @property
+  def size(self) -> int:
+    return sum(self.sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How a parameter tree maps onto buckets and the fallback."""
+
+  treedef: Any
+  paths: tuple[str, ...]
+  shapes: tuple[tuple[int, ...], ...]
+  dtypes: tuple[np.dtype, ...]
+  groups: tuple[Group, ...]
+  fallback: tuple[int, ...]  # Leaves updated by the optax fallback.
+  fallback_decay: tuple[bool, ...]
+
+  @property
+  def bucket_sizes(self) -> tuple[int, ...]:
+    return tuple(
+      stop - start for g in self.groups for start, stop in g.bucket_bounds
+    )
+
+  @property
+  def num_buckets(self) -> int:
+    return len(self.bucket_sizes)
+
+
+def _path_str(path) -> str:
+  return jax.tree_util.keystr(path) or '<root>'
+
+
+def resolve_mask(mask: Any, tree: Any) -> list[bool]:
+  """Per-leaf booleans from an optax-style mask (tree prefix or callable)."""
+  leaves = jax.tree.leaves(tree)
+  if mask is None:
+    return [True] * len(leaves)
+  mask_tree = mask(tree) if callable(mask) else mask
+  try:
+    full = jax.tree.broadcast(mask_tree, tree)
+  except ValueError as e:
+    raise ValueError(f'mask does not match the parameter tree: {e}') from None
+  flags = jax.tree.leaves(full)
+  for flag in flags:
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(
+        'mask leaves must be Python booleans (the bucket layout is static),'
+        f' got {type(flag).__name__}'
+      )
+  return [bool(f) for f in flags]
+
+
+def build_layout(
+  tree: Any, decay: Sequence[bool], *, bucket_elements: int, use_kernel: bool
+) -> Layout:
+  """Assigns each leaf of `tree` to a bucket group or to the fallback."""
+  leaves_with_paths, treedef = jax.tree.flatten_with_path(tree)
+  paths = tuple(_path_str(p) for p, _ in leaves_with_paths)
+  shapes, dtypes = [], []
+  for path, (_, leaf) in zip(paths, leaves_with_paths, strict=True):
+    if not hasattr(leaf, 'shape') or not hasattr(leaf, 'dtype'):
+      raise TypeError(f'parameter {path} is not an array: {type(leaf)}')
+    dtype = np.dtype(leaf.dtype)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+      raise TypeError(
+        f'parameter {path} has dtype {dtype}{list(leaf.shape)}; Adam needs '
+        'floating-point parameters (exclude integer leaves, e.g. with '
+        'optax.multi_transform or nnx.Optimizer(wrt=nnx.Param))'
+      )
+    shapes.append(tuple(leaf.shape))
+    dtypes.append(dtype)
+  members: dict[tuple[np.dtype, bool], list[int]] = {}
+  fallback = []
+  for i, dtype in enumerate(dtypes):
+    if use_kernel and dtype in KERNEL_PARAM_DTYPES:
+      members.setdefault((dtype, bool(decay[i])), []).append(i)
+    else:
+      fallback.append(i)
+  groups = []
+  for (dtype, group_decay), idx in sorted(
+    members.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])
+  ):
+    sizes = tuple(int(np.prod(shapes[i], dtype=np.int64)) for i in idx)
+    offsets = tuple(int(x) for x in np.cumsum((0, *sizes[:-1])))
+    total = sum(sizes)
+    bounds = tuple(
+      (s, min(s + bucket_elements, total))
+      for s in range(0, total, bucket_elements)
+    )
+    groups.append(Group(dtype, group_decay, tuple(idx), offsets, sizes, bounds))
+  return Layout(
+    treedef,
+    paths,
+    tuple(shapes),
+    tuple(dtypes),
+    tuple(groups),
+    tuple(fallback),
+    tuple(bool(decay[i]) for i in fallback),
+  )
+
+
+def check_tree(layout: Layout, tree: Any, what: str) -> list[Any]:
+  """Flattens `tree` against the layout, naming any mismatching leaf."""
+  leaves_with_paths, treedef = jax.tree.flatten_with_path(tree)
+  if treedef != layout.treedef:
+    got = {_path_str(p) for p, _ in leaves_with_paths}
+    want = set(layout.paths)
+    missing = sorted(want - got)[:3]
+    extra = sorted(got - want)[:3]
+    raise ValueError(
+      f"{what} do not have the parameters' tree structure: missing "
+      f'{missing or "none"}, unexpected {extra or "none"}; got {treedef}, '
+      f'expected {layout.treedef}'
+    )
+  leaves = [leaf for _, leaf in leaves_with_paths]
+  for path, leaf, shape in zip(
+    layout.paths, leaves, layout.shapes, strict=True
+  ):
+    if tuple(np.shape(leaf)) != shape:
+      raise ValueError(
+        f'{what} leaf {path} has shape {tuple(np.shape(leaf))}, the '
+        f'parameter has shape {shape}'
+      )
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+      raise TypeError(
+        f'{what} leaf {path} has non-floating dtype {jnp.result_type(leaf)}'
+      )
+  return leaves
+
+
+def pack(
+  group: Group, leaves: Sequence[jax.Array], dtype: Any = jnp.float32
+) -> list[jax.Array]:
+  """Lays a group's leaves end to end in `dtype` and cuts the buckets."""
+  if not group.leaves:
+    return []
+  flat = jnp.concatenate(
+    [jnp.ravel(leaves[i]).astype(dtype) for i in group.leaves]
+  )
+  return [flat[start:stop] for start, stop in group.bucket_bounds]
+
+
+def unpack(
+  group: Group, buckets: Sequence[jax.Array], layout: Layout
+) -> dict[int, jax.Array]:
+  """Inverse of `pack`: leaf index -> array of the leaf's shape."""
+  if not buckets:
+    return {i: jnp.zeros(layout.shapes[i], jnp.float32) for i in group.leaves}
+  flat = buckets[0] if len(buckets) == 1 else jnp.concatenate(buckets)
+  return {
+    i: flat[offset : offset + size].reshape(layout.shapes[i])
+    for i, offset, size in zip(
+      group.leaves, group.offsets, group.sizes, strict=True
+    )
+  }

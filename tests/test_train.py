@@ -1,0 +1,137 @@
+"""Tests for experiments.train and the CLI config of experiments.config."""
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import config, model, train
+
+# A short, highly repetitive corpus: a tiny model learns it in a few steps.
+_CORPUS = 'the quick brown fox jumps over the lazy dog. ' * 400
+
+
+def _tiny_args(tmp_path, optimizer='optax', steps=30):
+  data = tmp_path / 'corpus.txt'
+  data.write_text(_CORPUS)
+  return [
+    '--preset=tiny',
+    f'--optimizer={optimizer}',
+    f'--data={data}',
+    f'--out-dir={tmp_path / "run"}',
+    f'--steps={steps}',
+    '--no-progress',
+  ]
+
+
+@pytest.fixture(scope='module')
+def optax_run(tmp_path_factory):
+  tmp_path = tmp_path_factory.mktemp('optax')
+  cfg = config.config_from_args(_tiny_args(tmp_path))
+  return cfg, train.train(cfg, log=lambda _: None)
+
+
+def test_training_reduces_loss(optax_run):
+  cfg, summary = optax_run
+  assert summary['steps'] == cfg.steps == 30
+  assert summary['total_tokens'] == 30 * cfg.batch_size * cfg.seq_len
+  assert summary['final_loss'] < 0.6 * summary['first_loss']
+  assert summary['tokens_per_s'] > 0
+  assert set(summary['data_state']) == {'seed', 'epoch', 'index'}
+
+
+def test_metrics_jsonl_written(optax_run):
+  cfg, summary = optax_run
+  out_dir = pathlib.Path(summary['out_dir'])
+  lines = (out_dir / 'metrics.jsonl').read_text().splitlines()
+  records = [json.loads(x) for x in lines]
+  assert [r['step'] for r in records] == list(range(cfg.steps))
+  for r in records:
+    assert {'step', 'loss', 'tokens_per_s', 'lr'} <= set(r)
+  assert records[0]['loss'] == pytest.approx(summary['first_loss'])
+  lrs = [r['lr'] for r in records]
+  assert max(lrs) == pytest.approx(cfg.learning_rate, rel=1e-5)
+  saved = json.loads((out_dir / 'config.json').read_text())
+  assert saved['optimizer'] == 'optax'
+
+
+def _losses(summary):
+  path = pathlib.Path(summary['out_dir']) / 'metrics.jsonl'
+  return [json.loads(x)['loss'] for x in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize('optimizer', ['superoffload', 'device'])
+def test_superoffload_optimizers_match_optax(tmp_path, optimizer, optax_run):
+  pytest.importorskip('jax_superoffload')
+  cfg = config.config_from_args(_tiny_args(tmp_path, optimizer))
+  summary = train.train(cfg, log=lambda _: None)
+  assert summary['optimizer'] == optimizer
+  assert summary['final_loss'] < 0.6 * summary['first_loss']
+  # Same init, data and AdamW math: the same losses up to fp32 rounding.
+  np.testing.assert_allclose(
+    _losses(summary), _losses(optax_run[1]), rtol=0, atol=1e-4
+  )
+
+
+def test_weight_decay_mask_skips_bias_norm_embedding():
+  cfg = config.get_config('tiny', tie_embeddings=False, pos_encoding='learned')
+  net = nnx.eval_shape(lambda: model.Transformer(cfg, rngs=nnx.Rngs(0)))
+  params = nnx.as_pure(nnx.state(net, nnx.Param))
+  mask = train.weight_decay_mask(params)
+  decayed = {
+    jax.tree_util.keystr(path)
+    for path, keep in jax.tree_util.tree_leaves_with_path(mask)
+    if keep
+  }
+  assert decayed == {
+    "['blocks'][0]['attn']['qkv']['kernel']",
+    "['blocks'][0]['attn']['out']['kernel']",
+    "['blocks'][0]['mlp']['up']['kernel']",
+    "['blocks'][0]['mlp']['down']['kernel']",
+    "['lm_head']['kernel']",
+  }
+
+
+def test_cli_overrides_every_kind_of_field():
+  cfg = config.config_from_args(
+    [
+      '--preset=tiny',
+      '--steps=7',
+      '--batch-size=3',
+      '--seq-len=24',
+      '--learning-rate=0.5',
+      '--no-tie-embeddings',
+      '--pos-encoding=learned',
+      '--data=some/file.txt',
+    ]
+  )
+  assert cfg.preset == 'tiny'
+  assert (cfg.steps, cfg.batch_size, cfg.seq_len) == (7, 3, 24)
+  assert cfg.learning_rate == 0.5
+  assert cfg.tie_embeddings is False
+  assert cfg.pos_encoding == 'learned'
+  assert cfg.data == 'some/file.txt'
+  assert cfg.d_model == config.PRESETS['tiny']['d_model']
+  default = config.config_from_args([])
+  assert default == config.Config()
+  assert default.optimizer == 'superoffload'
+
+
+def test_every_field_has_a_flag_and_a_comment():
+  parser = config.build_parser()
+  flags = {a.dest for a in parser._actions}
+  comments = config._field_comments()
+  for field in dataclasses.fields(config.Config):
+    assert field.name in flags
+    assert comments[field.name], field.name
+
+
+def test_unknown_optimizer_and_preset_raise():
+  with pytest.raises(ValueError, match='optimizer'):
+    train.make_optimizer(config.get_config('tiny', optimizer='sgd'), 0.1)
+  with pytest.raises(ValueError, match='preset'):
+    config.get_config('huge')

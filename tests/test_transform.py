@@ -1,0 +1,458 @@
+"""superoffload.adam / adamw against optax: numbers, placement, drop-in use."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_superoffload as superoffload
+
+HOST = 'pinned_host'
+
+
+def mixed_tree(seed=0, n_leaves=56, dtype=jnp.float32):
+  """A pytree of 50+ leaves: scalars, zero-size, vectors, matrices, 3-d."""
+  rng = np.random.default_rng(seed)
+  shapes = [(), (0,), (3, 0), (1,), (7,), (4, 5), (2, 3, 4), (33,), (16, 16)]
+  tree = {}
+  for i in range(n_leaves):
+    shape = shapes[i % len(shapes)]
+    group = tree.setdefault(f'layer{i // 8}', {})
+    name = ('bias' if i % 3 == 0 else 'kernel') + str(i)
+    group[name] = jnp.asarray(rng.standard_normal(shape), dtype)
+  return tree
+
+
+def decay_mask(params):
+  return jax.tree_util.tree_map_with_path(
+    lambda path, _: 'bias' not in jax.tree_util.keystr(path), params
+  )
+
+
+def commit(tree):
+  """Commits arrays to a device, as host-memory state is committed.
+
+  Uncommitted inputs would make the first call's outputs (committed) differ
+  from its inputs, and the second call would compile again.
+  """
+  return jax.device_put(tree, jax.devices()[0])
+
+
+def grads_for(params, step, seed=1):
+  """Deterministic gradients of the parameters' shapes, made with numpy."""
+  rng = np.random.default_rng(seed * 100003 + step)
+  return jax.tree.map(
+    lambda x: (rng.standard_normal(x.shape) * 0.1).astype(np.float32), params
+  )
+
+
+def run(tx, params, steps, grad_dtype=None, upcast_grads=False):
+  params = commit(params)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, grads):
+    if grad_dtype is not None:  # As in mixed precision, grads of low weights.
+      grads = jax.tree.map(lambda g: g.astype(grad_dtype), grads)
+    if upcast_grads:  # The fp32 reference sees the same values, widened.
+      grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for i in range(steps):
+    params, state = step(params, state, commit(grads_for(params, i)))
+  if isinstance(state, superoffload.SuperOffloadState):
+    # optax's own init state is uncommitted, so only ours is checked.
+    assert step._cache_size() == 1
+  return params, state
+
+
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 20, 300, 1e-4)
+
+CASES = {
+  'adam': (
+    functools.partial(superoffload.adam, SCHEDULE),
+    functools.partial(optax.adam, SCHEDULE),
+  ),
+  'adamw': (
+    functools.partial(
+      superoffload.adamw, SCHEDULE, weight_decay=0.1, mask=decay_mask
+    ),
+    functools.partial(optax.adamw, SCHEDULE, weight_decay=0.1, mask=decay_mask),
+  ),
+  'nesterov': (
+    functools.partial(
+      superoffload.adamw,
+      SCHEDULE,
+      weight_decay=0.05,
+      mask=decay_mask,
+      nesterov=True,
+      eps_root=1e-10,
+    ),
+    functools.partial(
+      optax.adamw,
+      SCHEDULE,
+      weight_decay=0.05,
+      mask=decay_mask,
+      nesterov=True,
+      eps_root=1e-10,
+    ),
+  ),
+}
+
+
+@pytest.mark.parametrize('case', sorted(CASES))
+def test_tracks_optax_over_300_steps(case):
+  ours, theirs = CASES[case]
+  params = mixed_tree()
+  # Small buckets, so leaves straddle bucket boundaries.
+  got, state = run(ours(bucket_bytes=4 * 600), params, 300)
+  want, _ = run(theirs(), params, 300)
+  jax.tree.map(
+    functools.partial(np.testing.assert_allclose, rtol=2e-5, atol=2e-6),
+    got,
+    want,
+  )
+  assert int(state.count) == 300
+  assert len(state.mu) >= 4
+
+
+def test_bf16_params_track_an_fp32_master():
+  params32 = mixed_tree(dtype=jnp.bfloat16)
+  params32 = jax.tree.map(lambda x: x.astype(jnp.float32), params32)
+  params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params32)
+  got, state = run(
+    superoffload.adamw(1e-2, weight_decay=0.1),
+    params16,
+    100,
+    grad_dtype=jnp.bfloat16,
+  )
+  want, _ = run(
+    optax.adamw(1e-2, weight_decay=0.1),
+    params32,
+    100,
+    grad_dtype=jnp.bfloat16,
+    upcast_grads=True,
+  )
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert g.dtype == jnp.bfloat16
+    # Within bf16 rounding of the fp32 master's trajectory.
+    np.testing.assert_allclose(
+      np.asarray(g, np.float32), np.asarray(w), rtol=2**-7, atol=1e-6
+    )
+  master = np.concatenate([np.asarray(m) for m in state.master])
+  assert master.dtype == np.float32
+
+
+def test_apply_updates_gives_the_new_master_exactly():
+  params = mixed_tree()
+  params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  for p in (params, params16):
+    tx = superoffload.adamw(0.5, weight_decay=0.3)  # Large, sign-flipping.
+    state = tx.init(p)
+    for i in range(5):
+      updates, state = tx.update(grads_for(p, i), state, p)
+      p = optax.apply_updates(p, updates)
+      master = superoffload_master_tree(state, p)
+      for leaf, m in zip(
+        jax.tree.leaves(p), jax.tree.leaves(master), strict=True
+      ):
+        np.testing.assert_array_equal(
+          np.asarray(leaf), np.asarray(m.astype(leaf.dtype))
+        )
+
+
+def superoffload_master_tree(state, params):
+  """The fp32 master weights, unpacked from the state's buckets."""
+  from jax_superoffload._src import layout as layout_lib
+
+  leaves = jax.tree.leaves(params)
+  lay = layout_lib.build_layout(
+    params, [True] * len(leaves), bucket_elements=64 * 2**20, use_kernel=True
+  )
+  out = [None] * len(leaves)
+  k = 0
+  for group in lay.groups:
+    n = len(group.bucket_bounds)
+    buckets = [
+      jax.device_put(b, jax.memory.Space.Device)
+      for b in state.master[k : k + n]
+    ]
+    k += n
+    out_group = layout_lib.unpack(group, buckets, lay)
+    for i, v in out_group.items():
+      out[i] = v
+  return jax.tree.unflatten(lay.treedef, out)
+
+
+def assert_state_in_host_memory(state):
+  for name in ('mu', 'nu', 'master'):
+    for x in getattr(state, name):
+      assert x.sharding.memory_kind == HOST, (name, x.sharding)
+
+
+def test_state_lives_in_host_memory_and_updates_on_device():
+  params = mixed_tree()
+  tx = superoffload.adamw(1e-3)
+  state = tx.init(params)
+  assert_state_in_host_memory(state)
+  step = jax.jit(tx.update)
+  for i in range(3):
+    updates, state = step(grads_for(params, i), state, params)
+    assert_state_in_host_memory(state)
+    for u in jax.tree.leaves(updates):
+      assert u.sharding.memory_kind == 'device'
+
+
+def test_compiled_step_runs_the_kernel_as_host_compute():
+  params = mixed_tree()
+  tx = superoffload.adamw(1e-3)
+  state = tx.init(params)
+  hlo = jax.jit(tx.update).lower(params, state, params).compile().as_text()
+  calls = [
+    line
+    for line in hlo.splitlines()
+    if 'custom_call_target="jax_superoffload_adam_step' in line
+  ]
+  assert calls, 'no Grace Adam custom call in the compiled step'
+  for line in calls:
+    assert '_xla_compute_type="host"' in line, line
+
+
+@pytest.mark.parametrize('executor', ['ffi', 'xla_host', 'device'])
+def test_executors_agree(executor):
+  params = mixed_tree()
+  params['bf16'] = jnp.linspace(-1, 1, 37, dtype=jnp.bfloat16)
+  base, _ = run(superoffload.adamw(1e-2, executor='ffi'), params, 20)
+  got, state = run(superoffload.adamw(1e-2, executor=executor), params, 20)
+  assert_state_in_host_memory(state)
+  jax.tree.map(
+    functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-7),
+    jax.tree.map(lambda x: x.astype(jnp.float32), got),
+    jax.tree.map(lambda x: x.astype(jnp.float32), base),
+  )
+
+
+def test_no_recompile_on_later_calls():
+  params = commit(mixed_tree())
+  tx = superoffload.adamw(SCHEDULE, weight_decay=0.1)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for i in range(4):
+    params, state = step(params, state, commit(grads_for(params, i)))
+  assert step._cache_size() == 1
+
+
+def test_donated_step_updates_state_in_place():
+  params = commit(mixed_tree())
+  tx = superoffload.adam(1e-3)
+  state = tx.init(params)
+  step = jax.jit(tx.update, donate_argnums=(1,))
+  pointers = [x.unsafe_buffer_pointer() for x in state.master]
+  _, state = step(grads_for(params, 0), state, params)
+  assert [x.unsafe_buffer_pointer() for x in state.master] == pointers
+
+
+def test_extra_args_chain_and_wrappers():
+  params = mixed_tree(n_leaves=12)
+  grads = grads_for(params, 0)
+  txs = {
+    'chain': optax.chain(superoffload.adam(1e-3)),
+    'inject': optax.inject_hyperparams(superoffload.adamw)(
+      learning_rate=1e-3, b1=0.8, weight_decay=0.1
+    ),
+    'multisteps': optax.MultiSteps(superoffload.adam(1e-3), 2),
+    'if_finite': optax.apply_if_finite(superoffload.adam(1e-3), 3),
+    'multi_transform': optax.multi_transform(
+      {'so': superoffload.adam(1e-3), 'sgd': optax.sgd(1e-3)},
+      lambda p: jax.tree_util.tree_map_with_path(
+        lambda path, _: 'sgd' if 'layer0' in str(path) else 'so', p
+      ),
+    ),
+  }
+  refs = {
+    'chain': optax.adam(1e-3),
+    'inject': optax.adamw(1e-3, b1=0.8, weight_decay=0.1),
+    'multisteps': optax.MultiSteps(optax.adam(1e-3), 2),
+    'if_finite': optax.apply_if_finite(optax.adam(1e-3), 3),
+    'multi_transform': optax.multi_transform(
+      {'so': optax.adam(1e-3), 'sgd': optax.sgd(1e-3)},
+      lambda p: jax.tree_util.tree_map_with_path(
+        lambda path, _: 'sgd' if 'layer0' in str(path) else 'so', p
+      ),
+    ),
+  }
+  for name, tx in txs.items():
+    ref = refs[name]
+    p, q = params, params
+    s, r = tx.init(p), ref.init(q)
+    step = jax.jit(
+      functools.partial(tx.update, extra_arg=1.0)
+      if name == 'chain'
+      else tx.update
+    )
+    for i in range(4):
+      g = grads_for(p, i)
+      if name == 'if_finite' and i == 1:
+        g = jax.tree.map(lambda x: x * jnp.nan, g)
+      u, s = step(g, s, p)
+      v, r = ref.update(g, r, q)
+      p, q = optax.apply_updates(p, u), optax.apply_updates(q, v)
+    jax.tree.map(
+      functools.partial(
+        np.testing.assert_allclose, rtol=1e-6, atol=1e-7, err_msg=name
+      ),
+      p,
+      q,
+    )
+  del grads
+
+
+def test_float64_complex_and_mu_dtype_take_the_optax_path():
+  with jax.enable_x64(True):
+    params = {
+      'f64': jnp.linspace(-1, 1, 9, dtype=jnp.float64),
+      'c64': jnp.ones(4, jnp.complex64) * (1 + 2j),
+      'f32': jnp.ones(5, jnp.float32),
+    }
+    for ours, theirs in [
+      (superoffload.adamw(1e-2), optax.adamw(1e-2)),
+      (
+        superoffload.adam(1e-2, mu_dtype=jnp.bfloat16),
+        optax.adam(1e-2, mu_dtype=jnp.bfloat16),
+      ),
+    ]:
+      s, r = ours.init(params), theirs.init(params)
+      p = q = params
+      for _ in range(3):
+        g = jax.tree.map(lambda x: jnp.cos(x) + 0.1, p)
+        u, s = ours.update(g, s, p)
+        v, r = theirs.update(g, r, q)
+        p, q = optax.apply_updates(p, u), optax.apply_updates(q, v)
+      for key in params:
+        assert p[key].dtype == params[key].dtype
+        np.testing.assert_allclose(p[key], q[key], rtol=1e-6)
+
+
+def test_nan_gradients_behave_as_in_optax():
+  params = {'w': jnp.ones(8)}
+  g = {'w': jnp.ones(8).at[2].set(jnp.nan)}
+  ours, theirs = superoffload.adam(1e-2), optax.adam(1e-2)
+  u, _ = ours.update(g, ours.init(params), params)
+  v, _ = theirs.update(g, theirs.init(params), params)
+  p, q = optax.apply_updates(params, u), optax.apply_updates(params, v)
+  np.testing.assert_array_equal(np.isnan(p['w']), np.isnan(q['w']))
+  np.testing.assert_allclose(
+    p['w'][~np.isnan(q['w'])], q['w'][~np.isnan(q['w'])], rtol=1e-7
+  )
+
+
+def test_bad_input_errors_name_the_problem():
+  params = {'a': jnp.ones((2, 3)), 'b': {'c': jnp.ones(4)}}
+  tx = superoffload.adamw(1e-3)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"\['b'\]\['c'\] has shape \(5,\)"):
+    tx.update({'a': jnp.ones((2, 3)), 'b': {'c': jnp.ones(5)}}, state, params)
+  with pytest.raises(ValueError, match=r"missing \[\"\['b'\]\['c'\]\"\]"):
+    tx.update({'a': jnp.ones((2, 3)), 'b': {'d': jnp.ones(4)}}, state, params)
+  other = {'a': jnp.ones((2, 3)), 'b': {'c': jnp.ones(9)}}
+  with pytest.raises(ValueError, match='built for another parameter tree'):
+    tx.update(other, state, other)
+  with pytest.raises(TypeError, match=r"\['i'\] has dtype int32"):
+    tx.init({'i': jnp.ones(3, jnp.int32)})
+  for kwargs, match in [
+    (dict(learning_rate=-1.0), 'learning_rate must be non-negative'),
+    (dict(learning_rate=1e-3, b1=1.0), r'b1 must be in \[0, 1\)'),
+    (dict(learning_rate=1e-3, b2=-0.5), r'b2 must be in \[0, 1\)'),
+    (dict(learning_rate=1e-3, eps=-1.0), 'eps must be non-negative'),
+    (dict(learning_rate=1e-3, executor='gpu'), 'executor must be one of'),
+    (dict(learning_rate=1e-3, bucket_bytes=0), 'bucket_bytes must be'),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      superoffload.adamw(**kwargs)
+
+
+def test_flax_train_state_and_nnx_optimizer():
+  from flax import nnx
+  from flax.training import train_state
+
+  params = commit({'w': jnp.linspace(-1, 1, 12).reshape(3, 4)})
+  ts = train_state.TrainState.create(
+    apply_fn=None, params=params, tx=superoffload.adamw(1e-2)
+  )
+  ref = train_state.TrainState.create(
+    apply_fn=None, params=params, tx=optax.adamw(1e-2)
+  )
+  for i in range(3):
+    g = commit(grads_for(params, i))
+    ts = jax.jit(lambda s, g: s.apply_gradients(grads=g))(ts, g)
+    ref = ref.apply_gradients(grads=g)
+  np.testing.assert_allclose(ts.params['w'], ref.params['w'], rtol=1e-6)
+  assert_state_in_host_memory(ts.opt_state)
+
+  model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, superoffload.adamw(1e-2), wrt=nnx.Param)
+  before = np.asarray(model.kernel[...])
+
+  @nnx.jit
+  def train_step(model, optimizer, x):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [
+    float(train_step(model, optimizer, jnp.ones((2, 4)))) for _ in range(5)
+  ]
+  assert losses[-1] < losses[0]
+  assert not np.allclose(before, np.asarray(model.kernel[...]))
+
+
+def test_orbax_checkpoint_resumes_bit_identically(tmp_path):
+  import orbax.checkpoint as ocp
+
+  # Orbax refuses zero-size arrays (ours never makes one: an empty group has
+  # no buckets), so the parameters here have none.
+  params = commit(
+    {
+      layer: {k: v for k, v in leaves.items() if v.size}
+      for layer, leaves in mixed_tree(n_leaves=12).items()
+    }
+  )
+  tx = superoffload.adamw(SCHEDULE, weight_decay=0.1, mask=decay_mask)
+
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  def advance(params, state, start, n):
+    for i in range(start, start + n):
+      params, state = step(params, state, commit(grads_for(params, i)))
+    return params, state
+
+  params, state = advance(params, tx.init(params), 0, 5)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / 'ckpt', {'params': params, 'state': state})
+  checkpointer.wait_until_finished()
+  straight = advance(params, state, 5, 5)
+
+  target = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+    {'params': params, 'state': state},
+  )
+  restored = checkpointer.restore(tmp_path / 'ckpt', target)
+  assert isinstance(restored['state'], superoffload.SuperOffloadState)
+  assert_state_in_host_memory(restored['state'])
+  resumed = advance(restored['params'], restored['state'], 5, 5)
+  for a, b in zip(
+    jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
