@@ -129,7 +129,7 @@ void StreamRooflineRange(const AdamBuffers& buffers, int64_t begin,
 
 // Elements per work chunk when a step is split across threads: large enough
 // to amortise scheduling, small enough to balance a few threads.
-inline constexpr int64_t kChunkElements = 1 << 16;
+inline constexpr int64_t kChunkElements = 1 << 18;
 
 }  // namespace jax_superoffload
 

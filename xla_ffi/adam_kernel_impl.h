@@ -88,8 +88,13 @@ JSO_INLINE void StoreLowp(void* out, int64_t i, typename Ops::V x) {
 // Fixed-width loop: full vectors, then the scalar tail with the same math.
 template <class Ops, ElementType kGrad, ElementType kLowp, bool kNesterov,
           bool kDecay>
-void AdamLoop(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
-              int64_t end) {
+void AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
+              int64_t begin, int64_t end) {
+  // Local copies: the output buffers are float*, which may alias the float
+  // fields of the caller's structs, so without copies the compiler reloads
+  // and re-broadcasts every constant on every iteration.
+  const AdamConstants k = constants;
+  const AdamBuffers b = buffers;
   int64_t i = begin;
   for (; i + Ops::kLanes <= end; i += Ops::kLanes) {
     typename Ops::V master = Ops::Load(b.master_in + i);
