@@ -176,15 +176,15 @@ def superoffload_master_tree(state, params):
   out = [None] * len(leaves)
   k = 0
   for group in lay.groups:
-    n = len(group.bucket_bounds)
-    buckets = [
-      jax.device_put(b, jax.memory.Space.Device)
-      for b in state.master[k : k + n]
-    ]
-    k += n
-    out_group = layout_lib.unpack(group, buckets, lay)
-    for i, v in out_group.items():
-      out[i] = v
+    for b in range(len(group.buckets)):
+      flat = jax.device_put(state.master[k], jax.memory.Space.Device)
+      k += 1
+      parts = layout_lib.split(group, b, flat)
+      for j, v in zip(group.buckets[b], parts, strict=True):
+        out[group.leaves[j]] = v.reshape(lay.shapes[group.leaves[j]])
+    for i in group.leaves:
+      if out[i] is None:
+        out[i] = jnp.zeros(lay.shapes[i], jnp.float32)
   return jax.tree.unflatten(lay.treedef, out)
 
 

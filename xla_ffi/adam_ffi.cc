@@ -259,6 +259,98 @@ ffi::Error StreamRooflineHandler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mas
   return ffi::Error::Success();
 }
 
+// One bucket of several leaves: flat fp32 state, one gradient buffer per
+// leaf and, optionally, one new-weights buffer per leaf (in the leaf's
+// dtype), so no gradient is concatenated and no weight sliced on the way in
+// or out. With no weights outputs, the new master itself is the result.
+ffi::Error AdamStepSegmentsHandler(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
+    ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+    ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
+    ffi::RemainingArgs grads, ffi::ResultBuffer<ffi::F32> master_out,
+    ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+    ffi::RemainingRets weights, bool nesterov) {
+  const int64_t size = static_cast<int64_t>(master.element_count());
+  if (static_cast<int64_t>(mu.element_count()) != size ||
+      static_cast<int64_t>(nu.element_count()) != size) {
+    return InvalidArgument("master, mu and nu must have the same size");
+  }
+  const bool copy_weights = weights.size() != 0;
+  if (copy_weights && grads.size() != weights.size()) {
+    return InvalidArgument("need one weights output per gradient, or none");
+  }
+  std::vector<AdamBuffers> segments(grads.size());
+  std::vector<int64_t> starts(grads.size() + 1, 0);
+  for (size_t j = 0; j < grads.size(); ++j) {
+    auto grad = grads.get<ffi::AnyBuffer>(j);
+    if (grad.has_error()) return grad.error();
+    const int64_t n = static_cast<int64_t>(grad->element_count());
+    AdamBuffers& b = segments[j];
+    if (!ToElementType(grad->element_type(), &b.grad_type)) {
+      return InvalidArgument("leaf " + std::to_string(j) +
+                             ": gradient dtype must be f32, bf16 or f16");
+    }
+    if (copy_weights) {
+      auto weight = weights.get<ffi::AnyBuffer>(j);
+      if (weight.has_error()) return weight.error();
+      if (static_cast<int64_t>((*weight)->element_count()) != n) {
+        return InvalidArgument("leaf " + std::to_string(j) +
+                               ": gradient and weights sizes differ");
+      }
+      if (!ToElementType((*weight)->element_type(), &b.lowp_type)) {
+        return InvalidArgument("leaf " + std::to_string(j) +
+                               ": weights dtype must be f32, bf16 or f16");
+      }
+      b.lowp_out = (*weight)->untyped_data();
+    }
+    starts[j + 1] = starts[j] + n;
+    b.size = n;
+    b.grad = grad->untyped_data();
+  }
+  if (starts.back() != size) {
+    return InvalidArgument("leaves hold " + std::to_string(starts.back()) +
+                           " elements, the bucket " + std::to_string(size));
+  }
+  std::vector<AdamConstants> sets;
+  int64_t block = 0;
+  if (ffi::Error error =
+          ReadScalarSets(count, scalars, nesterov, size, &sets, &block);
+      error.failure()) {
+    return error;
+  }
+  if (sets.size() != 1) return InvalidArgument("segments cannot be batched");
+  for (size_t j = 0; j < segments.size(); ++j) {
+    AdamBuffers& b = segments[j];
+    b.master_in = master.typed_data() + starts[j];
+    b.mu_in = mu.typed_data() + starts[j];
+    b.nu_in = nu.typed_data() + starts[j];
+    b.master_out = master_out->typed_data() + starts[j];
+    b.mu_out = mu_out->typed_data() + starts[j];
+    b.nu_out = nu_out->typed_data() + starts[j];
+    if (const char* error = ValidateAdamBuffers(b)) {
+      return InvalidArgument(error);
+    }
+  }
+  if (size == 0) return ffi::Error::Success();
+  const Isa isa = BestIsa();
+  const int64_t num_chunks = (size + kChunkElements - 1) / kChunkElements;
+  ParallelChunks(pool, num_chunks, [&](int64_t chunk) {
+    const int64_t begin = chunk * kChunkElements;
+    const int64_t end = std::min(size, begin + kChunkElements);
+    // The chunk's first leaf, then every leaf it overlaps.
+    size_t j = std::upper_bound(starts.begin(), starts.end(), begin) -
+               starts.begin() - 1;
+    for (int64_t i = begin; i < end; ++j) {
+      const int64_t stop = std::min(end, starts[j + 1]);
+      // Segment j's pointers start at its leaf: take [i, stop) of it.
+      AdamStepRange(sets[0], segments[j], i - starts[j], stop - starts[j],
+                    isa);
+      i = stop;
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jax_superoffload
 
@@ -302,3 +394,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamRoofline,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSegments,
+                              jax_superoffload::AdamStepSegmentsHandler,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets()
+                                  .Attr<bool>("nesterov"));

@@ -114,8 +114,9 @@ const char* ValidateAdamBuffers(const AdamBuffers& b) {
   if (b.grad_type != ElementType::kF32 && !IsSixteenBit(b.grad_type)) {
     return "gradient type must be f32, bf16 or f16";
   }
-  if (b.lowp_type != ElementType::kNone && !IsSixteenBit(b.lowp_type)) {
-    return "low-precision copy type must be none, bf16 or f16";
+  if (b.lowp_type != ElementType::kNone && b.lowp_type != ElementType::kF32 &&
+      !IsSixteenBit(b.lowp_type)) {
+    return "weights copy type must be none, f32, bf16 or f16";
   }
   if (b.size == 0) return nullptr;
   if (!b.master_in || !b.grad || !b.mu_in || !b.nu_in || !b.master_out ||

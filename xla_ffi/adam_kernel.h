@@ -95,7 +95,8 @@ AdamConstants MakeAdamConstants(const AdamConfig& config);
 
 // The buffers of one step. `*_in` and `*_out` may alias (in-place update) but
 // must not partially overlap. `grad` holds `grad_type` elements; `lowp_out`
-// holds `lowp_type` elements and is ignored when `lowp_type` is kNone.
+// receives a copy of the new master in `lowp_type` (rounded to nearest even
+// for bf16/f16; an exact copy for f32) and is ignored when that is kNone.
 struct AdamBuffers {
   int64_t size = 0;
   const float* master_in = nullptr;

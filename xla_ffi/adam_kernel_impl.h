@@ -78,7 +78,9 @@ JSO_INLINE typename Ops::V LoadGrad(const void* grad, int64_t i) {
 
 template <class Ops, ElementType kLowp>
 JSO_INLINE void StoreLowp(void* out, int64_t i, typename Ops::V x) {
-  if constexpr (kLowp == ElementType::kBF16) {
+  if constexpr (kLowp == ElementType::kF32) {
+    Ops::Store(static_cast<float*>(out) + i, x);
+  } else if constexpr (kLowp == ElementType::kBF16) {
     Ops::StoreBf16(static_cast<uint16_t*>(out) + i, x);
   } else if constexpr (kLowp == ElementType::kF16) {
     Ops::StoreF16(static_cast<uint16_t*>(out) + i, x);
@@ -156,6 +158,9 @@ template <template <ElementType, ElementType, bool, bool> class Loop,
 void DispatchLowp(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
                   int64_t end) {
   switch (b.lowp_type) {
+    case ElementType::kF32:
+      return DispatchNesterov<Loop, kGrad, ElementType::kF32>(k, b, begin,
+                                                              end);
     case ElementType::kBF16:
       return DispatchNesterov<Loop, kGrad, ElementType::kBF16>(k, b, begin,
                                                                end);

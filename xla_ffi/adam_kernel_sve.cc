@@ -42,8 +42,10 @@ JSO_INLINE svfloat32_t SveLoadGrad(svbool_t pg, const void* grad, int64_t i) {
 template <ElementType kLowp>
 JSO_INLINE void SveStoreLowp(svbool_t pg, void* out, int64_t i,
                              svfloat32_t x) {
-  uint16_t* dst = static_cast<uint16_t*>(out) + i;
-  if constexpr (kLowp == ElementType::kBF16) {
+  uint16_t* dst = static_cast<uint16_t*>(out) + i;  // Unused for kF32.
+  if constexpr (kLowp == ElementType::kF32) {
+    svst1_f32(pg, static_cast<float*>(out) + i, x);
+  } else if constexpr (kLowp == ElementType::kBF16) {
     const svuint32_t bits = svreinterpret_u32_f32(x);
     const svuint32_t lsb = svand_n_u32_x(pg, svlsr_n_u32_x(pg, bits, 16), 1);
     const svuint32_t rounded =

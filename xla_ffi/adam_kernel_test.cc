@@ -216,7 +216,9 @@ void RunCase(int64_t n, const Case& c, int steps) {
   // differently from its neighbours and from 16/32/64-byte boundaries.
   std::vector<Misaligned<float>> master, mu, nu;
   std::vector<Misaligned<uint16_t>> lowp;
+  std::vector<Misaligned<float>> lowp32;
   for (int k = 0; k < kNumIsas; ++k) {
+    lowp32.emplace_back(n, 6 + k);
     master.emplace_back(n, 1 + k);
     mu.emplace_back(n, 2 + k);
     nu.emplace_back(n, 3 + k);
@@ -285,7 +287,9 @@ void RunCase(int64_t n, const Case& c, int steps) {
                    : static_cast<const void*>(grad16.data);
       b.grad_type = c.grad_type;
       b.lowp_type = c.lowp_type;
-      b.lowp_out = lowp[k].data;
+      b.lowp_out = c.lowp_type == ElementType::kF32
+                       ? static_cast<void*>(lowp32[k].data)
+                       : static_cast<void*>(lowp[k].data);
       Check(ValidateAdamBuffers(b) == nullptr, "buffers valid", context);
       // Split at an odd point so a chunk boundary falls mid-vector.
       const int64_t split = n / 3 + (n > 2 ? 1 : 0);
@@ -300,13 +304,18 @@ void RunCase(int64_t n, const Case& c, int steps) {
         if (Bits(master[k].data[i]) != Bits(master[0].data[i]) ||
             Bits(mu[k].data[i]) != Bits(mu[0].data[i]) ||
             Bits(nu[k].data[i]) != Bits(nu[0].data[i]) ||
-            (c.lowp_type != ElementType::kNone &&
+            (c.lowp_type == ElementType::kF32 &&
+             Bits(lowp32[k].data[i]) != Bits(lowp32[0].data[i])) ||
+            ((c.lowp_type == ElementType::kBF16 ||
+              c.lowp_type == ElementType::kF16) &&
              lowp[k].data[i] != lowp[0].data[i])) {
           isas_agree = false;
         }
       }
       const float p = master[0].data[i];
-      if (c.lowp_type == ElementType::kBF16) {
+      if (c.lowp_type == ElementType::kF32) {
+        lowp_exact &= Bits(lowp32[0].data[i]) == Bits(p);
+      } else if (c.lowp_type == ElementType::kBF16) {
         lowp_exact &= lowp[0].data[i] == ReferenceBf16(p);
       } else if (c.lowp_type == ElementType::kF16) {
         lowp_exact &= lowp[0].data[i] == ReferenceHalf(p);
@@ -495,8 +504,12 @@ void TestOutOfPlaceAndRoofline() {
   }
   Check(roofline, "roofline moves the same bytes", "");
   AdamBuffers bad = b;
+  bad.lowp_type = static_cast<ElementType>(7);
+  Check(ValidateAdamBuffers(bad) != nullptr, "unknown copy type rejected", "");
+  bad = b;
   bad.lowp_type = ElementType::kF32;
-  Check(ValidateAdamBuffers(bad) != nullptr, "f32 low-precision copy rejected", "");
+  bad.lowp_out = nullptr;
+  Check(ValidateAdamBuffers(bad) != nullptr, "null weights copy rejected", "");
   bad = b;
   bad.grad = nullptr;
   Check(ValidateAdamBuffers(bad) != nullptr, "null gradient rejected", "");
@@ -516,8 +529,8 @@ int main() {
   TestOutOfPlaceAndRoofline();
   const ElementType kGrads[] = {ElementType::kF32, ElementType::kBF16,
                                 ElementType::kF16};
-  const ElementType kLowps[] = {ElementType::kNone, ElementType::kBF16,
-                                ElementType::kF16};
+  const ElementType kLowps[] = {ElementType::kNone, ElementType::kF32,
+                                ElementType::kBF16, ElementType::kF16};
   for (int64_t n : {0, 1, 7, 22, 64, 1000}) {
     for (ElementType grad : kGrads) {
       for (ElementType lowp : kLowps) {

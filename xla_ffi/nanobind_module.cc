@@ -24,6 +24,8 @@ NB_MODULE(_grace_adam, m) {
     handlers["jax_superoffload_adam_step"] = EncapsulateFfiHandler(JsoAdamStep);
     handlers["jax_superoffload_adam_step_lowp"] =
         EncapsulateFfiHandler(JsoAdamStepLowp);
+    handlers["jax_superoffload_adam_step_segments"] =
+        EncapsulateFfiHandler(JsoAdamStepSegments);
     handlers["jax_superoffload_stream_roofline"] =
         EncapsulateFfiHandler(JsoStreamRoofline);
     return handlers;

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -38,7 +39,7 @@ def resolve(executor: str) -> str:
 class BucketStep:
   """The per-step scalars and flags shared by every bucket of a group."""
 
-  count: jax.Array
+  count: Any
   learning_rate: Any
   b1: Any
   b2: Any
@@ -46,8 +47,7 @@ class BucketStep:
   eps_root: Any
   weight_decay: Any
   nesterov: bool
-  lowp_dtype: Any  # bf16/f16 for low-precision params, None for f32.
-  want_delta: bool  # Also return new - old master (when params are absent).
+  want_delta: bool  # Return new - old master (when params are absent).
 
   def kwargs(self) -> dict[str, Any]:
     return dict(
@@ -59,16 +59,52 @@ class BucketStep:
       eps_root=self.eps_root,
       weight_decay=self.weight_decay,
       nesterov=self.nesterov,
-      lowp_dtype=self.lowp_dtype,
     )
 
 
-def _run(kernel, step: BucketStep, master, grad, mu, nu):
-  out = kernel(master, grad, mu, nu, **step.kwargs())
-  new_master, new_mu, new_nu = out[:3]
-  weights = out[3] if step.lowp_dtype is not None else new_master
+def _split(flat: jax.Array, grads: Sequence[jax.Array]) -> list[jax.Array]:
+  out, start = [], 0
+  for g in grads:
+    out.append(flat[start : start + g.size])
+    start += g.size
+  return out
+
+
+def _run(kernel: str, step: BucketStep, master, mu, nu, grads, dtypes):
+  """The bucket's step on whichever memory its inputs are in."""
+  if kernel == 'ffi':
+    # fp32 weights are the new master itself: no copy; the caller moves the
+    # whole bucket and splits it on the device (weights = None).
+    fp32 = step.want_delta or all(jnp.dtype(d) == jnp.float32 for d in dtypes)
+    new_master, new_mu, new_nu, weights = grace_adam.adam_step_segments(
+      master,
+      mu,
+      nu,
+      list(grads),
+      None if fp32 else list(dtypes),
+      **step.kwargs(),
+    )
+    if step.want_delta:
+      weights = _split(new_master, grads)
+    elif fp32:
+      return new_master, new_mu, new_nu, None
+  else:
+    grad = (
+      jnp.concatenate([g.astype(jnp.float32) for g in grads])
+      if grads
+      else jnp.zeros((0,), jnp.float32)
+    )
+    new_master, new_mu, new_nu = adam_reference.adam_step_reference(
+      master, grad, mu, nu, **step.kwargs()
+    )
+    weights = [
+      w.astype(jnp.float32 if step.want_delta else d)
+      for w, d in zip(_split(new_master, grads), dtypes, strict=True)
+    ]
   if step.want_delta:
-    weights = new_master - master
+    weights = [
+      w - old for w, old in zip(weights, _split(master, grads), strict=True)
+    ]
   return new_master, new_mu, new_nu, weights
 
 
@@ -76,37 +112,31 @@ def step_bucket(
   executor: str,
   step: BucketStep,
   master: jax.Array,
-  grad: jax.Array,
   mu: jax.Array,
   nu: jax.Array,
+  grads: Sequence[jax.Array],
+  dtypes: Sequence[Any],
 ):
   """One bucket's step.
 
   Args:
     executor: "ffi", "xla_host" or "device" (already resolved).
     step: scalars and flags.
-    master: fp32 master weights (host memory).
-    grad: fp32 gradient (device memory).
-    mu: first moment (host memory).
-    nu: second moment (host memory).
+    master: the bucket's fp32 master weights (host memory).
+    mu: its first moment (host memory).
+    nu: its second moment (host memory).
+    grads: the bucket's leaves' flat gradients (device memory), in order.
+    dtypes: the dtype of each leaf's new weights.
 
   Returns:
-    `(master, mu, nu)` in host memory and the new weights on the device: in
-    the parameters' dtype, or the fp32 change of the master if
-    `step.want_delta`.
+    `(master, mu, nu)` in host memory and, per leaf, the new flat weights on
+    the device (or, with `step.want_delta`, the fp32 change of the master).
   """
   if executor == 'device':
-    out = _run(
-      adam_reference.adam_step_reference,
-      step,
-      *(host_memory.to_device(x) for x in (master, grad, mu, nu)),
-    )
+    on_device = [host_memory.to_device(x) for x in (master, mu, nu)]
+    out = _run('reference', step, *on_device, grads, dtypes)
     return (*(host_memory.to_host(x) for x in out[:3]), out[3])
-  kernel = (
-    grace_adam.adam_step
-    if executor == 'ffi'
-    else adam_reference.adam_step_reference
-  )
+  kernel = 'ffi' if executor == 'ffi' else 'reference'
   # Array scalars (a schedule's value, inject_hyperparams) go in as
   # arguments, never as closed-over tracers; Python floats stay Python
   # floats so that 1 - b1 is rounded from double precision, as in optax.
@@ -125,11 +155,12 @@ def step_bucket(
   )
   scalars = tuple(jnp.asarray(getattr(step, n)) for n in names)
 
-  def host_fn(master, grad, mu, nu, scalars):
+  def host_fn(master, mu, nu, grads, scalars):
     bound = dataclasses.replace(step, **dict(zip(names, scalars, strict=True)))
-    return _run(kernel, bound, master, grad, mu, nu)
+    return _run(kernel, bound, master, mu, nu, grads, dtypes)
 
-  out = host_memory.on_host(
-    host_fn, master, host_memory.to_host(grad), mu, nu, scalars
-  )
-  return (*out[:3], host_memory.to_device(out[3]))
+  flat_grads = [host_memory.to_host(g) for g in grads]
+  out = host_memory.on_host(host_fn, master, mu, nu, flat_grads, scalars)
+  if out[3] is None:  # fp32: one transfer of the bucket, split on device.
+    return (*out[:3], _split(host_memory.to_device(out[0]), grads))
+  return (*out[:3], [host_memory.to_device(w) for w in out[3]])

@@ -13,6 +13,7 @@ _PREFIX = 'jax_superoffload_'
 ADAM_STEP_TARGET = _PREFIX + 'adam_step'
 ADAM_STEP_LOWP_TARGET = _PREFIX + 'adam_step_lowp'
 STREAM_ROOFLINE_TARGET = _PREFIX + 'stream_roofline'
+ADAM_STEP_SEGMENTS_TARGET = _PREFIX + 'adam_step_segments'
 
 for _name, _capsule in _grace_adam.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform='cpu')
@@ -123,3 +124,59 @@ def stream_roofline(
     input_output_aliases={0: 0, 2: 1, 3: 2},
   )
   return tuple(call(master, grad, mu, nu))
+
+
+def adam_step_segments(
+  master: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  grads: list[jax.Array],
+  weight_dtypes: list[jax.typing.DTypeLike] | None,
+  *,
+  count: jax.typing.ArrayLike,
+  learning_rate: jax.typing.ArrayLike,
+  b1: jax.typing.ArrayLike,
+  b2: jax.typing.ArrayLike,
+  eps: jax.typing.ArrayLike,
+  eps_root: jax.typing.ArrayLike,
+  weight_decay: jax.typing.ArrayLike,
+  nesterov: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
+  """One kernel call over a bucket of several leaves (internal).
+
+  `master`, `mu` and `nu` are the bucket's flat fp32 state; `grads` are the
+  bucket's leaves' flat gradients (f32, bf16 or f16), in order, whose sizes
+  add up to the bucket's. Returns the new state and, per leaf, the new
+  weights in `weight_dtypes` (rounded to nearest even), written by the same
+  pass; with `weight_dtypes=None`, no copies (an empty list).
+  """
+  scalars = adam_args.pack_scalars(
+    learning_rate=learning_rate,
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    eps_root=eps_root,
+    weight_decay=weight_decay,
+    grad_scale=1.0,
+  )
+  state_type = jax.ShapeDtypeStruct(master.shape, jnp.float32)
+  out_types = [state_type] * 3 + [
+    jax.ShapeDtypeStruct(g.shape, d)
+    for g, d in zip(grads, weight_dtypes or [], strict=False)
+  ]
+  call = jax.ffi.ffi_call(
+    ADAM_STEP_SEGMENTS_TARGET,
+    out_types,
+    vmap_method='sequential',
+    input_output_aliases={0: 0, 1: 1, 2: 2},
+  )
+  out = call(
+    master,
+    mu,
+    nu,
+    jnp.asarray(count, jnp.int32),
+    scalars,
+    *grads,
+    nesterov=bool(nesterov),
+  )
+  return out[0], out[1], out[2], list(out[3:])

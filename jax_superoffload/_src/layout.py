@@ -3,7 +3,10 @@
 Leaves the kernel covers (float32, bfloat16 and float16 parameters) are
 grouped by (parameter dtype, weight decay on/off), so one kernel call per
 bucket serves every leaf in it; each group's leaves are laid end to end and
-cut into buckets of at most `bucket_elements`. Other floating leaves
+split, at leaf boundaries, into buckets of about `bucket_elements` (a leaf
+is never split: one larger than that is a bucket of its own). Whole leaves
+let the kernel read each gradient and write each new weight where it is,
+with no concatenation or slicing on the way. Other floating leaves
 (float64, complex) go to an optax fallback. The layout is a pure function of
 the tree's structure, shapes, dtypes and mask, so `init` and `update` build
 the same one without storing it.
@@ -35,11 +38,15 @@ class Group:
   leaves: tuple[int, ...]  # Indices into the flattened tree.
   offsets: tuple[int, ...]  # Start of each leaf in the group's flat vector.
   sizes: tuple[int, ...]
-  bucket_bounds: tuple[tuple[int, int], ...]  # [start, stop) per bucket.
+  buckets: tuple[tuple[int, ...], ...]  # Positions in `leaves` per bucket.
 
   @property
   def size(self) -> int:
     return sum(self.sizes)
+
+  @property
+  def bucket_sizes(self) -> tuple[int, ...]:
+    return tuple(sum(self.sizes[j] for j in b) for b in self.buckets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +63,7 @@ class Layout:
 
   @property
   def bucket_sizes(self) -> tuple[int, ...]:
-    return tuple(
-      stop - start for g in self.groups for start, stop in g.bucket_bounds
-    )
+    return tuple(n for g in self.groups for n in g.bucket_sizes)
 
   @property
   def num_buckets(self) -> int:
@@ -121,12 +126,16 @@ def build_layout(
   ):
     sizes = tuple(int(np.prod(shapes[i], dtype=np.int64)) for i in idx)
     offsets = tuple(int(x) for x in np.cumsum((0, *sizes[:-1])))
-    total = sum(sizes)
-    bounds = tuple(
-      (s, min(s + bucket_elements, total))
-      for s in range(0, total, bucket_elements)
+    groups.append(
+      Group(
+        dtype,
+        group_decay,
+        tuple(idx),
+        offsets,
+        sizes,
+        _split(sizes, bucket_elements),
+      )
     )
-    groups.append(Group(dtype, group_decay, tuple(idx), offsets, sizes, bounds))
   return Layout(
     treedef,
     paths,
@@ -136,6 +145,22 @@ def build_layout(
     tuple(fallback),
     tuple(bool(decay[i]) for i in fallback),
   )
+
+
+def _split(sizes: Sequence[int], target: int) -> tuple[tuple[int, ...], ...]:
+  """Greedy buckets of whole leaves, each up to `target` elements."""
+  buckets, current, filled = [], [], 0
+  for j, size in enumerate(sizes):
+    if current and filled > 0 and filled + size > target:
+      buckets.append(tuple(current))
+      current, filled = [], 0
+    current.append(j)
+    filled += size
+  if filled > 0:
+    buckets.append(tuple(current))
+  elif current and buckets:  # Trailing zero-size leaves join the last one.
+    buckets[-1] += tuple(current)
+  return tuple(buckets)
 
 
 def check_tree(layout: Layout, tree: Any, what: str) -> list[Any]:
@@ -167,28 +192,28 @@ def check_tree(layout: Layout, tree: Any, what: str) -> list[Any]:
   return leaves
 
 
+def bucket_leaves(
+  group: Group, bucket: int, leaves: Sequence[jax.Array]
+) -> list[jax.Array]:
+  """The flattened leaves of one bucket, in order."""
+  return [jnp.ravel(leaves[group.leaves[j]]) for j in group.buckets[bucket]]
+
+
 def pack(
   group: Group, leaves: Sequence[jax.Array], dtype: Any = jnp.float32
 ) -> list[jax.Array]:
-  """Lays a group's leaves end to end in `dtype` and cuts the buckets."""
-  if not group.leaves:
-    return []
-  flat = jnp.concatenate(
-    [jnp.ravel(leaves[i]).astype(dtype) for i in group.leaves]
-  )
-  return [flat[start:stop] for start, stop in group.bucket_bounds]
+  """Each bucket's leaves laid end to end in `dtype`, one array a bucket."""
+  out = []
+  for b in range(len(group.buckets)):
+    parts = [x.astype(dtype) for x in bucket_leaves(group, b, leaves)]
+    out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+  return out
 
 
-def unpack(
-  group: Group, buckets: Sequence[jax.Array], layout: Layout
-) -> dict[int, jax.Array]:
-  """Inverse of `pack`: leaf index -> array of the leaf's shape."""
-  if not buckets:
-    return {i: jnp.zeros(layout.shapes[i], jnp.float32) for i in group.leaves}
-  flat = buckets[0] if len(buckets) == 1 else jnp.concatenate(buckets)
-  return {
-    i: flat[offset : offset + size].reshape(layout.shapes[i])
-    for i, offset, size in zip(
-      group.leaves, group.offsets, group.sizes, strict=True
-    )
-  }
+def split(group: Group, bucket: int, flat: jax.Array) -> list[jax.Array]:
+  """Inverse of `pack` for one bucket: one flat slice per leaf."""
+  out, start = [], 0
+  for j in group.buckets[bucket]:
+    out.append(flat[start : start + group.sizes[j]])
+    start += group.sizes[j]
+  return out

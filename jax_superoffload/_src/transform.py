@@ -33,6 +33,14 @@ class SuperOffloadState(NamedTuple):
   fallback: optax.OptState
 
 
+def _kernel_grad(g: jax.Array) -> jax.Array:
+  # The kernel reads f32, bf16 and f16 gradients as stored; others (e.g. a
+  # float64 gradient of an f32 parameter) are converted on the device.
+  if g.dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+    return g
+  return g.astype(jnp.float32)
+
+
 def _exact_delta(new: jax.Array, old: jax.Array) -> jax.Array:
   """An update `u` with `old + u == new` in fp32, so apply_updates is exact.
 
@@ -194,7 +202,6 @@ def superoffload_adam(
     out_leaves: list[Any] = [None] * len(grads)
     k = 0
     for group in lay.groups:
-      lowp = None if group.dtype == np.float32 else group.dtype
       step = executors.BucketStep(
         count=count,
         learning_rate=lr,
@@ -204,24 +211,33 @@ def superoffload_adam(
         eps_root=eps_root,
         weight_decay=wd if group.decay else 0.0,
         nesterov=nesterov,
-        lowp_dtype=lowp,
         want_delta=params is None,
       )
-      weights = []
-      for grad in layout.pack(group, grads):
-        m, a, v, w = executors.step_bucket(
-          executor, step, state.master[k], grad, state.mu[k], state.nu[k]
+      for b, bucket in enumerate(group.buckets):
+        leaf_ids = [group.leaves[j] for j in bucket]
+        m, a, v, weights = executors.step_bucket(
+          executor,
+          step,
+          state.master[k],
+          state.mu[k],
+          state.nu[k],
+          [_kernel_grad(g) for g in layout.bucket_leaves(group, b, grads)],
+          [lay.dtypes[i] for i in leaf_ids],
         )
         new_master.append(m)
         new_mu.append(a)
         new_nu.append(v)
-        weights.append(w)
         k += 1
-      for i, w in layout.unpack(group, weights, lay).items():
-        if params is None:
-          out_leaves[i] = w  # The fp32 change of the master.
-        else:
-          out_leaves[i] = _exact_delta(w.astype(lay.dtypes[i]), param_leaves[i])
+        for i, w in zip(leaf_ids, weights, strict=True):
+          w = w.reshape(lay.shapes[i])
+          if params is None:
+            out_leaves[i] = w  # The fp32 change of the master.
+          else:
+            out_leaves[i] = _exact_delta(w, param_leaves[i])
+      # Zero-size leaves that no bucket holds (a group of only those).
+      for i in group.leaves:
+        if out_leaves[i] is None:
+          out_leaves[i] = jnp.zeros(lay.shapes[i], jnp.float32)
 
     fallback_state = state.fallback
     if lay.fallback:

@@ -1,0 +1,155 @@
+"""A whole optimizer step: superoffload (each executor) vs optax.adamw.
+
+The step is `update` + `optax.apply_updates`, jitted with the parameters and
+the optimizer state donated, on one 64M-parameter leaf and on 640 leaves
+holding the same 64M parameters. Candidates alternate in one run; medians.
+
+  python -m experiments.bench_step [--params 67108864] [--leaves 640]
+
+Writes `results/bench_step.json` (or `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+import optax
+
+import jax_superoffload as superoffload
+from jax_superoffload import kernels
+
+
+def make_tree(n: int, leaves: int, seed: int) -> dict[str, jax.Array]:
+  """`leaves` leaves of (nearly) equal size holding `n` parameters in all."""
+  rng = np.random.default_rng(seed)
+  sizes = [n // leaves + (1 if i < n % leaves else 0) for i in range(leaves)]
+  device = jax.devices()[0]
+  return {
+    f'leaf{i:04d}': jax.device_put(
+      rng.standard_normal(size, dtype=np.float32) * 0.02, device
+    )
+    for i, size in enumerate(sizes)
+  }
+
+
+def candidate(
+  tx: optax.GradientTransformation, n: int, leaves: int
+) -> Callable[[], None]:
+  params = make_tree(n, leaves, 0)
+  grads = jax.tree.map(lambda x: x * 1e-2, make_tree(n, leaves, 1))
+  box = [params, tx.init(params)]
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+
+  def run():
+    out = step(box[0], box[1], grads)
+    jax.block_until_ready(out)
+    box[0], box[1] = out
+
+  return run
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--params', type=int, default=64 * 2**20)
+  parser.add_argument('--leaves', type=int, default=640)
+  parser.add_argument('--reps', type=int, default=9)
+  parser.add_argument('--warmup', type=int, default=2)
+  parser.add_argument('--out', default='results/bench_step.json')
+  args = parser.parse_args()
+  n = args.params
+
+  optimizers = {
+    'optax.adamw': lambda: optax.adamw(1e-3, weight_decay=0.01),
+    'superoffload ffi': lambda: superoffload.adamw(
+      1e-3, weight_decay=0.01, executor='ffi'
+    ),
+    'superoffload xla_host': lambda: superoffload.adamw(
+      1e-3, weight_decay=0.01, executor='xla_host'
+    ),
+    'superoffload device': lambda: superoffload.adamw(
+      1e-3, weight_decay=0.01, executor='device'
+    ),
+  }
+  layouts = {'1 leaf': 1, f'{args.leaves} leaves': args.leaves}
+  runs = {}
+  for name, make in optimizers.items():
+    for layout_name, leaves in layouts.items():
+      runs[(name, layout_name)] = candidate(make(), n, leaves)
+  for run in runs.values():
+    for _ in range(args.warmup):
+      run()
+  times = {key: [] for key in runs}
+  keys = list(runs)
+  for rep in range(args.reps):
+    for key in keys if rep % 2 == 0 else keys[::-1]:
+      start = time.perf_counter()
+      runs[key]()
+      times[key].append(time.perf_counter() - start)
+  median = {key: statistics.median(t) for key, t in times.items()}
+
+  one, many = layouts
+  base = median[('optax.adamw', one)]
+  print(
+    f'\nWhole AdamW step (update + apply_updates, jit, donated), '
+    f'{n / 1e6:.1f}M fp32 params, median of {args.reps} '
+    f'(kernel ISA: {kernels.instruction_set()})'
+  )
+  print(
+    f'{"optimizer":24s} {"1 leaf ms":>10s} {many + " ms":>16s} '
+    f'{"many/one":>9s} {"vs optax (1 leaf)":>18s}'
+  )
+  rows = []
+  for name in optimizers:
+    t1, tn = median[(name, one)], median[(name, many)]
+    rows.append(
+      {
+        'optimizer': name,
+        'one_leaf_s': t1,
+        'many_leaves_s': tn,
+        'many_over_one': tn / t1,
+        'speedup_vs_optax_one_leaf': base / t1,
+        'times_one_s': times[(name, one)],
+        'times_many_s': times[(name, many)],
+      }
+    )
+    print(
+      f'{name:24s} {t1 * 1e3:10.1f} {tn * 1e3:16.1f} {tn / t1:9.2f} '
+      f'{base / t1:18.2f}'
+    )
+  result = {
+    'benchmark': 'bench_step',
+    'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
+    'machine': {
+      'platform': platform.platform(),
+      'cpus': os.cpu_count(),
+      'backend': jax.default_backend(),
+      'jax': jax.__version__,
+      'kernel_isa': kernels.instruction_set(),
+    },
+    'params': n,
+    'leaves': args.leaves,
+    'reps': args.reps,
+    'rows': rows,
+  }
+  os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)
+  with open(args.out, 'w') as f:
+    json.dump(result, f, indent=1)
+  print(f'wrote {args.out}')
+
+
+if __name__ == '__main__':
+  main()
