@@ -1,18 +1,40 @@
 """jax_superoffload: SuperOffload for JAX and Optax.
 
 Optax transformations whose Adam state lives in host memory and whose step
-runs on the CPU (the Grace Adam kernel, through XLA FFI).
+runs on the CPU (the Grace Adam kernel, through XLA FFI), and the pieces a
+large-model training run needs around them.
 """
 
 from jax_superoffload import kernels
-from jax_superoffload._src.adam import adam, adamw
+from jax_superoffload._src.adam import adam
+from jax_superoffload._src.adam import adamw
+from jax_superoffload._src.hardware import CPU_ONLY
+from jax_superoffload._src.hardware import GH200
+from jax_superoffload._src.hardware import H100_PCIE
+from jax_superoffload._src.hardware import H200_PCIE
+from jax_superoffload._src.hardware import HardwareProfile
+from jax_superoffload._src.hardware import measure_host_bandwidth
+from jax_superoffload._src.planner import Estimate
+from jax_superoffload._src.planner import ModelSpec
+from jax_superoffload._src.planner import Plan
+from jax_superoffload._src.planner import plan
 from jax_superoffload._src.transform import SuperOffloadState
 
 __version__ = '0.1.0'
 
 __all__ = [
+  'CPU_ONLY',
+  'GH200',
+  'H100_PCIE',
+  'H200_PCIE',
+  'Estimate',
+  'HardwareProfile',
+  'ModelSpec',
+  'Plan',
   'SuperOffloadState',
   'adam',
   'adamw',
   'kernels',
+  'measure_host_bandwidth',
+  'plan',
 ]

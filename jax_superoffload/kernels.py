@@ -5,11 +5,9 @@
 """
 
 from jax_superoffload._src.adam_reference import adam_step_reference
-from jax_superoffload._src.grace_adam import (
-  adam_step,
-  instruction_set,
-  stream_roofline,
-)
+from jax_superoffload._src.grace_adam import adam_step
+from jax_superoffload._src.grace_adam import instruction_set
+from jax_superoffload._src.grace_adam import stream_roofline
 
 __all__ = [
   'adam_step',

@@ -19,7 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_superoffload._src import adam_reference, grace_adam, host_memory
+from jax_superoffload._src import adam_reference
+from jax_superoffload._src import grace_adam
+from jax_superoffload._src import host_memory
 
 EXECUTORS = ('auto', 'ffi', 'xla_host', 'device')
 

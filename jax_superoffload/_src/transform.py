@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_superoffload._src import adam_args, executors, host_memory, layout
+from jax_superoffload._src import adam_args
+from jax_superoffload._src import executors
+from jax_superoffload._src import host_memory
+from jax_superoffload._src import layout
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 

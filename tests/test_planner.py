@@ -1,0 +1,270 @@
+"""The planner's decision rules, bounds and interface (no timing asserts)."""
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_superoffload._src import planner
+from jax_superoffload._src.hardware import (
+  CPU_ONLY,
+  GH200,
+  H100_PCIE,
+  H200_PCIE,
+  HardwareProfile,
+  measure_host_bandwidth,
+)
+from jax_superoffload._src.planner import ModelSpec, plan
+
+# A profile with round numbers, no reserves and perfect efficiencies, so
+# that thresholds can be computed by hand.
+SYNTHETIC = HardwareProfile(
+  name='synthetic',
+  device_memory_gb=80.0,
+  device_peak_tflops=1000.0,
+  device_mfu=0.5,
+  device_bandwidth_gbs=3000.0,
+  link_gbs=100.0,
+  link_efficiency=1.0,
+  host_memory_gb=1000.0,
+  host_bandwidth_gbs=400.0,
+  host_adam_efficiency=1.0,
+  host_cast_gbs=50.0,
+  device_memory_reserve=0.0,
+  host_memory_reserve=0.0,
+)
+
+MODEL = ModelSpec(
+  params=10_000_000_000,
+  layers=40,
+  hidden=4096,
+  seq_len=4096,
+  batch=4,
+  vocab=50000,
+)
+
+
+def activations_by_hand(m):
+  """Checkpointed bf16 activations with flash attention, plus fp32 logits."""
+  sbh = m.seq_len * m.batch * m.hidden
+  return m.layers * 2 * sbh + 34 * sbh + 4 * m.seq_len * m.batch * m.vocab
+
+
+def test_activation_formula():
+  assert planner.activation_bytes(MODEL) == activations_by_hand(MODEL)
+  no_ckpt = dataclasses.replace(MODEL, activation_checkpointing=False)
+  sbh = MODEL.seq_len * MODEL.batch * MODEL.hidden
+  logits = 4 * MODEL.seq_len * MODEL.batch * MODEL.vocab
+  assert planner.activation_bytes(no_ckpt) == 40 * 34 * sbh + logits
+
+
+@pytest.mark.parametrize('cast', ['device', 'host'])
+def test_weight_flow_exactly_when_weights_and_activations_exceed_memory(cast):
+  bucket = 200_000_000
+  wire = 4 if cast == 'device' else 2
+  need = 4 * MODEL.params + activations_by_hand(MODEL) + 2 * bucket * wire
+  for factor, expected in [(1 + 1e-9, 'stationary'), (1 - 1e-9, 'flow')]:
+    hw = dataclasses.replace(SYNTHETIC, device_memory_gb=need * factor / 1e9)
+    p = plan(MODEL, hw, cast=cast, bucket_elements=bucket)
+    assert p.weights == expected, (factor, p.device_bytes, need)
+
+
+def test_unified_memory_never_flows():
+  p = plan(MODEL, dataclasses.replace(SYNTHETIC, unified_memory=True))
+  assert p.weights == 'stationary'
+
+
+@pytest.mark.parametrize(
+  'weights, w', [('stationary', 1), ('flow', 2)], ids=['stationary', 'flow']
+)
+def test_cast_side_flips_at_the_link_cast_crossover(weights, w):
+  # device: (4 + 4w) B / link + (6 + 6w) B / hbm; host: (2 + 2w) B / link +
+  # 12 B / host cast. Equal where (2 + 2w) / link = 12 / cast - (6 + 6w) / hbm.
+  hbm, host_cast = 3000e9, 50e9
+  crossover = (2 + 2 * w) / (12 / host_cast - (6 + 6 * w) / hbm)
+  for factor, expected in [(1.01, 'device'), (0.99, 'host')]:
+    hw = dataclasses.replace(SYNTHETIC, link_gbs=crossover * factor / 1e9)
+    assert plan(MODEL, hw, weights=weights).cast == expected
+  # Faster host casts move the crossover to faster links.
+  fast_cast = dataclasses.replace(
+    SYNTHETIC, link_gbs=crossover * 1.01 / 1e9, host_cast_gbs=500.0
+  )
+  assert plan(MODEL, fast_cast, weights=weights).cast == 'host'
+
+
+def test_builtin_profiles_cast_on_device():
+  # With a ~100x slower host cast the fp32 transfer wins on both links.
+  for hw in (GH200, H100_PCIE, H200_PCIE):
+    assert plan(MODEL, hw).cast == 'device', hw.name
+
+
+PROFILES = [GH200, H100_PCIE, H200_PCIE, CPU_ONLY, SYNTHETIC]
+SIZES = [1e8, 1e9, 7e9, 25e9, 70e9]
+SHAPES = [(512, 1), (4096, 8), (32768, 1)]
+
+
+@pytest.mark.parametrize('hw', PROFILES, ids=lambda hw: hw.name.split()[0])
+def test_no_prediction_beats_a_physical_bound(hw):
+  for n, (seq, batch) in itertools.product(SIZES, SHAPES):
+    m = ModelSpec.from_params(n, seq_len=seq, batch=batch)
+    tokens = seq * batch
+    flops = 8 * m.params * tokens  # Checkpointing recomputes the forward.
+    compute_bound = flops / (hw.device_peak_tflops * 1e12)
+    for weights, stv in itertools.product(('auto', 'flow'), (True, False)):
+      p = plan(m, hw, weights=weights, stv=stv)
+      host_params = m.params - p.device_params
+      wire = 4 if p.cast == 'device' else 2
+      bounds = [
+        compute_bound,
+        host_params * 28 / (hw.host_bandwidth_gbs * 1e9),
+        host_params * wire / (hw.link_gbs * 1e9),
+      ]
+      assert p.step_time_s >= max(bounds) * (1 - 1e-12), (n, seq, p)
+      parts = (
+        p.compute_s
+        + p.device_cast_s
+        + p.device_adam_s
+        + p.d2h_s
+        + p.h2d_s
+        + p.host_cast_s
+        + p.host_adam_s
+      )
+      assert p.step_time_s == pytest.approx(parts - p.overlap_s, rel=1e-9)
+      assert -1e-9 <= p.overlap_s <= parts - p.compute_s + 1e-9
+      assert 0 < p.device_busy_fraction <= 1 + 1e-12
+    device_ref, zero_ref = p.device_adam, p.zero_offload
+    assert device_ref.step_time_s >= compute_bound
+    zero_bound = compute_bound + m.params * 28 / (hw.host_bandwidth_gbs * 1e9)
+    assert zero_ref.step_time_s >= zero_bound
+
+
+def test_overlap_orders_the_systems():
+  for n in SIZES:
+    m = ModelSpec.from_params(n, seq_len=4096, batch=4)
+    p = plan(m, GH200)
+    assert p.step_time_s <= p.zero_offload.step_time_s
+    assert p.step_time_s <= plan(m, GH200, stv=False).step_time_s
+    assert p.zero_offload.device_busy_fraction < 1
+
+
+def test_buckets():
+  small = plan(ModelSpec.from_params(1e6, seq_len=64, batch=1), SYNTHETIC)
+  assert small.bucket_count >= planner.MIN_BUCKETS
+  for n in (1e9, 25e9, 500e9):
+    p = plan(ModelSpec.from_params(n, seq_len=4096, batch=1), GH200)
+    assert 1e8 <= p.bucket_elements <= 8e8
+    assert p.bucket_bytes == 4 * p.bucket_elements
+    assert p.bucket_count * p.bucket_elements >= p.model.params
+    if p.fits:
+      assert 1 <= p.device_buckets <= max(1, 0.2 * p.bucket_count)
+      assert p.device_bucket_fraction == p.device_buckets / p.bucket_count
+
+
+def test_slow_host_keeps_more_buckets_on_device():
+  m = ModelSpec.from_params(2e9, seq_len=4096, batch=8)
+  fast = plan(m, GH200)
+  assert fast.device_buckets == 1  # Backward hides all but the last bucket.
+  slow_host = dataclasses.replace(GH200, host_bandwidth_gbs=20.0)
+  slow = plan(m, slow_host)
+  assert slow.device_buckets > fast.device_buckets
+  assert slow.device_buckets <= 0.2 * slow.bucket_count
+  fixed = plan(m, slow_host, device_buckets=0)
+  assert fixed.device_buckets == 0 and fixed.device_params == 0
+  assert fixed.step_time_s > slow.step_time_s
+
+
+def test_largest_models_on_gh200_are_ordered():
+  def fits(n, system):
+    p = plan(ModelSpec.from_params(n, seq_len=4096, batch=8), GH200)
+    return {'so': p, 'zero': p.zero_offload, 'dev': p.device_adam}[system].fits
+
+  assert fits(4e9, 'dev') and not fits(8e9, 'dev')
+  assert fits(13e9, 'zero') and not fits(20e9, 'zero')
+  assert fits(20e9, 'so') and not fits(40e9, 'so')
+
+
+def test_plan_accepts_a_params_pytree():
+  hidden, vocab, layers = 256, 1000, 3
+  block = {
+    'attn': {
+      'qkv': jnp.zeros((hidden, 3 * hidden)),
+      'out': jnp.zeros((hidden, hidden)),
+    },
+    'mlp': {
+      'up': jnp.zeros((hidden, 4 * hidden)),
+      'down': jnp.zeros((4 * hidden, hidden)),
+    },
+    'norm': jnp.zeros((hidden,)),
+  }
+  params = {
+    'embed': jnp.zeros((vocab, hidden)),
+    'blocks': [block] * layers,
+  }
+  count = sum(x.size for x in jax.tree.leaves(params))
+  p = plan(params, GH200, seq_len=128, batch=2)
+  assert p.model.params == count
+  assert (p.model.hidden, p.model.vocab, p.model.layers) == (
+    hidden,
+    vocab,
+    layers,
+  )
+  assert p.model.tokens == 256
+  shapes = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), params
+  )
+  q = plan(shapes, GH200, seq_len=128, batch=2, layers=7)
+  assert q.model.params == count and q.model.layers == 7
+  with pytest.raises(ValueError, match='empty'):
+    plan({}, GH200)
+
+
+def test_bad_arguments_are_named():
+  with pytest.raises(ValueError, match='weights'):
+    plan(MODEL, GH200, weights='sideways')
+  with pytest.raises(ValueError, match='cast'):
+    plan(MODEL, GH200, cast='cpu')
+  with pytest.raises(ValueError, match='device_buckets'):
+    plan(MODEL, GH200, device_buckets=10**6)
+  with pytest.raises(ValueError, match='bucket_elements'):
+    plan(MODEL, GH200, bucket_elements=0)
+  with pytest.raises(ValueError, match='batch'):
+    ModelSpec(params=10, layers=1, hidden=4, batch=0)
+  with pytest.raises(ValueError, match='host_bandwidth_gbs'):
+    dataclasses.replace(GH200, host_bandwidth_gbs=0.0)
+
+
+def test_str_mentions_every_part():
+  text = str(plan(MODEL, GH200))
+  for word in (
+    'weights: stationary',
+    'cast on: device',
+    'fits',
+    'buckets',
+    'device buckets',
+    'compute',
+    'device cast',
+    'device Adam',
+    'd2h',
+    'h2d',
+    'host cast',
+    'host Adam',
+    'overlap',
+    'step total',
+    'tokens/s',
+    'TFLOPS',
+    'ZeRO-Offload',
+    'prediction',
+  ):
+    assert word in text, word
+
+
+def test_measure_host_bandwidth_is_positive():
+  gbs = measure_host_bandwidth(1 << 16, repeats=2)
+  assert np.isfinite(gbs) and gbs > 0
+  hw = HardwareProfile.measured(n_params=1 << 16, repeats=2)
+  assert hw.unified_memory and hw.host_bandwidth_gbs > 0
+  assert hw.link_gbs == pytest.approx(hw.host_bandwidth_gbs / 2)
+  assert plan(MODEL, hw).step_time_s > 0
