@@ -6,6 +6,7 @@ large-model training run needs around them.
 """
 
 from jax_superoffload import kernels
+from jax_superoffload import ulysses
 from jax_superoffload._src.adam import adam
 from jax_superoffload._src.adam import adamw
 from jax_superoffload._src.hardware import CPU_ONLY
@@ -37,4 +38,5 @@ __all__ = [
   'kernels',
   'measure_host_bandwidth',
   'plan',
+  'ulysses',
 ]
