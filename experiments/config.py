@@ -46,6 +46,10 @@ class Config:
   dtype: str = 'float32'
   # Storage dtype of the parameters.
   param_dtype: str = 'float32'
+  # Stack the blocks' weights and run them with one `jax.lax.scan`.
+  scan_layers: bool = False
+  # Block weights: "stationary" (device) or "flow" (host, streamed; scanned).
+  weights_policy: str = 'stationary'
 
   # --- Data ---
   # Text file or folder to train on; None uses the stdlib's own sources.
@@ -91,9 +95,11 @@ class Config:
 # Allowed values of the string fields that have a fixed set of them.
 OPTIMIZERS = ('superoffload', 'optax', 'device')
 POS_ENCODINGS = ('rope', 'learned')
+WEIGHTS_POLICIES = ('stationary', 'flow')
 CHOICES: dict[str, tuple[str, ...]] = {
   'optimizer': OPTIMIZERS,
   'pos_encoding': POS_ENCODINGS,
+  'weights_policy': WEIGHTS_POLICIES,
 }
 
 # Overrides of the `Config` defaults for each named preset. Parameter counts

@@ -4,6 +4,12 @@ Token embedding, rotary or learned absolute positions, pre-norm blocks of
 causal self-attention (`jax.nn.dot_product_attention`) and a GELU MLP, a final
 LayerNorm, and a tied or untied output head.
 
+The blocks are a Python list run in a loop (the default), or, with
+``scan_layers``, one `nnx.vmap`-built block whose weights carry a leading
+layer axis, run with SuperOffload's `weight_flow_scan`. With
+``weights_policy="flow"`` those stacked weights live in host memory
+(`offload_weights`) and are streamed to the device layer by layer.
+
 Shape suffixes: B batch, L sequence length, D model width, H heads,
 K head width, F MLP width, V vocabulary.
 """
@@ -19,7 +25,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from experiments.config import POS_ENCODINGS, Config
+from experiments.config import POS_ENCODINGS
+from experiments.config import WEIGHTS_POLICIES
+from experiments.config import Config
+from jax_superoffload._src import weight_flow
 
 
 def _dtype(name: str) -> jnp.dtype:
@@ -149,6 +158,17 @@ class Block(nnx.Module):
     return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
 
 
+def _stacked_blocks(cfg: Config, rngs: nnx.Rngs) -> Block:
+  """One `Block` whose parameters have a leading axis of `num_layers`."""
+
+  @nnx.split_rngs(splits=cfg.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def create(rngs: nnx.Rngs) -> Block:
+    return Block(cfg, rngs=rngs)
+
+  return create(rngs)
+
+
 class Transformer(nnx.Module):
   """Decoder-only language model mapping token ids to next-token logits."""
 
@@ -162,6 +182,12 @@ class Transformer(nnx.Module):
     """
     if cfg.pos_encoding not in POS_ENCODINGS:
       raise ValueError(f'unknown pos_encoding {cfg.pos_encoding!r}')
+    if cfg.weights_policy not in WEIGHTS_POLICIES:
+      raise ValueError(f'unknown weights_policy {cfg.weights_policy!r}')
+    if cfg.weights_policy == 'flow' and not cfg.scan_layers:
+      raise ValueError('weights_policy="flow" needs scan_layers=True')
+    self.scan_layers = cfg.scan_layers
+    self.weights_policy = cfg.weights_policy
     init = nnx.initializers.normal(cfg.init_std)
     dtype, param_dtype = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
     self.token_embed = nnx.Embed(
@@ -182,9 +208,12 @@ class Transformer(nnx.Module):
         param_dtype=param_dtype,
         rngs=rngs,
       )
-    self.blocks = nnx.List(
-      [Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)]
-    )
+    if cfg.scan_layers:
+      self.blocks = _stacked_blocks(cfg, rngs)
+    else:
+      self.blocks = nnx.List(
+        [Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)]
+      )
     self.final_norm = _layer_norm(cfg, rngs)
     self.lm_head = nnx.data(None)
     if not cfg.tie_embeddings:
@@ -211,14 +240,69 @@ class Transformer(nnx.Module):
     if self.pos_embed is not None:
       pos_L = jnp.arange(tokens_BxL.shape[1])
       x_BxLxD = x_BxLxD + self.pos_embed(pos_L)[None]
-    for block in self.blocks:
-      x_BxLxD = block(x_BxLxD)
+    if self.scan_layers:
+      x_BxLxD = self._scan_blocks(x_BxLxD)
+    else:
+      for block in self.blocks:
+        x_BxLxD = block(x_BxLxD)
     x_BxLxD = self.final_norm(x_BxLxD)
     if self.lm_head is None:
       logits_BxLxV = self.token_embed.attend(x_BxLxD)
     else:
       logits_BxLxV = self.lm_head(x_BxLxD)
     return logits_BxLxV.astype(jnp.float32)
+
+  def _scan_blocks(self, x_BxLxD: jax.Array) -> jax.Array:
+    """Runs the stacked blocks, fetching their weights as the policy says."""
+    graphdef, stacked = nnx.split(self.blocks)
+
+    def body(layer: nnx.State, x_BxLxD: jax.Array) -> tuple[jax.Array, None]:
+      return nnx.merge(graphdef, layer)(x_BxLxD), None
+
+    x_BxLxD, _ = weight_flow.weight_flow_scan(
+      body, x_BxLxD, stacked, policy=self.weights_policy
+    )
+    return x_BxLxD
+
+
+def offload_weights(model: Transformer) -> None:
+  """Moves the stacked block weights to host memory if the policy is "flow".
+
+  Call it after creating the optimizer (optimizers initialize their state
+  from device-resident parameters). Works in place, inside or outside
+  `nnx.jit`; a no-op for weight-stationary models.
+
+  Args:
+    model: The model, updated in place.
+  """
+  if model.weights_policy == 'flow':
+    blocks = nnx.state(model.blocks)
+    nnx.update(model.blocks, weight_flow.offload_stacked(blocks))
+
+
+def apply_gradients(
+  model: Transformer, optimizer: nnx.Optimizer, grads: nnx.State
+) -> None:
+  """`optimizer.update(model, grads)` that keeps offloaded weights offloaded.
+
+  Weight-flow gradients arrive in host memory, and optimizers compute with
+  device arrays: the update runs on device copies of the weights and
+  gradients, and every weight goes back to the memory it came from. For a
+  weight-stationary model this is exactly `optimizer.update`.
+
+  Args:
+    model: The model, updated in place.
+    optimizer: An `nnx.Optimizer` of `model`, updated in place.
+    grads: Gradients of `model`'s parameters.
+  """
+  if model.weights_policy != 'flow':
+    optimizer.update(model, grads)
+    return
+  state = nnx.state(model)
+  spaces = weight_flow.memory_spaces(state)  # `state` changes in place.
+  nnx.update(model, weight_flow.fetch_stacked(state))
+  optimizer.update(model, weight_flow.fetch_stacked(grads))
+  nnx.update(model, weight_flow.match_placement(nnx.state(model), spaces))
 
 
 def loss_fn(
@@ -252,6 +336,8 @@ MODEL_FIELDS = (
   'init_std',
   'dtype',
   'param_dtype',
+  'scan_layers',
+  'weights_policy',
   'seq_len',
 )
 

@@ -20,6 +20,13 @@ from jax_superoffload._src.planner import ModelSpec
 from jax_superoffload._src.planner import Plan
 from jax_superoffload._src.planner import plan
 from jax_superoffload._src.transform import SuperOffloadState
+from jax_superoffload._src.weight_flow import WEIGHT_POLICIES
+from jax_superoffload._src.weight_flow import fetch_stacked
+from jax_superoffload._src.weight_flow import match_placement
+from jax_superoffload._src.weight_flow import memory_spaces
+from jax_superoffload._src.weight_flow import offload_stacked
+from jax_superoffload._src.weight_flow import update_offloaded
+from jax_superoffload._src.weight_flow import weight_flow_scan
 
 __version__ = '0.1.0'
 
@@ -33,10 +40,17 @@ __all__ = [
   'ModelSpec',
   'Plan',
   'SuperOffloadState',
+  'WEIGHT_POLICIES',
   'adam',
   'adamw',
+  'fetch_stacked',
   'kernels',
+  'match_placement',
   'measure_host_bandwidth',
+  'memory_spaces',
+  'offload_stacked',
   'plan',
   'ulysses',
+  'update_offloaded',
+  'weight_flow_scan',
 ]

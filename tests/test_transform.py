@@ -456,3 +456,26 @@ def test_orbax_checkpoint_resumes_bit_identically(tmp_path):
     jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True
   ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize('executor', ['ffi', 'xla_host', 'device'])
+def test_update_without_params_returns_the_change_of_the_master(executor):
+  params = {'w': jnp.linspace(-1, 1, 9), 'b': jnp.ones(4, jnp.bfloat16)}
+  ours = superoffload.adamw(1e-2, executor=executor)
+  s = ours.init(params)
+  for i in range(3):
+    # Without params the layout comes from the gradients' dtypes.
+    g = jax.tree.map(
+      lambda g, p: g.astype(p.dtype), grads_for(params, i), params
+    )
+    u, s = jax.jit(ours.update)(g, s)
+    np.testing.assert_allclose(
+      np.asarray(u['w']),
+      np.asarray(superoffload_master_tree(s, params)['w'])
+      - np.asarray(params['w']),
+      rtol=1e-5,
+      atol=1e-7,
+    )
+    params = jax.tree.map(
+      lambda p, d: (p.astype(jnp.float32) + d).astype(p.dtype), params, u
+    )

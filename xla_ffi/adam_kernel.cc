@@ -106,6 +106,7 @@ AdamConstants MakeAdamConstants(const AdamConfig& config) {
   k.c1_next = InverseBiasCorrection(config.b1, t + 1.0);
   k.c2 = InverseBiasCorrection(config.b2, t);
   k.nesterov = config.nesterov;
+  k.keep_nonfinite = config.keep_nonfinite;
   return k;
 }
 

@@ -20,6 +20,9 @@
 //   u     = u + weight_decay * master   (only when weight_decay != 0)
 //   master = master - learning_rate * u
 //
+// and, with `keep_nonfinite`, master, mu and nu are left as they were where
+// g is NaN or Inf.
+//
 // with t = count + 1, as in optax's scale_by_adam.
 
 #ifndef JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_H_
@@ -70,6 +73,9 @@ struct AdamConfig {
   float weight_decay = 0.0f;
   float grad_scale = 1.0f;
   bool nesterov = false;
+  // Leave elements whose (scaled) gradient is NaN or Inf unchanged, so that
+  // a speculative step can later be undone exactly where it is invalid.
+  bool keep_nonfinite = false;
   // Steps already taken (optax's `count`); this step uses t = count + 1.
   int64_t count = 0;
 };
@@ -89,6 +95,7 @@ struct AdamConstants {
   float c1_next;  // 1 / (1 - b1^(t+1)), used by Nesterov only.
   float c2;       // 1 / (1 - b2^t)
   bool nesterov;
+  bool keep_nonfinite;
 };
 
 AdamConstants MakeAdamConstants(const AdamConfig& config);

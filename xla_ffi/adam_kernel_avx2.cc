@@ -18,6 +18,11 @@ struct Avx2Ops {
   static JSO_INLINE V Mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static JSO_INLINE V Div(V a, V b) { return _mm256_div_ps(a, b); }
   static JSO_INLINE V Sqrt(V a) { return _mm256_sqrt_ps(a); }
+  static JSO_INLINE V SelectFinite(V g, V a, V b) {
+    const V finite = _mm256_cmp_ps(_mm256_sub_ps(g, g), _mm256_setzero_ps(),
+                                   _CMP_EQ_OQ);
+    return _mm256_blendv_ps(b, a, finite);
+  }
   static JSO_INLINE V Load(const float* p) { return _mm256_loadu_ps(p); }
   static JSO_INLINE void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
   static JSO_INLINE V LoadBf16(const uint16_t* p) {

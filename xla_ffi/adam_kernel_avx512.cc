@@ -18,6 +18,11 @@ struct Avx512Ops {
   static JSO_INLINE V Mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static JSO_INLINE V Div(V a, V b) { return _mm512_div_ps(a, b); }
   static JSO_INLINE V Sqrt(V a) { return _mm512_sqrt_ps(a); }
+  static JSO_INLINE V SelectFinite(V g, V a, V b) {
+    const __mmask16 finite = _mm512_cmp_ps_mask(
+        _mm512_sub_ps(g, g), _mm512_setzero_ps(), _CMP_EQ_OQ);
+    return _mm512_mask_blend_ps(finite, b, a);
+  }
   static JSO_INLINE V Load(const float* p) { return _mm512_loadu_ps(p); }
   static JSO_INLINE void Store(float* p, V x) { _mm512_storeu_ps(p, x); }
   static JSO_INLINE V LoadBf16(const uint16_t* p) {

@@ -28,6 +28,10 @@ struct ScalarOps {
   static JSO_INLINE V Mul(V a, V b) { return a * b; }
   static JSO_INLINE V Div(V a, V b) { return a / b; }
   static JSO_INLINE V Sqrt(V a) { return __builtin_sqrtf(a); }
+  // `a` where `g` is finite (g - g == 0), else `b`.
+  static JSO_INLINE V SelectFinite(V g, V a, V b) {
+    return g - g == 0.0f ? a : b;
+  }
   static JSO_INLINE V Load(const float* p) { return *p; }
   static JSO_INLINE void Store(float* p, V x) { *p = x; }
   static JSO_INLINE V LoadBf16(const uint16_t* p) { return Bf16BitsToFloat(*p); }
@@ -37,32 +41,44 @@ struct ScalarOps {
 };
 
 // The Adam formula of adam_kernel.h on one vector of lanes.
-template <class Ops, bool kNesterov, bool kDecay>
+template <class Ops, bool kNesterov, bool kDecay, bool kGuard>
 JSO_INLINE void AdamMath(const AdamConstants& k, typename Ops::V grad,
                          typename Ops::V& master, typename Ops::V& mu,
                          typename Ops::V& nu) {
   using V = typename Ops::V;
   const V g = Ops::Mul(grad, Ops::Set(k.grad_scale));
-  mu = Ops::Add(Ops::Mul(Ops::Set(k.b1), mu),
-                Ops::Mul(Ops::Set(k.one_minus_b1), g));
-  nu = Ops::Add(Ops::Mul(Ops::Set(k.b2), nu),
-                Ops::Mul(Ops::Set(k.one_minus_b2), Ops::Mul(g, g)));
+  const V new_mu = Ops::Add(Ops::Mul(Ops::Set(k.b1), mu),
+                            Ops::Mul(Ops::Set(k.one_minus_b1), g));
+  const V new_nu = Ops::Add(Ops::Mul(Ops::Set(k.b2), nu),
+                            Ops::Mul(Ops::Set(k.one_minus_b2), Ops::Mul(g, g)));
   V mu_hat;
   if constexpr (kNesterov) {
     mu_hat = Ops::Add(
-        Ops::Mul(Ops::Set(k.b1), Ops::Mul(mu, Ops::Set(k.c1_next))),
+        Ops::Mul(Ops::Set(k.b1), Ops::Mul(new_mu, Ops::Set(k.c1_next))),
         Ops::Mul(Ops::Set(k.one_minus_b1), Ops::Mul(g, Ops::Set(k.c1))));
   } else {
-    mu_hat = Ops::Mul(mu, Ops::Set(k.c1));
+    mu_hat = Ops::Mul(new_mu, Ops::Set(k.c1));
   }
-  const V nu_hat = Ops::Mul(nu, Ops::Set(k.c2));
+  const V nu_hat = Ops::Mul(new_nu, Ops::Set(k.c2));
   V update = Ops::Div(
       mu_hat, Ops::Add(Ops::Sqrt(Ops::Add(nu_hat, Ops::Set(k.eps_root))),
                        Ops::Set(k.eps)));
   if constexpr (kDecay) {
     update = Ops::Add(update, Ops::Mul(Ops::Set(k.weight_decay), master));
   }
-  master = Ops::Sub(master, Ops::Mul(Ops::Set(k.learning_rate), update));
+  const V new_master =
+      Ops::Sub(master, Ops::Mul(Ops::Set(k.learning_rate), update));
+  if constexpr (kGuard) {
+    // Speculative steps leave an element whose gradient is NaN or Inf as it
+    // was, so that a step found non-finite can be undone exactly.
+    master = Ops::SelectFinite(g, new_master, master);
+    mu = Ops::SelectFinite(g, new_mu, mu);
+    nu = Ops::SelectFinite(g, new_nu, nu);
+  } else {
+    master = new_master;
+    mu = new_mu;
+    nu = new_nu;
+  }
 }
 
 template <class Ops, ElementType kGrad>
@@ -89,7 +105,7 @@ JSO_INLINE void StoreLowp(void* out, int64_t i, typename Ops::V x) {
 
 // Fixed-width loop: full vectors, then the scalar tail with the same math.
 template <class Ops, ElementType kGrad, ElementType kLowp, bool kNesterov,
-          bool kDecay>
+          bool kDecay, bool kGuard>
 void AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
               int64_t begin, int64_t end) {
   // Local copies: the output buffers are float*, which may alias the float
@@ -103,14 +119,14 @@ void AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
     typename Ops::V mu = Ops::Load(b.mu_in + i);
     typename Ops::V nu = Ops::Load(b.nu_in + i);
     const typename Ops::V grad = LoadGrad<Ops, kGrad>(b.grad, i);
-    AdamMath<Ops, kNesterov, kDecay>(k, grad, master, mu, nu);
+    AdamMath<Ops, kNesterov, kDecay, kGuard>(k, grad, master, mu, nu);
     Ops::Store(b.master_out + i, master);
     Ops::Store(b.mu_out + i, mu);
     Ops::Store(b.nu_out + i, nu);
     StoreLowp<Ops, kLowp>(b.lowp_out, i, master);
   }
   if constexpr (Ops::kLanes > 1) {
-    AdamLoop<ScalarOps, kGrad, kLowp, kNesterov, kDecay>(k, b, i, end);
+    AdamLoop<ScalarOps, kGrad, kLowp, kNesterov, kDecay, kGuard>(k, b, i, end);
   }
 }
 
@@ -130,19 +146,30 @@ void RooflineLoop(const AdamBuffers& b, int64_t begin, int64_t end) {
 }
 
 // Turns the runtime choices into template arguments, so the inner loop has
-// no branches. `Loop<G, L, N, D>::Run(k, b, begin, end)` does the work.
-template <template <ElementType, ElementType, bool, bool> class Loop,
+// no branches. `Loop<G, L, N, D, F>::Run(k, b, begin, end)` does the work.
+template <template <ElementType, ElementType, bool, bool, bool> class Loop,
+          ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay>
+void DispatchGuard(const AdamConstants& k, const AdamBuffers& b,
+                   int64_t begin, int64_t end) {
+  if (k.keep_nonfinite) {
+    Loop<kGrad, kLowp, kNesterov, kDecay, true>::Run(k, b, begin, end);
+  } else {
+    Loop<kGrad, kLowp, kNesterov, kDecay, false>::Run(k, b, begin, end);
+  }
+}
+
+template <template <ElementType, ElementType, bool, bool, bool> class Loop,
           ElementType kGrad, ElementType kLowp, bool kNesterov>
 void DispatchDecay(const AdamConstants& k, const AdamBuffers& b,
                    int64_t begin, int64_t end) {
   if (k.weight_decay != 0.0f) {
-    Loop<kGrad, kLowp, kNesterov, true>::Run(k, b, begin, end);
+    DispatchGuard<Loop, kGrad, kLowp, kNesterov, true>(k, b, begin, end);
   } else {
-    Loop<kGrad, kLowp, kNesterov, false>::Run(k, b, begin, end);
+    DispatchGuard<Loop, kGrad, kLowp, kNesterov, false>(k, b, begin, end);
   }
 }
 
-template <template <ElementType, ElementType, bool, bool> class Loop,
+template <template <ElementType, ElementType, bool, bool, bool> class Loop,
           ElementType kGrad, ElementType kLowp>
 void DispatchNesterov(const AdamConstants& k, const AdamBuffers& b,
                       int64_t begin, int64_t end) {
@@ -153,7 +180,7 @@ void DispatchNesterov(const AdamConstants& k, const AdamBuffers& b,
   }
 }
 
-template <template <ElementType, ElementType, bool, bool> class Loop,
+template <template <ElementType, ElementType, bool, bool, bool> class Loop,
           ElementType kGrad>
 void DispatchLowp(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
                   int64_t end) {
@@ -173,7 +200,7 @@ void DispatchLowp(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
   }
 }
 
-template <template <ElementType, ElementType, bool, bool> class Loop>
+template <template <ElementType, ElementType, bool, bool, bool> class Loop>
 void DispatchAdam(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
                   int64_t end) {
   switch (b.grad_type) {
@@ -189,11 +216,11 @@ void DispatchAdam(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
 // Adapts AdamLoop over a fixed-width Ops to the dispatcher's shape.
 template <class Ops>
 struct FixedWidth {
-  template <ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay>
+  template <ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay, bool kGuard>
   struct Loop {
     static void Run(const AdamConstants& k, const AdamBuffers& b,
                     int64_t begin, int64_t end) {
-      AdamLoop<Ops, kGrad, kLowp, kNesterov, kDecay>(k, b, begin, end);
+      AdamLoop<Ops, kGrad, kLowp, kNesterov, kDecay, kGuard>(k, b, begin, end);
     }
   };
 };

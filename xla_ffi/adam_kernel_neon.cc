@@ -18,6 +18,9 @@ struct NeonOps {
   static JSO_INLINE V Mul(V a, V b) { return vmulq_f32(a, b); }
   static JSO_INLINE V Div(V a, V b) { return vdivq_f32(a, b); }
   static JSO_INLINE V Sqrt(V a) { return vsqrtq_f32(a); }
+  static JSO_INLINE V SelectFinite(V g, V a, V b) {
+    return vbslq_f32(vceqq_f32(vsubq_f32(g, g), vdupq_n_f32(0.0f)), a, b);
+  }
   static JSO_INLINE V Load(const float* p) { return vld1q_f32(p); }
   static JSO_INLINE void Store(float* p, V x) { vst1q_f32(p, x); }
   static JSO_INLINE V LoadBf16(const uint16_t* p) {

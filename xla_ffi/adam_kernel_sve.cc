@@ -21,6 +21,10 @@ struct SveOps {
   static JSO_INLINE V Mul(V a, V b) { return svmul_f32_x(All(), a, b); }
   static JSO_INLINE V Div(V a, V b) { return svdiv_f32_x(All(), a, b); }
   static JSO_INLINE V Sqrt(V a) { return svsqrt_f32_x(All(), a); }
+  static JSO_INLINE V SelectFinite(V g, V a, V b) {
+    return svsel_f32(svcmpeq_n_f32(All(), svsub_f32_x(All(), g, g), 0.0f), a,
+                     b);
+  }
 };
 
 template <ElementType kGrad>
@@ -59,7 +63,7 @@ JSO_INLINE void SveStoreLowp(svbool_t pg, void* out, int64_t i,
   }
 }
 
-template <ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay>
+template <ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay, bool kGuard>
 struct SveLoop {
   static void Run(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
                   int64_t end) {
@@ -69,7 +73,7 @@ struct SveLoop {
       svfloat32_t mu = svld1_f32(pg, b.mu_in + i);
       svfloat32_t nu = svld1_f32(pg, b.nu_in + i);
       const svfloat32_t grad = SveLoadGrad<kGrad>(pg, b.grad, i);
-      AdamMath<SveOps, kNesterov, kDecay>(k, grad, master, mu, nu);
+      AdamMath<SveOps, kNesterov, kDecay, kGuard>(k, grad, master, mu, nu);
       svst1_f32(pg, b.master_out + i, master);
       svst1_f32(pg, b.mu_out + i, mu);
       svst1_f32(pg, b.nu_out + i, nu);

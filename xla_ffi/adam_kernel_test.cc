@@ -474,6 +474,29 @@ void TestNonFiniteGradients() {
       }
     }
     Check(ok, "NaN/Inf gradients poison only their own elements", IsaName(isa));
+
+    // With keep_nonfinite, poisoned elements keep their old values exactly.
+    std::vector<float> kp(n, 0.5f), km(n, 0.125f), kv(n, 0.25f);
+    AdamConfig config;
+    config.weight_decay = 0.01f;
+    config.keep_nonfinite = true;
+    AdamBuffers b;
+    b.size = n;
+    b.master_in = b.master_out = kp.data();
+    b.mu_in = b.mu_out = km.data();
+    b.nu_in = b.nu_out = kv.data();
+    b.grad = g.data();
+    AdamStepRange(MakeAdamConstants(config), b, 0, n, isa);
+    bool kept = true;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!std::isfinite(g[i])) {
+        kept &= kp[i] == 0.5f && km[i] == 0.125f && kv[i] == 0.25f;
+      } else {
+        kept &= std::isfinite(kp[i]) && kp[i] != 0.5f;
+      }
+    }
+    Check(kept, "keep_nonfinite leaves NaN/Inf elements untouched",
+          IsaName(isa));
   }
 }
 

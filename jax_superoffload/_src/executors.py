@@ -73,11 +73,14 @@ def _split(flat: jax.Array, grads: Sequence[jax.Array]) -> list[jax.Array]:
 
 
 def _run(kernel: str, step: BucketStep, master, mu, nu, grads, dtypes):
-  """The bucket's step on whichever memory its inputs are in."""
+  """The bucket's step on whichever memory its inputs are in.
+
+  Returns the new state and the per-leaf new weights, or None in their place
+  when the weights are the new fp32 master itself (fp32 parameters, or a
+  delta to be taken against the old master), to be split on the device.
+  """
+  fp32 = step.want_delta or all(jnp.dtype(d) == jnp.float32 for d in dtypes)
   if kernel == 'ffi':
-    # fp32 weights are the new master itself: no copy; the caller moves the
-    # whole bucket and splits it on the device (weights = None).
-    fp32 = step.want_delta or all(jnp.dtype(d) == jnp.float32 for d in dtypes)
     new_master, new_mu, new_nu, weights = grace_adam.adam_step_segments(
       master,
       mu,
@@ -86,10 +89,6 @@ def _run(kernel: str, step: BucketStep, master, mu, nu, grads, dtypes):
       None if fp32 else list(dtypes),
       **step.kwargs(),
     )
-    if step.want_delta:
-      weights = _split(new_master, grads)
-    elif fp32:
-      return new_master, new_mu, new_nu, None
   else:
     grad = (
       jnp.concatenate([g.astype(jnp.float32) for g in grads])
@@ -100,14 +99,10 @@ def _run(kernel: str, step: BucketStep, master, mu, nu, grads, dtypes):
       master, grad, mu, nu, **step.kwargs()
     )
     weights = [
-      w.astype(jnp.float32 if step.want_delta else d)
+      w.astype(d)
       for w, d in zip(_split(new_master, grads), dtypes, strict=True)
     ]
-  if step.want_delta:
-    weights = [
-      w - old for w, old in zip(weights, _split(master, grads), strict=True)
-    ]
-  return new_master, new_mu, new_nu, weights
+  return new_master, new_mu, new_nu, None if fp32 else weights
 
 
 def step_bucket(
@@ -137,7 +132,10 @@ def step_bucket(
   if executor == 'device':
     on_device = [host_memory.to_device(x) for x in (master, mu, nu)]
     out = _run('reference', step, *on_device, grads, dtypes)
-    return (*(host_memory.to_host(x) for x in out[:3]), out[3])
+    weights = out[3]
+    if weights is None:
+      weights = _device_weights(step, out[0], on_device[0], grads)
+    return (*(host_memory.to_host(x) for x in out[:3]), weights)
   kernel = 'ffi' if executor == 'ffi' else 'reference'
   # Array scalars (a schedule's value, inject_hyperparams) go in as
   # arguments, never as closed-over tracers; Python floats stay Python
@@ -164,5 +162,17 @@ def step_bucket(
   flat_grads = [host_memory.to_host(g) for g in grads]
   out = host_memory.on_host(host_fn, master, mu, nu, flat_grads, scalars)
   if out[3] is None:  # fp32: one transfer of the bucket, split on device.
-    return (*out[:3], _split(host_memory.to_device(out[0]), grads))
+    weights = _device_weights(
+      step, host_memory.to_device(out[0]), master, grads
+    )
+    return (*out[:3], weights)
   return (*out[:3], [host_memory.to_device(w) for w in out[3]])
+
+
+def _device_weights(step: BucketStep, new_master, old_master, grads):
+  """Per-leaf fp32 weights (or changes of the master) from a whole bucket."""
+  new = _split(new_master, grads)
+  if not step.want_delta:
+    return new
+  old = _split(host_memory.to_device(old_master), grads)
+  return [n - o for n, o in zip(new, old, strict=True)]

@@ -174,7 +174,9 @@ def superoffload_adam(
       fallback=jax.tree.map(_state_to_host, fallback),
     )
 
-  def check_state(lay: layout.Layout, state: SuperOffloadState) -> None:
+  def check_state(
+    lay: layout.Layout, state: SuperOffloadState, from_grads: bool
+  ) -> None:
     if not isinstance(state, SuperOffloadState):
       raise TypeError(
         f'expected a SuperOffloadState, got {type(state).__name__}'
@@ -183,17 +185,23 @@ def superoffload_adam(
     if got != lay.bucket_sizes or any(
       len(x) != len(got) for x in (state.mu, state.nu)
     ):
+      hint = (
+        ' (without params, the layout comes from the gradients: give them '
+        "the parameters' dtypes, or pass params)"
+        if from_grads
+        else ''
+      )
       raise ValueError(
         'optimizer state was built for another parameter tree: its '
         f'buckets hold {list(got)} elements, these parameters need '
-        f'{list(lay.bucket_sizes)}'
+        f'{list(lay.bucket_sizes)}{hint}'
       )
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args  # Accepted for optax.GradientTransformationExtraArgs.
     reference = params if params is not None else updates
     lay = make_layout(reference)
-    check_state(lay, state)
+    check_state(lay, state, from_grads=params is None)
     grads = layout.check_tree(lay, updates, 'gradients')
     param_leaves = (
       None if params is None else layout.check_tree(lay, params, 'params')
