@@ -45,7 +45,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
 
 from jax_superoffload import ulysses
 

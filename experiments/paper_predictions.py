@@ -21,7 +21,8 @@ import pathlib
 
 import numpy as np
 
-from jax_superoffload._src import hardware, planner
+from jax_superoffload._src import hardware
+from jax_superoffload._src import planner
 
 HW = hardware.GH200
 SIZES_B = (1, 2, 4, 8, 13, 20, 25)

@@ -20,7 +20,8 @@ import math
 import pathlib
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax

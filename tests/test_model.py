@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import config, model
+from experiments import config
+from experiments import model
 
 
 def test_causality_and_initial_loss():

@@ -9,15 +9,14 @@ import numpy as np
 import pytest
 
 from jax_superoffload._src import planner
-from jax_superoffload._src.hardware import (
-  CPU_ONLY,
-  GH200,
-  H100_PCIE,
-  H200_PCIE,
-  HardwareProfile,
-  measure_host_bandwidth,
-)
-from jax_superoffload._src.planner import ModelSpec, plan
+from jax_superoffload._src.hardware import CPU_ONLY
+from jax_superoffload._src.hardware import GH200
+from jax_superoffload._src.hardware import H100_PCIE
+from jax_superoffload._src.hardware import H200_PCIE
+from jax_superoffload._src.hardware import HardwareProfile
+from jax_superoffload._src.hardware import measure_host_bandwidth
+from jax_superoffload._src.planner import ModelSpec
+from jax_superoffload._src.planner import plan
 
 # A profile with round numbers, no reserves and perfect efficiencies, so
 # that thresholds can be computed by hand.

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import config, model, train
+from experiments import config
+from experiments import model
+from experiments import train
 
 # A short, highly repetitive corpus: a tiny model learns it in a few steps.
 _CORPUS = 'the quick brown fox jumps over the lazy dog. ' * 400
