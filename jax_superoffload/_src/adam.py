@@ -20,6 +20,8 @@ def adam(
   nesterov: bool = False,
   bucket_bytes: int | None = None,
   executor: str = 'auto',
+  clip_norm: float | None = None,
+  skip_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adam whose state lives in host memory and whose step runs on the CPU.
 
@@ -66,6 +68,16 @@ def adam(
       accelerator: the MaxText-style baseline) or "auto" ("ffi" on CPU,
       "xla_host" on accelerators, where a CPU FFI call inside host compute
       is not expected to work).
+    clip_norm: If set, gradients are clipped to this global norm, with the
+      result of `optax.chain(optax.clip_by_global_norm(clip_norm), ...)`,
+      by speculation-then-validation: each bucket's step starts without
+      waiting for the norm and is redone with scaled gradients only when
+      the norm turns out to be at least `clip_norm` (counted in
+      `state.redone`).
+    skip_nonfinite: If True, a step whose gradients hold a NaN or Inf leaves
+      the parameters and the whole state (count included) as they were
+      (counted in `state.skipped`). STV needs no host memory beyond the
+      step's gradient buffers.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. `update` needs `params` to
@@ -101,6 +113,8 @@ def adam(
     nesterov=nesterov,
     bucket_bytes=bucket_bytes,
     executor=executor,
+    clip_norm=clip_norm,
+    skip_nonfinite=skip_nonfinite,
   )
 
 
@@ -117,6 +131,8 @@ def adamw(
   nesterov: bool = False,
   bucket_bytes: int | None = None,
   executor: str = 'auto',
+  clip_norm: float | None = None,
+  skip_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW whose state lives in host memory and whose step runs on the CPU.
 
@@ -142,6 +158,9 @@ def adamw(
     nesterov: Use the Nesterov (NAdam) momentum.
     bucket_bytes: Size of the fp32 buckets the state is packed into.
     executor: "ffi", "xla_host", "device" or "auto" (see `adam`).
+    clip_norm: Global-norm clipping by speculation-then-validation (see
+      `adam`).
+    skip_nonfinite: Drop steps with NaN/Inf gradients (see `adam`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`.
@@ -168,4 +187,6 @@ def adamw(
     nesterov=nesterov,
     bucket_bytes=bucket_bytes,
     executor=executor,
+    clip_norm=clip_norm,
+    skip_nonfinite=skip_nonfinite,
   )

@@ -13,12 +13,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jax_superoffload._src import adam_args
 from jax_superoffload._src import adam_reference
 from jax_superoffload._src import grace_adam
 from jax_superoffload._src import host_memory
@@ -50,6 +52,8 @@ class BucketStep:
   weight_decay: Any
   nesterov: bool
   want_delta: bool  # Return new - old master (when params are absent).
+  grad_scale: Any = 1.0
+  keep_nonfinite: bool = False  # Speculative steps with skip_nonfinite.
 
   def kwargs(self) -> dict[str, Any]:
     return dict(
@@ -61,6 +65,8 @@ class BucketStep:
       eps_root=self.eps_root,
       weight_decay=self.weight_decay,
       nesterov=self.nesterov,
+      grad_scale=self.grad_scale,
+      keep_nonfinite=self.keep_nonfinite,
     )
 
 
@@ -105,6 +111,99 @@ def _run(kernel: str, step: BucketStep, master, mu, nu, grads, dtypes):
   return new_master, new_mu, new_nu, None if fp32 else weights
 
 
+_SCALARS = (
+  'count',
+  'learning_rate',
+  'b1',
+  'b2',
+  'eps',
+  'eps_root',
+  'weight_decay',
+  'grad_scale',
+)
+
+
+def _on_host_with_scalars(fn, step: BucketStep, *arrays):
+  """Runs `fn(step, *arrays)` as host compute.
+
+  Array scalars (a schedule's value, inject_hyperparams, a clipping scale)
+  go in as arguments, never as closed-over tracers; Python floats stay
+  Python floats so that 1 - b1 is rounded from double precision, as in
+  optax.
+  """
+  names = tuple(
+    n for n in _SCALARS if not isinstance(getattr(step, n), (int, float))
+  )
+  scalars = tuple(jnp.asarray(getattr(step, n)) for n in names)
+
+  def host_fn(scalars, *arrays):
+    bound = dataclasses.replace(step, **dict(zip(names, scalars, strict=True)))
+    return fn(bound, *arrays)
+
+  return host_memory.on_host(host_fn, scalars, *arrays)
+
+
+def _undo(step: BucketStep, master, mu, nu, grads):
+  """The state before a speculative step, from the state after it.
+
+  Algebraic, in fp32: each recovered value is within a few ulps of the
+  magnitude of the terms that made it (see the STV tests). Elements whose
+  gradient was not finite were never changed (`keep_nonfinite`) and are
+  returned as they are. Betas of 0 carry no memory: their moment is 0.
+  """
+  g = (
+    jnp.concatenate([x.astype(jnp.float32) for x in grads])
+    if grads
+    else jnp.zeros((0,), jnp.float32)
+  ) * jnp.asarray(step.grad_scale, jnp.float32)
+  f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+  b1, b2 = f32(step.b1), f32(step.b2)
+  omb1, omb2 = (
+    f32(adam_args.one_minus(step.b1)),
+    f32(adam_args.one_minus(step.b2)),
+  )
+  t = jnp.asarray(step.count, jnp.int32).astype(jnp.float32) + 1
+  c1 = adam_reference.inverse_bias_correction(b1, t)
+  c1_next = adam_reference.inverse_bias_correction(b1, t + 1)
+  c2 = adam_reference.inverse_bias_correction(b2, t)
+  if step.nesterov:
+    mu_hat = b1 * (mu * c1_next) + omb1 * (g * c1)
+  else:
+    mu_hat = mu * c1
+  a = mu_hat / (jnp.sqrt(nu * c2 + f32(step.eps_root)) + f32(step.eps))
+  lr, wd = f32(step.learning_rate), f32(step.weight_decay)
+  old_master = (master + lr * a) / (1 - lr * wd)
+  # Scalar factors rather than jnp.where with constants: inside host compute
+  # a select may not mix host arrays with device-typed constants.
+  keep1 = (b1 != 0).astype(jnp.float32)
+  keep2 = (b2 != 0).astype(jnp.float32)
+  old_mu = (mu - omb1 * g) / (b1 + (1 - keep1)) * keep1
+  old_nu = jnp.abs((nu - omb2 * (g * g)) / (b2 + (1 - keep2)) * keep2)
+  finite = jnp.isfinite(g)
+  return tuple(
+    jnp.where(finite, old, now)
+    for old, now in ((old_master, master), (old_mu, mu), (old_nu, nu))
+  )
+
+
+def undo_bucket(
+  executor: str, step: BucketStep, master, mu, nu, grads: Sequence[jax.Array]
+):
+  """Undoes a speculative bucket step where the state lives (host memory)."""
+  if executor == 'device':
+    on_device = [host_memory.to_device(x) for x in (master, mu, nu)]
+    return tuple(host_memory.to_host(x) for x in _undo(step, *on_device, grads))
+  flat_grads = [host_memory.to_host(g) for g in grads]
+  return _on_host_with_scalars(
+    lambda bound, m, a, v, gs: _undo(bound, m, a, v, gs),
+    step,
+    master,
+    mu,
+    nu,
+    flat_grads,
+  )
+
+
 def step_bucket(
   executor: str,
   step: BucketStep,
@@ -137,30 +236,15 @@ def step_bucket(
       weights = _device_weights(step, out[0], on_device[0], grads)
     return (*(host_memory.to_host(x) for x in out[:3]), weights)
   kernel = 'ffi' if executor == 'ffi' else 'reference'
-  # Array scalars (a schedule's value, inject_hyperparams) go in as
-  # arguments, never as closed-over tracers; Python floats stay Python
-  # floats so that 1 - b1 is rounded from double precision, as in optax.
-  names = tuple(
-    n
-    for n in (
-      'count',
-      'learning_rate',
-      'b1',
-      'b2',
-      'eps',
-      'eps_root',
-      'weight_decay',
-    )
-    if not isinstance(getattr(step, n), (int, float))
-  )
-  scalars = tuple(jnp.asarray(getattr(step, n)) for n in names)
-
-  def host_fn(master, mu, nu, grads, scalars):
-    bound = dataclasses.replace(step, **dict(zip(names, scalars, strict=True)))
-    return _run(kernel, bound, master, mu, nu, grads, dtypes)
-
   flat_grads = [host_memory.to_host(g) for g in grads]
-  out = host_memory.on_host(host_fn, master, mu, nu, flat_grads, scalars)
+  out = _on_host_with_scalars(
+    lambda bound, *arrays: _run(kernel, bound, *arrays, dtypes),
+    step,
+    master,
+    mu,
+    nu,
+    flat_grads,
+  )
   if out[3] is None:  # fp32: one transfer of the bucket, split on device.
     weights = _device_weights(
       step, host_memory.to_device(out[0]), master, grads

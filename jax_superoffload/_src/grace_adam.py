@@ -141,6 +141,8 @@ def adam_step_segments(
   eps_root: jax.typing.ArrayLike,
   weight_decay: jax.typing.ArrayLike,
   nesterov: bool,
+  grad_scale: jax.typing.ArrayLike = 1.0,
+  keep_nonfinite: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
   """One kernel call over a bucket of several leaves (internal).
 
@@ -157,7 +159,7 @@ def adam_step_segments(
     eps=eps,
     eps_root=eps_root,
     weight_decay=weight_decay,
-    grad_scale=1.0,
+    grad_scale=grad_scale,
   )
   state_type = jax.ShapeDtypeStruct(master.shape, jnp.float32)
   out_types = [state_type] * 3 + [
@@ -178,5 +180,6 @@ def adam_step_segments(
     scalars,
     *grads,
     nesterov=bool(nesterov),
+    keep_nonfinite=bool(keep_nonfinite),
   )
   return out[0], out[1], out[2], list(out[3:])

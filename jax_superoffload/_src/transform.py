@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -14,6 +15,7 @@ from jax_superoffload._src import adam_args
 from jax_superoffload._src import executors
 from jax_superoffload._src import host_memory
 from jax_superoffload._src import layout
+from jax_superoffload._src import stv
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -28,6 +30,9 @@ class SuperOffloadState(NamedTuple):
     master: fp32 master weights, buckets in host memory.
     fallback: optax state for leaves the kernel does not cover (float64 or
       complex parameters, or a non-fp32 `mu_dtype`), in host memory.
+    redone: Steps that speculation-then-validation redid with clipped
+      gradients (int32 scalar).
+    skipped: Steps dropped for non-finite gradients (int32 scalar).
   """
 
   count: jax.Array
@@ -35,6 +40,8 @@ class SuperOffloadState(NamedTuple):
   nu: tuple[jax.Array, ...]
   master: tuple[jax.Array, ...]
   fallback: optax.OptState
+  redone: jax.Array
+  skipped: jax.Array
 
 
 def _kernel_grad(g: jax.Array) -> jax.Array:
@@ -67,6 +74,44 @@ def _state_to_host(x: jax.Array) -> jax.Array:
   if jnp.ndim(x) > 0:
     return host_memory.to_host(x)
   return host_memory.to_device(x)
+
+
+def _fix_if_needed(executor, buckets, states, weights, redo, skip, scale):
+  """Undoes the speculative steps if validation failed; redoes if clipping.
+
+  The redo scales the gradients (the kernel's `grad_scale`); a skip keeps
+  the undone state. Runs only when needed (`lax.cond`), so a step that
+  validates pays nothing.
+  """
+
+  def keep(states, weights):
+    return states, weights
+
+  def fix(states, weights):
+    undone = [
+      executors.undo_bucket(executor, step, *s, grads)
+      for (step, grads, _, _), s in zip(buckets, states, strict=True)
+    ]
+
+    def redo_all(undone):
+      out_states, out_weights = [], []
+      for (step, grads, dtypes, _), s in zip(buckets, undone, strict=True):
+        again = dataclasses.replace(
+          step, grad_scale=scale, keep_nonfinite=False
+        )
+        m, a, v, w = executors.step_bucket(executor, again, *s, grads, dtypes)
+        out_states.append((m, a, v))
+        out_weights.append(w)
+      return out_states, out_weights
+
+    def drop(undone):  # The weights do not matter: updates become 0.
+      return [tuple(s) for s in undone], weights
+
+    return jax.lax.cond(redo, redo_all, drop, undone)
+
+  return jax.lax.cond(
+    jnp.logical_or(redo, skip), fix, keep, [tuple(s) for s in states], weights
+  )
 
 
 def _validate_options(
@@ -124,8 +169,15 @@ def superoffload_adam(
   nesterov: bool,
   bucket_bytes: int | None,
   executor: str,
+  clip_norm: float | None = None,
+  skip_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Builds the transformation behind `adam` and `adamw` (see their docs)."""
+  if clip_norm is not None and not (
+    isinstance(clip_norm, (int, float)) and clip_norm > 0
+  ):
+    raise ValueError(f'clip_norm must be a positive number, got {clip_norm!r}')
+  use_stv = clip_norm is not None or skip_nonfinite
   if bucket_bytes is None:
     bucket_bytes = DEFAULT_BUCKET_BYTES
   _validate_options(
@@ -172,6 +224,8 @@ def superoffload_adam(
       nu=tuple(nu),
       master=tuple(master),
       fallback=jax.tree.map(_state_to_host, fallback),
+      redone=host_memory.to_device(jnp.zeros([], jnp.int32)),
+      skipped=host_memory.to_device(jnp.zeros([], jnp.int32)),
     )
 
   def check_state(
@@ -210,8 +264,9 @@ def superoffload_adam(
     lr = learning_rate(count) if callable(learning_rate) else learning_rate
     wd = weight_decay(count) if callable(weight_decay) else weight_decay
 
-    new_master, new_mu, new_nu = [], [], []
-    out_leaves: list[Any] = [None] * len(grads)
+    # Speculative pass: every bucket's host step starts at once.
+    buckets = []  # (step, grads, dtypes, leaf ids) per bucket.
+    states, weights = [], []
     k = 0
     for group in lay.groups:
       step = executors.BucketStep(
@@ -224,53 +279,88 @@ def superoffload_adam(
         weight_decay=wd if group.decay else 0.0,
         nesterov=nesterov,
         want_delta=params is None,
+        keep_nonfinite=skip_nonfinite,
       )
       for b, bucket in enumerate(group.buckets):
         leaf_ids = [group.leaves[j] for j in bucket]
-        m, a, v, weights = executors.step_bucket(
+        bucket_grads = [
+          _kernel_grad(g) for g in layout.bucket_leaves(group, b, grads)
+        ]
+        dtypes = [lay.dtypes[i] for i in leaf_ids]
+        m, a, v, w = executors.step_bucket(
           executor,
           step,
           state.master[k],
           state.mu[k],
           state.nu[k],
-          [_kernel_grad(g) for g in layout.bucket_leaves(group, b, grads)],
-          [lay.dtypes[i] for i in leaf_ids],
+          bucket_grads,
+          dtypes,
         )
-        new_master.append(m)
-        new_mu.append(a)
-        new_nu.append(v)
+        buckets.append((step, bucket_grads, dtypes, leaf_ids))
+        states.append((m, a, v))
+        weights.append(w)
         k += 1
-        for i, w in zip(leaf_ids, weights, strict=True):
-          w = w.reshape(lay.shapes[i])
-          if params is None:
-            out_leaves[i] = w  # The fp32 change of the master.
-          else:
-            out_leaves[i] = _exact_delta(w, param_leaves[i])
-      # Zero-size leaves that no bucket holds (a group of only those).
-      for i in group.leaves:
-        if out_leaves[i] is None:
-          out_leaves[i] = jnp.zeros(lay.shapes[i], jnp.float32)
+
+    # Validation, on the device, alongside the speculative steps.
+    redo = skip = norm = None
+    if use_stv:
+      norm = stv.global_norm(grads)
+      redo, skip, scale = stv.validate(norm, clip_norm, skip_nonfinite)
+      states, weights = _fix_if_needed(
+        executor, buckets, states, weights, redo, skip, scale
+      )
+
+    out_leaves: list[Any] = [None] * len(grads)
+    for (_, _, _, leaf_ids), ws in zip(buckets, weights, strict=True):
+      for i, w in zip(leaf_ids, ws, strict=True):
+        w = w.reshape(lay.shapes[i])
+        # Without params: the fp32 change of the master.
+        u = w if params is None else _exact_delta(w, param_leaves[i])
+        out_leaves[i] = u if skip is None else jnp.where(skip, 0.0, u)
+    for i in range(len(grads)):  # Zero-size leaves no bucket holds.
+      if out_leaves[i] is None and i not in lay.fallback:
+        out_leaves[i] = jnp.zeros(lay.shapes[i], jnp.float32)
 
     fallback_state = state.fallback
     if lay.fallback:
       fb_params = (
         None if params is None else [param_leaves[i] for i in lay.fallback]
       )
+      fb_grads = [grads[i] for i in lay.fallback]
+      if use_stv:  # Serially here: these leaves take the optax path anyway.
+        fb_grads = [
+          stv.clip_serially(g, redo, norm, clip_norm) for g in fb_grads
+        ]
       fb_updates, fallback_state = fallback_tx(lay).update(
-        [grads[i] for i in lay.fallback],
+        fb_grads,
         jax.tree.map(host_memory.to_device, state.fallback),
         fb_params,
       )
       fallback_state = jax.tree.map(_state_to_host, fallback_state)
+      if skip is not None:
+        fallback_state = jax.tree.map(
+          lambda new, old: jnp.where(skip, old, new),
+          fallback_state,
+          state.fallback,
+        )
+        fb_updates = [jnp.where(skip, jnp.zeros_like(u), u) for u in fb_updates]
       for i, u in zip(lay.fallback, fb_updates, strict=True):
         out_leaves[i] = u
 
+    new_count = optax.safe_increment(count)
+    redone, skipped = state.redone, state.skipped
+    if use_stv:
+      new_count = jnp.where(skip, count, new_count)
+      redone = redone + redo.astype(jnp.int32)
+      skipped = skipped + skip.astype(jnp.int32)
     new_state = SuperOffloadState(
-      count=optax.safe_increment(count),
-      mu=tuple(new_mu),
-      nu=tuple(new_nu),
-      master=tuple(new_master),
+      count=new_count,
+      mu=tuple(s[1] for s in states),
+      nu=tuple(s[2] for s in states),
+      master=tuple(s[0] for s in states),
       fallback=fallback_state,
+      redone=redone,
+      skipped=skipped,
     )
     return jax.tree.unflatten(lay.treedef, out_leaves), new_state
 

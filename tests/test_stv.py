@@ -1,0 +1,175 @@
+"""Speculation-then-validation: clipping and non-finite steps, exactly."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_superoffload as superoffload
+from jax_superoffload._src import executors
+
+# Gradient scales per step: below and above the clip norm, NaN and Inf.
+SCALES = [0.05, 3.0, 0.05, np.nan, 1.0, np.inf, 0.02, 8.0, -np.inf, 0.3]
+
+
+def tree():
+  rng = np.random.default_rng(0)
+  return {
+    'w': jnp.asarray(rng.standard_normal((6, 5)), jnp.float32),
+    'b': jnp.asarray(rng.standard_normal(7), jnp.float32),
+    's': jnp.asarray(0.5, jnp.float32),
+  }
+
+
+def grads(params, step, scale):
+  rng = np.random.default_rng(100 + step)
+
+  def one(x):
+    if np.isfinite(scale):
+      return (rng.standard_normal(x.shape) * scale).astype(np.float32)
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    return np.where(rng.random(x.shape) < 0.3, np.float32(scale), g)
+
+  return jax.tree.map(one, params)
+
+
+def serial(clip_norm, skip_nonfinite, params):
+  """The serial recipe: optax clipping, then AdamW; drop non-finite steps."""
+  tx = optax.chain(
+    optax.clip_by_global_norm(clip_norm) if clip_norm else optax.identity(),
+    optax.adamw(1e-2, weight_decay=0.1, nesterov=True),
+  )
+  state = tx.init(params)
+  for i, scale in enumerate(SCALES):
+    g = grads(params, i, scale)
+    if skip_nonfinite and not np.isfinite(scale):
+      continue
+    updates, state = tx.update(g, state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+@pytest.mark.parametrize('executor', ['ffi', 'xla_host', 'device'])
+@pytest.mark.parametrize(
+  ('clip_norm', 'skip_nonfinite'), [(1.0, True), (None, True)]
+)
+def test_stv_equals_the_serial_recipe(executor, clip_norm, skip_nonfinite):
+  params = tree()
+  tx = superoffload.adamw(
+    1e-2,
+    weight_decay=0.1,
+    nesterov=True,
+    clip_norm=clip_norm,
+    skip_nonfinite=skip_nonfinite,
+    executor=executor,
+    bucket_bytes=4 * 16,  # Several buckets.
+  )
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  p = params
+  for i, scale in enumerate(SCALES):
+    updates, state = step(grads(p, i, scale), state, p)
+    p = optax.apply_updates(p, updates)
+    for x in (*state.mu, *state.nu, *state.master):
+      assert x.sharding.memory_kind == 'pinned_host'
+  want = serial(clip_norm, skip_nonfinite, params)
+  jax.tree.map(
+    functools.partial(np.testing.assert_allclose, rtol=2e-6, atol=2e-7),
+    p,
+    want,
+  )
+  nonfinite = sum(not np.isfinite(s) for s in SCALES)
+  assert int(state.skipped) == nonfinite
+  assert int(state.count) == len(SCALES) - nonfinite
+  if clip_norm is None:
+    assert int(state.redone) == 0
+  else:
+    assert int(state.redone) >= 2  # The steps at scales 3.0 and 8.0.
+
+
+def test_clipping_without_skip_matches_optax_on_nan():
+  params = tree()
+  ours = superoffload.adamw(1e-2, clip_norm=1.0)
+  theirs = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+  s, r = ours.init(params), theirs.init(params)
+  g = grads(params, 0, np.nan)
+  u, s = ours.update(g, s, params)
+  v, r = theirs.update(g, r, params)
+  p, q = optax.apply_updates(params, u), optax.apply_updates(params, v)
+  for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(q), strict=True):
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+
+
+def test_stv_that_never_triggers_changes_nothing():
+  params = tree()
+  plain = superoffload.adamw(1e-2)
+  guarded = superoffload.adamw(1e-2, clip_norm=1e6, skip_nonfinite=True)
+  s, r = plain.init(params), guarded.init(params)
+  p = q = params
+  for i in range(5):
+    g = grads(params, i, 0.1)
+    u, s = plain.update(g, s, p)
+    v, r = guarded.update(g, r, q)
+    p, q = optax.apply_updates(p, u), optax.apply_updates(q, v)
+  for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(q), strict=True):
+    np.testing.assert_array_equal(a, b)  # Bit for bit.
+  assert int(r.redone) == 0 and int(r.skipped) == 0
+
+
+@pytest.mark.parametrize('nesterov', [False, True])
+def test_algebraic_undo_error_is_a_few_ulps(nesterov):
+  rng = np.random.default_rng(7)
+  n = 10000
+  master = rng.standard_normal(n).astype(np.float32)
+  mu = (rng.standard_normal(n) * 0.1).astype(np.float32)
+  nu = (rng.random(n) * 0.01).astype(np.float32)
+  g = (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 1, n)).astype(
+    np.float32
+  )
+  step = executors.BucketStep(
+    count=jnp.int32(4),
+    learning_rate=jnp.float32(1e-2),
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+    eps_root=0.0,
+    weight_decay=jnp.float32(0.1),
+    nesterov=nesterov,
+    want_delta=False,
+  )
+  new = superoffload.kernels.adam_step(
+    master,
+    g,
+    mu,
+    nu,
+    count=4,
+    learning_rate=1e-2,
+    weight_decay=0.1,
+    nesterov=nesterov,
+  )
+  old = executors._undo(step, *new, [jnp.asarray(g)])
+  # Each recovered value is within a few ulps of the magnitude of the terms
+  # that made the value after the step.
+  f = np.float64
+  scale_mu = np.abs(f(0.9) * mu) + np.abs(f(0.1) * g)
+  scale_nu = np.abs(f(0.999) * nu) + np.abs(f(0.001) * g * g)
+  ulp = np.finfo(np.float32).eps
+  assert np.all(np.abs(np.asarray(old[1], f) - mu) <= 8 * ulp * scale_mu)
+  assert np.all(np.abs(np.asarray(old[2], f) - nu) <= 8 * ulp * scale_nu)
+  # The master's: |w| plus the size of the step lr * (|a| + wd |w|), with a
+  # the Adam direction recomputed from the new moments.
+  t = 5
+  mu_new, nu_new = np.asarray(new[1], f), np.asarray(new[2], f)
+  c1 = 1 / (1 - 0.9**t)
+  if nesterov:
+    mu_hat = 0.9 * mu_new / (1 - 0.9 ** (t + 1)) + 0.1 * g * c1
+  else:
+    mu_hat = mu_new * c1
+  a = np.abs(mu_hat) / (np.sqrt(nu_new / (1 - 0.999**t)) + 1e-8)
+  scale_master = np.abs(master) + 1e-2 * (a + 0.1 * np.abs(master))
+  assert np.all(
+    np.abs(np.asarray(old[0], f) - master) <= 4 * ulp * scale_master
+  )
