@@ -77,6 +77,14 @@ def main() -> None:
     'superoffload ffi': lambda: superoffload.adamw(
       1e-3, weight_decay=0.01, executor='ffi'
     ),
+    # Speculation-then-validation armed but never triggered: its cost.
+    'superoffload ffi + STV': lambda: superoffload.adamw(
+      1e-3,
+      weight_decay=0.01,
+      executor='ffi',
+      clip_norm=1e9,
+      skip_nonfinite=True,
+    ),
     'superoffload xla_host': lambda: superoffload.adamw(
       1e-3, weight_decay=0.01, executor='xla_host'
     ),
@@ -130,8 +138,18 @@ def main() -> None:
       f'{name:24s} {t1 * 1e3:10.1f} {tn * 1e3:16.1f} {tn / t1:9.2f} '
       f'{base / t1:18.2f}'
     )
+  stv_cost = {
+    layout_name: median[('superoffload ffi + STV', layout_name)]
+    / median[('superoffload ffi', layout_name)]
+    for layout_name in layouts
+  }
+  print(
+    'STV (never triggered) / plain ffi step: '
+    + ', '.join(f'{k} {v:.3f}' for k, v in stv_cost.items())
+  )
   result = {
     'benchmark': 'bench_step',
+    'stv_over_plain': stv_cost,
     'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
     'machine': {
       'platform': platform.platform(),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import optax
 
 from jax_superoffload._src import transform
+from jax_superoffload._src.hardware import HardwareProfile
 
 
 def adam(
@@ -22,6 +24,10 @@ def adam(
   executor: str = 'auto',
   clip_norm: float | None = None,
   skip_nonfinite: bool = False,
+  device_buckets: int | float | str | None = None,
+  arrival_order: Sequence[str] | None = None,
+  cast: str = 'host',
+  hardware: HardwareProfile | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adam whose state lives in host memory and whose step runs on the CPU.
 
@@ -78,6 +84,21 @@ def adam(
       the parameters and the whole state (count included) as they were
       (counted in `state.skipped`). STV needs no host memory beyond the
       step's gradient buffers.
+    device_buckets: Bucket repartitioning: how many buckets keep their state
+      on the accelerator and are updated there, an int, a fraction of the
+      buckets, or "auto" (the planner's choice). They are the buckets whose
+      gradients arrive last in backward, which have nothing left to overlap
+      their host step with.
+    arrival_order: The leaf paths (`jax.tree_util.keystr`) in the order
+      their gradients arrive in backward; default: reverse parameter order
+      (the first layers and the embeddings last).
+    cast: Superchip-aware casting: "device" up-casts gradients on the
+      accelerator and moves fp32 both ways (down-casting the new weights
+      there), "host" moves gradients as stored and low-precision weights,
+      converted by the kernel; "auto" asks the planner (link bandwidth vs
+      cast throughput). Both sides give bit-identical results.
+    hardware: The `HardwareProfile` the "auto" options plan for; default:
+      `CPU_ONLY` on the CPU backend, `GH200` otherwise.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. `update` needs `params` to
@@ -115,6 +136,10 @@ def adam(
     executor=executor,
     clip_norm=clip_norm,
     skip_nonfinite=skip_nonfinite,
+    device_buckets=device_buckets,
+    arrival_order=arrival_order,
+    cast=cast,
+    hardware=hardware,
   )
 
 
@@ -133,6 +158,10 @@ def adamw(
   executor: str = 'auto',
   clip_norm: float | None = None,
   skip_nonfinite: bool = False,
+  device_buckets: int | float | str | None = None,
+  arrival_order: Sequence[str] | None = None,
+  cast: str = 'host',
+  hardware: HardwareProfile | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW whose state lives in host memory and whose step runs on the CPU.
 
@@ -161,6 +190,10 @@ def adamw(
     clip_norm: Global-norm clipping by speculation-then-validation (see
       `adam`).
     skip_nonfinite: Drop steps with NaN/Inf gradients (see `adam`).
+    device_buckets: Buckets kept and updated on the device (see `adam`).
+    arrival_order: Order in which gradients arrive (see `adam`).
+    cast: "device", "host" or "auto" (see `adam`).
+    hardware: Profile for the "auto" options (see `adam`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`.
@@ -189,4 +222,8 @@ def adamw(
     executor=executor,
     clip_norm=clip_norm,
     skip_nonfinite=skip_nonfinite,
+    device_buckets=device_buckets,
+    arrival_order=arrival_order,
+    cast=cast,
+    hardware=hardware,
   )

@@ -54,6 +54,9 @@ class BucketStep:
   want_delta: bool  # Return new - old master (when params are absent).
   grad_scale: Any = 1.0
   keep_nonfinite: bool = False  # Speculative steps with skip_nonfinite.
+  # Superchip-aware casting: True moves fp32 both ways and casts on the
+  # device; False moves gradients as stored and low-precision weights.
+  cast_on_device: bool = False
 
   def kwargs(self) -> dict[str, Any]:
     return dict(
@@ -85,7 +88,11 @@ def _run(kernel: str, step: BucketStep, master, mu, nu, grads, dtypes):
   when the weights are the new fp32 master itself (fp32 parameters, or a
   delta to be taken against the old master), to be split on the device.
   """
-  fp32 = step.want_delta or all(jnp.dtype(d) == jnp.float32 for d in dtypes)
+  fp32 = (
+    step.want_delta
+    or step.cast_on_device
+    or all(jnp.dtype(d) == jnp.float32 for d in dtypes)
+  )
   if kernel == 'ffi':
     new_master, new_mu, new_nu, weights = grace_adam.adam_step_segments(
       master,
@@ -189,7 +196,9 @@ def _undo(step: BucketStep, master, mu, nu, grads):
 def undo_bucket(
   executor: str, step: BucketStep, master, mu, nu, grads: Sequence[jax.Array]
 ):
-  """Undoes a speculative bucket step where the state lives (host memory)."""
+  """Undoes a speculative bucket step where the state lives."""
+  if executor == 'resident':
+    return _undo(step, master, mu, nu, grads)
   if executor == 'device':
     on_device = [host_memory.to_device(x) for x in (master, mu, nu)]
     return tuple(host_memory.to_host(x) for x in _undo(step, *on_device, grads))
@@ -228,6 +237,12 @@ def step_bucket(
     `(master, mu, nu)` in host memory and, per leaf, the new flat weights on
     the device (or, with `step.want_delta`, the fp32 change of the master).
   """
+  if executor == 'resident':  # A device bucket: state and math on device.
+    out = _run('reference', step, master, mu, nu, grads, dtypes)
+    weights = out[3]
+    if weights is None:
+      weights = _device_weights(step, out[0], master, grads)
+    return (*out[:3], weights)
   if executor == 'device':
     on_device = [host_memory.to_device(x) for x in (master, mu, nu)]
     out = _run('reference', step, *on_device, grads, dtypes)

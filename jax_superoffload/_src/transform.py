@@ -15,6 +15,7 @@ from jax_superoffload._src import adam_args
 from jax_superoffload._src import executors
 from jax_superoffload._src import host_memory
 from jax_superoffload._src import layout
+from jax_superoffload._src import placement
 from jax_superoffload._src import stv
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -44,10 +45,11 @@ class SuperOffloadState(NamedTuple):
   skipped: jax.Array
 
 
-def _kernel_grad(g: jax.Array) -> jax.Array:
+def _kernel_grad(g: jax.Array, cast_on_device: bool) -> jax.Array:
   # The kernel reads f32, bf16 and f16 gradients as stored; others (e.g. a
-  # float64 gradient of an f32 parameter) are converted on the device.
-  if g.dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+  # float64 gradient of an f32 parameter) are converted on the device, and
+  # so is everything when the device is the casting side.
+  if not cast_on_device and g.dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
     return g
   return g.astype(jnp.float32)
 
@@ -76,7 +78,7 @@ def _state_to_host(x: jax.Array) -> jax.Array:
   return host_memory.to_device(x)
 
 
-def _fix_if_needed(executor, buckets, states, weights, redo, skip, scale):
+def _fix_if_needed(buckets, states, weights, redo, skip, scale):
   """Undoes the speculative steps if validation failed; redoes if clipping.
 
   The redo scales the gradients (the kernel's `grad_scale`); a skip keeps
@@ -90,12 +92,14 @@ def _fix_if_needed(executor, buckets, states, weights, redo, skip, scale):
   def fix(states, weights):
     undone = [
       executors.undo_bucket(executor, step, *s, grads)
-      for (step, grads, _, _), s in zip(buckets, states, strict=True)
+      for (executor, step, grads, _, _), s in zip(buckets, states, strict=True)
     ]
 
     def redo_all(undone):
       out_states, out_weights = [], []
-      for (step, grads, dtypes, _), s in zip(buckets, undone, strict=True):
+      for (executor, step, grads, dtypes, _), s in zip(
+        buckets, undone, strict=True
+      ):
         again = dataclasses.replace(
           step, grad_scale=scale, keep_nonfinite=False
         )
@@ -171,8 +175,15 @@ def superoffload_adam(
   executor: str,
   clip_norm: float | None = None,
   skip_nonfinite: bool = False,
+  device_buckets: Any = None,
+  arrival_order: Any = None,
+  cast: str = 'host',
+  hardware: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Builds the transformation behind `adam` and `adamw` (see their docs)."""
+  placement.check_device_buckets(device_buckets)
+  if cast not in placement.CASTS:
+    raise ValueError(f'cast must be one of {placement.CASTS}, got {cast!r}')
   if clip_norm is not None and not (
     isinstance(clip_norm, (int, float)) and clip_norm > 0
   ):
@@ -208,15 +219,26 @@ def superoffload_adam(
       nesterov,
     )
 
+  def resident(lay: layout.Layout, tree: Any) -> frozenset[int]:
+    return placement.device_bucket_ids(
+      lay, device_buckets, arrival_order, tree, hardware
+    )
+
   def init_fn(params: optax.Params) -> SuperOffloadState:
     lay = make_layout(params)
+    on_device = resident(lay, params)
     leaves = jax.tree.leaves(params)
     master, mu, nu = [], [], []
     for group in lay.groups:
       for bucket in layout.pack(group, leaves):
-        master.append(host_memory.to_host(bucket))
-        mu.append(host_memory.to_host(jnp.zeros_like(bucket)))
-        nu.append(host_memory.to_host(jnp.zeros_like(bucket)))
+        place = (
+          host_memory.to_device
+          if len(master) in on_device
+          else host_memory.to_host
+        )
+        master.append(place(bucket))
+        mu.append(place(jnp.zeros_like(bucket)))
+        nu.append(place(jnp.zeros_like(bucket)))
     fallback = fallback_tx(lay).init([leaves[i] for i in lay.fallback])
     return SuperOffloadState(
       count=host_memory.to_device(jnp.zeros([], jnp.int32)),
@@ -264,6 +286,8 @@ def superoffload_adam(
     lr = learning_rate(count) if callable(learning_rate) else learning_rate
     wd = weight_decay(count) if callable(weight_decay) else weight_decay
 
+    on_device = resident(lay, reference)
+    cast_on_device = placement.resolve_cast(cast, reference, hardware)
     # Speculative pass: every bucket's host step starts at once.
     buckets = []  # (step, grads, dtypes, leaf ids) per bucket.
     states, weights = [], []
@@ -280,15 +304,18 @@ def superoffload_adam(
         nesterov=nesterov,
         want_delta=params is None,
         keep_nonfinite=skip_nonfinite,
+        cast_on_device=cast_on_device,
       )
       for b, bucket in enumerate(group.buckets):
         leaf_ids = [group.leaves[j] for j in bucket]
         bucket_grads = [
-          _kernel_grad(g) for g in layout.bucket_leaves(group, b, grads)
+          _kernel_grad(g, cast_on_device)
+          for g in layout.bucket_leaves(group, b, grads)
         ]
         dtypes = [lay.dtypes[i] for i in leaf_ids]
+        bucket_executor = 'resident' if k in on_device else executor
         m, a, v, w = executors.step_bucket(
-          executor,
+          bucket_executor,
           step,
           state.master[k],
           state.mu[k],
@@ -296,7 +323,7 @@ def superoffload_adam(
           bucket_grads,
           dtypes,
         )
-        buckets.append((step, bucket_grads, dtypes, leaf_ids))
+        buckets.append((bucket_executor, step, bucket_grads, dtypes, leaf_ids))
         states.append((m, a, v))
         weights.append(w)
         k += 1
@@ -307,13 +334,15 @@ def superoffload_adam(
       norm = stv.global_norm(grads)
       redo, skip, scale = stv.validate(norm, clip_norm, skip_nonfinite)
       states, weights = _fix_if_needed(
-        executor, buckets, states, weights, redo, skip, scale
+        buckets, states, weights, redo, skip, scale
       )
 
     out_leaves: list[Any] = [None] * len(grads)
-    for (_, _, _, leaf_ids), ws in zip(buckets, weights, strict=True):
+    for (*_, leaf_ids), ws in zip(buckets, weights, strict=True):
       for i, w in zip(leaf_ids, ws, strict=True):
         w = w.reshape(lay.shapes[i])
+        if params is not None:  # fp32 master split on device: cast here.
+          w = w.astype(lay.dtypes[i])
         # Without params: the fp32 change of the master.
         u = w if params is None else _exact_delta(w, param_leaves[i])
         out_leaves[i] = u if skip is None else jnp.where(skip, 0.0, u)
