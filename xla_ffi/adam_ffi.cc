@@ -10,6 +10,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -104,7 +105,7 @@ bool ToElementType(ffi::DataType dtype, ElementType* out) {
 ffi::Error ReadScalarSets(ffi::Buffer<ffi::S32> count,
                           ffi::Buffer<ffi::F32> scalars, bool nesterov,
                           int64_t size, std::vector<AdamConstants>* sets,
-                          int64_t* block) {
+                          int64_t* block, bool keep_nonfinite = false) {
   const int64_t num_sets = static_cast<int64_t>(count.element_count());
   if (num_sets < 1 ||
       static_cast<int64_t>(scalars.element_count()) != num_sets * kNumScalars) {
@@ -133,6 +134,7 @@ ffi::Error ReadScalarSets(ffi::Buffer<ffi::S32> count,
     config.weight_decay = x[kWeightDecay];
     config.grad_scale = x[kGradScale];
     config.nesterov = nesterov;
+    config.keep_nonfinite = keep_nonfinite;
     config.count = count.typed_data()[s];
     (*sets)[s] = MakeAdamConstants(config);
   }
@@ -269,7 +271,7 @@ ffi::Error AdamStepSegmentsHandler(
     ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
     ffi::RemainingArgs grads, ffi::ResultBuffer<ffi::F32> master_out,
     ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
-    ffi::RemainingRets weights, bool nesterov) {
+    ffi::RemainingRets weights, bool nesterov, bool keep_nonfinite) {
   const int64_t size = static_cast<int64_t>(master.element_count());
   if (static_cast<int64_t>(mu.element_count()) != size ||
       static_cast<int64_t>(nu.element_count()) != size) {
@@ -313,8 +315,8 @@ ffi::Error AdamStepSegmentsHandler(
   }
   std::vector<AdamConstants> sets;
   int64_t block = 0;
-  if (ffi::Error error =
-          ReadScalarSets(count, scalars, nesterov, size, &sets, &block);
+  if (ffi::Error error = ReadScalarSets(count, scalars, nesterov, size, &sets,
+                                       &block, keep_nonfinite);
       error.failure()) {
     return error;
   }
@@ -345,6 +347,107 @@ ffi::Error AdamStepSegmentsHandler(
       // Segment j's pointers start at its leaf: take [i, stop) of it.
       AdamStepRange(sets[0], segments[j], i - starts[j], stop - starts[j],
                     isa);
+      i = stop;
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// Fixes a speculative bucket step in place once validation has spoken:
+// nothing when it passed; otherwise each element is undone and, for a
+// clipped step, redone with `redo_scale` times its gradient (rewriting the
+// weights copies). master/mu/nu and the weights alias their outputs, so a
+// step that validates costs one call that returns at once. RemainingArgs:
+// `num_weights` weights buffers (the speculative copies), then the grads.
+ffi::Error AdamFixSegmentsHandler(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
+    ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+    ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
+    ffi::Buffer<ffi::S32> flags, ffi::Buffer<ffi::F32> redo_scale,
+    ffi::RemainingArgs args, ffi::ResultBuffer<ffi::F32> master_out,
+    ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+    ffi::RemainingRets weights, bool nesterov, bool keep_nonfinite,
+    int64_t num_weights) {
+  if (flags.element_count() != 2 || redo_scale.element_count() != 1) {
+    return InvalidArgument("fix needs flags [redo, skip] and one scale");
+  }
+  const bool redo = flags.typed_data()[0] != 0;
+  const bool skip = flags.typed_data()[1] != 0;
+  const int64_t size = static_cast<int64_t>(master.element_count());
+  // Outputs hold the speculative step: copy it there if XLA did not alias.
+  auto copy_if_needed = [](const void* from, void* to, size_t bytes) {
+    if (from != to && bytes != 0) std::memcpy(to, from, bytes);
+  };
+  copy_if_needed(master.typed_data(), master_out->typed_data(), size * 4);
+  copy_if_needed(mu.typed_data(), mu_out->typed_data(), size * 4);
+  copy_if_needed(nu.typed_data(), nu_out->typed_data(), size * 4);
+  if (static_cast<int64_t>(weights.size()) != num_weights) {
+    return InvalidArgument("weights outputs do not match num_weights");
+  }
+  for (int64_t j = 0; j < num_weights; ++j) {
+    auto in = args.get<ffi::AnyBuffer>(j);
+    auto out = weights.get<ffi::AnyBuffer>(j);
+    if (in.has_error()) return in.error();
+    if (out.has_error()) return out.error();
+    copy_if_needed(in->untyped_data(), (*out)->untyped_data(),
+                   in->size_bytes());
+  }
+  if (!redo && !skip) return ffi::Error::Success();
+  const int64_t num_grads = static_cast<int64_t>(args.size()) - num_weights;
+  if (num_weights != 0 && num_weights != num_grads) {
+    return InvalidArgument("need one weights buffer per gradient, or none");
+  }
+  std::vector<AdamBuffers> segments(num_grads);
+  std::vector<int64_t> starts(num_grads + 1, 0);
+  for (int64_t j = 0; j < num_grads; ++j) {
+    auto grad = args.get<ffi::AnyBuffer>(num_weights + j);
+    if (grad.has_error()) return grad.error();
+    AdamBuffers& b = segments[j];
+    if (!ToElementType(grad->element_type(), &b.grad_type)) {
+      return InvalidArgument("gradient dtype must be f32, bf16 or f16");
+    }
+    if (num_weights != 0) {
+      auto out = weights.get<ffi::AnyBuffer>(j);
+      if (!ToElementType((*out)->element_type(), &b.lowp_type)) {
+        return InvalidArgument("weights dtype must be f32, bf16 or f16");
+      }
+      b.lowp_out = (*out)->untyped_data();
+    }
+    b.size = static_cast<int64_t>(grad->element_count());
+    b.grad = grad->untyped_data();
+    starts[j + 1] = starts[j] + b.size;
+    b.master_in = b.master_out = master_out->typed_data() + starts[j];
+    b.mu_in = b.mu_out = mu_out->typed_data() + starts[j];
+    b.nu_in = b.nu_out = nu_out->typed_data() + starts[j];
+  }
+  if (starts.back() != size) {
+    return InvalidArgument("leaves do not add up to the bucket");
+  }
+  std::vector<AdamConstants> sets;
+  int64_t block = 0;
+  if (ffi::Error error = ReadScalarSets(count, scalars, nesterov, size, &sets,
+                                       &block, keep_nonfinite);
+      error.failure()) {
+    return error;
+  }
+  const AdamConstants speculative = sets[0];
+  AdamConstants again = speculative;
+  again.grad_scale = redo_scale.typed_data()[0];
+  again.keep_nonfinite = false;
+  const Isa isa = BestIsa();
+  const int64_t num_chunks = (size + kChunkElements - 1) / kChunkElements;
+  ParallelChunks(pool, num_chunks, [&](int64_t chunk) {
+    const int64_t begin = chunk * kChunkElements;
+    const int64_t end = std::min(size, begin + kChunkElements);
+    size_t j = std::upper_bound(starts.begin(), starts.end(), begin) -
+               starts.begin() - 1;
+    for (int64_t i = begin; i < end; ++j) {
+      const int64_t stop = std::min(end, starts[j + 1]);
+      AdamUndoRange(speculative, segments[j], i - starts[j], stop - starts[j]);
+      if (redo) {
+        AdamStepRange(again, segments[j], i - starts[j], stop - starts[j],
+                      isa);
+      }
       i = stop;
     }
   });
@@ -409,4 +512,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSegments,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .RemainingRets()
-                                  .Attr<bool>("nesterov"));
+                                  .Attr<bool>("nesterov")
+                                  .Attr<bool>("keep_nonfinite"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamFixSegments,
+                              jax_superoffload::AdamFixSegmentsHandler,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets()
+                                  .Attr<bool>("nesterov")
+                                  .Attr<bool>("keep_nonfinite")
+                                  .Attr<int64_t>("num_weights"));

@@ -129,6 +129,16 @@ void AdamStepRange(const AdamConstants& constants, const AdamBuffers& buffers,
 // Convenience: the whole range with the best instruction set.
 void AdamStep(const AdamConfig& config, const AdamBuffers& buffers);
 
+// Undoes a step of `constants` over [begin, end), in place: reads the state
+// after the step from master_out/mu_out/nu_out (and the gradient), writes
+// the state before it back there. Algebraic, in double precision, so each
+// value comes back within an ulp or two of the magnitude of the terms that
+// made it. Elements whose scaled gradient is not finite are left alone
+// (a keep_nonfinite step never changed them). Scalar: this is the rare path
+// of speculation-then-validation.
+void AdamUndoRange(const AdamConstants& constants, const AdamBuffers& buffers,
+                   int64_t begin, int64_t end);
+
 // The same-traffic roofline: reads master, grad (f32), mu and nu and writes
 // master, mu and nu with no Adam math (master += grad, mu and nu swapped), so
 // the Adam kernel can be compared with the memory-bandwidth limit.

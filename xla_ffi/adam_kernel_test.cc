@@ -541,6 +541,52 @@ void TestOutOfPlaceAndRoofline() {
   AdamStep(AdamConfig{}, empty);  // Must not touch any (null) buffer.
 }
 
+void TestUndo() {
+  const int64_t n = 5000;
+  uint64_t rng = 5;
+  for (bool nesterov : {false, true}) {
+    std::vector<float> p(n), m(n), v(n), g(n);
+    for (int64_t i = 0; i < n; ++i) {
+      p[i] = static_cast<float>(Uniform(rng));
+      m[i] = static_cast<float>(Uniform(rng) * 0.1);
+      v[i] = static_cast<float>((Uniform(rng) + 1.0) * 0.005);
+      g[i] = static_cast<float>(Uniform(rng) * std::pow(10.0, Uniform(rng) * 2));
+    }
+    g[7] = std::numeric_limits<float>::quiet_NaN();
+    const std::vector<float> p0 = p, m0 = m, v0 = v;
+    AdamConfig config;
+    config.learning_rate = 1e-2f;
+    config.weight_decay = 0.1f;
+    config.nesterov = nesterov;
+    config.keep_nonfinite = true;
+    config.count = 4;
+    const AdamConstants k = MakeAdamConstants(config);
+    AdamBuffers b;
+    b.size = n;
+    b.master_in = b.master_out = p.data();
+    b.mu_in = b.mu_out = m.data();
+    b.nu_in = b.nu_out = v.data();
+    b.grad = g.data();
+    AdamStepRange(k, b, 0, n, BestIsa());
+    AdamUndoRange(k, b, 0, n);
+    double worst = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double scale_m = std::fabs(0.9 * m0[i]) + std::fabs(0.1 * g[i]);
+      const double scale_v = std::fabs(0.999 * v0[i]) + 0.001 * g[i] * g[i];
+      if (i == 7) {
+        worst = std::max(worst, p[i] == p0[i] && m[i] == m0[i] ? 0.0 : 1e9);
+        continue;
+      }
+      worst = std::max(worst, UlpsAt(m[i] - m0[i], scale_m));
+      worst = std::max(worst, UlpsAt(v[i] - v0[i], scale_v));
+      worst = std::max(worst, UlpsAt(p[i] - p0[i], std::fabs(p0[i]) + 0.05));
+    }
+    Check(worst <= 4.0, "undo restores the state within 4 ulps",
+          nesterov ? "nesterov" : "adam");
+    if (worst > 4.0) std::printf("  undo worst ulps %.2f\n", worst);
+  }
+}
+
 }  // namespace
 }  // namespace jax_superoffload
 
@@ -550,6 +596,7 @@ int main() {
   TestConversionsExhaustively();
   TestNonFiniteGradients();
   TestOutOfPlaceAndRoofline();
+  TestUndo();
   const ElementType kGrads[] = {ElementType::kF32, ElementType::kBF16,
                                 ElementType::kF16};
   const ElementType kLowps[] = {ElementType::kNone, ElementType::kF32,

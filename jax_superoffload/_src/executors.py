@@ -250,6 +250,16 @@ def step_bucket(
     if weights is None:
       weights = _device_weights(step, out[0], on_device[0], grads)
     return (*(host_memory.to_host(x) for x in out[:3]), weights)
+  out, _ = host_step(executor, step, master, mu, nu, grads, dtypes)
+  return finish(step, out, master, grads)
+
+
+def host_step(executor, step: BucketStep, master, mu, nu, grads, dtypes):
+  """The host-compute part of `step_bucket` ("ffi" or "xla_host").
+
+  Returns the host-side results (state, and the weights copies or None) and
+  the gradients as moved to the host; `finish` brings the weights over.
+  """
   kernel = 'ffi' if executor == 'ffi' else 'reference'
   flat_grads = [host_memory.to_host(g) for g in grads]
   out = _on_host_with_scalars(
@@ -260,12 +270,40 @@ def step_bucket(
     nu,
     flat_grads,
   )
+  return out, flat_grads
+
+
+def finish(step: BucketStep, out, master, grads):
+  """Moves a host step's new weights to the device, per leaf."""
   if out[3] is None:  # fp32: one transfer of the bucket, split on device.
     weights = _device_weights(
       step, host_memory.to_device(out[0]), master, grads
     )
     return (*out[:3], weights)
   return (*out[:3], [host_memory.to_device(w) for w in out[3]])
+
+
+def fix_in_place(step: BucketStep, out, flat_grads, redo, skip, scale):
+  """Fixes an "ffi" host step after validation, in place (see stv.py)."""
+
+  def fn(bound, master, mu, nu, weights, grads, flags):
+    redo, skip, scale = flags
+    return grace_adam.adam_fix_segments(
+      master,
+      mu,
+      nu,
+      weights,
+      grads,
+      redo=redo,
+      skip=skip,
+      redo_scale=scale,
+      **bound.kwargs(),
+    )
+
+  fixed = _on_host_with_scalars(
+    fn, step, *out[:3], out[3] or [], flat_grads, (redo, skip, scale)
+  )
+  return (*fixed[:3], fixed[3] if out[3] is not None else None)
 
 
 def _device_weights(step: BucketStep, new_master, old_master, grads):

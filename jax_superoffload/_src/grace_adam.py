@@ -14,6 +14,7 @@ ADAM_STEP_TARGET = _PREFIX + 'adam_step'
 ADAM_STEP_LOWP_TARGET = _PREFIX + 'adam_step_lowp'
 STREAM_ROOFLINE_TARGET = _PREFIX + 'stream_roofline'
 ADAM_STEP_SEGMENTS_TARGET = _PREFIX + 'adam_step_segments'
+ADAM_FIX_SEGMENTS_TARGET = _PREFIX + 'adam_fix_segments'
 
 for _name, _capsule in _grace_adam.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform='cpu')
@@ -181,5 +182,73 @@ def adam_step_segments(
     *grads,
     nesterov=bool(nesterov),
     keep_nonfinite=bool(keep_nonfinite),
+  )
+  return out[0], out[1], out[2], list(out[3:])
+
+
+def adam_fix_segments(
+  master: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  weights: list[jax.Array] | None,
+  grads: list[jax.Array],
+  *,
+  redo: jax.Array,
+  skip: jax.Array,
+  redo_scale: jax.Array,
+  count: jax.typing.ArrayLike,
+  learning_rate: jax.typing.ArrayLike,
+  b1: jax.typing.ArrayLike,
+  b2: jax.typing.ArrayLike,
+  eps: jax.typing.ArrayLike,
+  eps_root: jax.typing.ArrayLike,
+  weight_decay: jax.typing.ArrayLike,
+  nesterov: bool,
+  grad_scale: jax.typing.ArrayLike = 1.0,
+  keep_nonfinite: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
+  """Fixes a speculative `adam_step_segments` call in place (internal).
+
+  Takes the state and weights copies the speculative call returned, with
+  the same scalars. Unless `redo` or `skip`, returns them untouched (aliased:
+  no copy, no work). Otherwise undoes the step and, with `redo`, redoes it
+  with gradients times `redo_scale`.
+  """
+  scalars = adam_args.pack_scalars(
+    learning_rate=learning_rate,
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    eps_root=eps_root,
+    weight_decay=weight_decay,
+    grad_scale=grad_scale,
+  )
+  weights = list(weights or [])
+  state_type = jax.ShapeDtypeStruct(master.shape, jnp.float32)
+  out_types = [state_type] * 3 + [
+    jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights
+  ]
+  aliases = {0: 0, 1: 1, 2: 2}
+  aliases.update({7 + j: 3 + j for j in range(len(weights))})
+  call = jax.ffi.ffi_call(
+    ADAM_FIX_SEGMENTS_TARGET,
+    out_types,
+    vmap_method='sequential',
+    input_output_aliases=aliases,
+  )
+  flags = jnp.stack([redo, skip]).astype(jnp.int32)
+  out = call(
+    master,
+    mu,
+    nu,
+    jnp.asarray(count, jnp.int32),
+    scalars,
+    flags,
+    jnp.asarray(redo_scale, jnp.float32).reshape(1),
+    *weights,
+    *grads,
+    nesterov=bool(nesterov),
+    keep_nonfinite=bool(keep_nonfinite),
+    num_weights=np.int64(len(weights)),
   )
   return out[0], out[1], out[2], list(out[3:])

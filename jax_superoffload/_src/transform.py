@@ -289,8 +289,9 @@ def superoffload_adam(
     on_device = resident(lay, reference)
     cast_on_device = placement.resolve_cast(cast, reference, hardware)
     # Speculative pass: every bucket's host step starts at once.
-    buckets = []  # (step, grads, dtypes, leaf ids) per bucket.
+    buckets = []  # (executor, step, grads, dtypes, leaf ids) per bucket.
     states, weights = [], []
+    pending = []  # "ffi" buckets to fix in place after validation.
     k = 0
     for group in lay.groups:
       step = executors.BucketStep(
@@ -314,15 +315,19 @@ def superoffload_adam(
         ]
         dtypes = [lay.dtypes[i] for i in leaf_ids]
         bucket_executor = 'resident' if k in on_device else executor
-        m, a, v, w = executors.step_bucket(
-          bucket_executor,
-          step,
-          state.master[k],
-          state.mu[k],
-          state.nu[k],
-          bucket_grads,
-          dtypes,
-        )
+        args = (state.master[k], state.mu[k], state.nu[k], bucket_grads)
+        if use_stv and bucket_executor == 'ffi':
+          # Fixed in place after validation; weights move only then.
+          host_out, host_grads = executors.host_step(
+            bucket_executor, step, *args, dtypes
+          )
+          pending.append((len(states), step, host_out, host_grads, args))
+          m, a, v = host_out[:3]
+          w = None
+        else:
+          m, a, v, w = executors.step_bucket(
+            bucket_executor, step, *args, dtypes
+          )
         buckets.append((bucket_executor, step, bucket_grads, dtypes, leaf_ids))
         states.append((m, a, v))
         weights.append(w)
@@ -333,9 +338,25 @@ def superoffload_adam(
     if use_stv:
       norm = stv.global_norm(grads)
       redo, skip, scale = stv.validate(norm, clip_norm, skip_nonfinite)
-      states, weights = _fix_if_needed(
-        buckets, states, weights, redo, skip, scale
-      )
+      for index, step, host_out, host_grads, args in pending:
+        fixed = executors.fix_in_place(
+          step, host_out, host_grads, redo, skip, scale
+        )
+        out = executors.finish(step, fixed, args[0], args[3])
+        states[index], weights[index] = tuple(out[:3]), out[3]
+      others = [i for i in range(len(buckets)) if weights[i] is not None]
+      others = [i for i in others if i not in {p[0] for p in pending}]
+      if others:
+        fixed_states, fixed_weights = _fix_if_needed(
+          [buckets[i] for i in others],
+          [states[i] for i in others],
+          [weights[i] for i in others],
+          redo,
+          skip,
+          scale,
+        )
+        for i, s_, w_ in zip(others, fixed_states, fixed_weights, strict=True):
+          states[i], weights[i] = s_, w_
 
     out_leaves: list[Any] = [None] * len(grads)
     for (*_, leaf_ids), ws in zip(buckets, weights, strict=True):
