@@ -57,6 +57,7 @@ class BucketStep:
   # Superchip-aware casting: True moves fp32 both ways and casts on the
   # device; False moves gradients as stored and low-precision weights.
   cast_on_device: bool = False
+  want_sumsq: bool = False  # STV: the kernel also sums squared gradients.
 
   def kwargs(self) -> dict[str, Any]:
     return dict(
@@ -94,14 +95,17 @@ def _run(kernel: str, step: BucketStep, master, mu, nu, grads, dtypes):
     or all(jnp.dtype(d) == jnp.float32 for d in dtypes)
   )
   if kernel == 'ffi':
-    new_master, new_mu, new_nu, weights = grace_adam.adam_step_segments(
+    kwargs = step.kwargs()
+    new_master, new_mu, new_nu, weights, sumsq = grace_adam.adam_step_segments(
       master,
       mu,
       nu,
       list(grads),
       None if fp32 else list(dtypes),
-      **step.kwargs(),
+      compute_sumsq=step.want_sumsq,
+      **kwargs,
     )
+    return new_master, new_mu, new_nu, None if fp32 else weights, sumsq
   else:
     grad = (
       jnp.concatenate([g.astype(jnp.float32) for g in grads])

@@ -144,14 +144,17 @@ def adam_step_segments(
   nesterov: bool,
   grad_scale: jax.typing.ArrayLike = 1.0,
   keep_nonfinite: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
+  compute_sumsq: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array], jax.Array]:
   """One kernel call over a bucket of several leaves (internal).
 
   `master`, `mu` and `nu` are the bucket's flat fp32 state; `grads` are the
   bucket's leaves' flat gradients (f32, bf16 or f16), in order, whose sizes
   add up to the bucket's. Returns the new state and, per leaf, the new
   weights in `weight_dtypes` (rounded to nearest even), written by the same
-  pass; with `weight_dtypes=None`, no copies (an empty list).
+  pass; with `weight_dtypes=None`, no copies (an empty list). Last, the
+  sum of the squared scaled gradients (f32[1]; zero unless
+  `compute_sumsq`), taken in the same pass for STV's global norm.
   """
   scalars = adam_args.pack_scalars(
     learning_rate=learning_rate,
@@ -163,7 +166,12 @@ def adam_step_segments(
     grad_scale=grad_scale,
   )
   state_type = jax.ShapeDtypeStruct(master.shape, jnp.float32)
-  out_types = [state_type] * 3 + [
+  out_types = [
+    state_type,
+    state_type,
+    state_type,
+    jax.ShapeDtypeStruct((1,), jnp.float32),
+  ] + [
     jax.ShapeDtypeStruct(g.shape, d)
     for g, d in zip(grads, weight_dtypes or [], strict=False)
   ]
@@ -182,8 +190,9 @@ def adam_step_segments(
     *grads,
     nesterov=bool(nesterov),
     keep_nonfinite=bool(keep_nonfinite),
+    compute_sumsq=bool(compute_sumsq),
   )
-  return out[0], out[1], out[2], list(out[3:])
+  return out[0], out[1], out[2], list(out[4:]), out[3]
 
 
 def adam_fix_segments(

@@ -15,9 +15,10 @@ alongside; and only when it says so is the step fixed:
   The speculative step already left NaN/Inf elements untouched
   (`keep_nonfinite`), so the undo never has to invert a NaN.
 
-Cost when nothing triggers: the device-side norm (one read of the
-gradients) and nothing else. Extra host memory: none beyond the step's host
-gradient buffers (4 B/param for fp32 gradients, 2 for bf16), which every
+Cost when nothing triggers: nothing but the global norm, which the kernel
+takes in the same pass as the step (its gradients are in cache), and one
+fix call per bucket that returns at once. Extra host memory: none beyond
+the step's host gradient buffers (4 B/param for fp32 gradients, 2 for bf16), which every
 step has and which STV keeps alive until validation; the rare fix path
 makes transient copies of the undone state.
 
@@ -33,10 +34,20 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jax_superoffload._src import host_memory
 
-def global_norm(grads: Sequence[jax.Array]) -> jax.Array:
-  """sqrt(sum of squares) of all gradients, as optax.tree.norm takes it."""
+
+def global_norm(
+  grads: Sequence[jax.Array], partial_sums: Sequence[jax.Array] = ()
+) -> jax.Array:
+  """sqrt(sum of squares) of all gradients, as optax.tree.norm takes it.
+
+  `partial_sums` are sums of squares already taken elsewhere (by the kernel,
+  in its pass over a bucket, in host memory).
+  """
   total = jnp.zeros([], jnp.float32)
+  for s in partial_sums:
+    total = total + host_memory.to_device(s).reshape(())
   for g in grads:
     total = total + jnp.sum(jnp.real(g * jnp.conj(g))).astype(jnp.float32)
   return jnp.sqrt(total)

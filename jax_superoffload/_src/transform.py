@@ -306,6 +306,7 @@ def superoffload_adam(
         want_delta=params is None,
         keep_nonfinite=skip_nonfinite,
         cast_on_device=cast_on_device,
+        want_sumsq=use_stv,
       )
       for b, bucket in enumerate(group.buckets):
         leaf_ids = [group.leaves[j] for j in bucket]
@@ -336,7 +337,14 @@ def superoffload_adam(
     # Validation, on the device, alongside the speculative steps.
     redo = skip = norm = None
     if use_stv:
-      norm = stv.global_norm(grads)
+      # The ffi buckets summed their squared gradients in the kernel's pass;
+      # the rest (device buckets, other executors, optax leaves) here.
+      in_kernel = {p[0] for p in pending}
+      rest = [
+        g for i, b in enumerate(buckets) if i not in in_kernel for g in b[2]
+      ]
+      rest += [grads[i] for i in lay.fallback]
+      norm = stv.global_norm(rest, [p[2][4] for p in pending])
       redo, skip, scale = stv.validate(norm, clip_norm, skip_nonfinite)
       for index, step, host_out, host_grads, args in pending:
         fixed = executors.fix_in_place(
