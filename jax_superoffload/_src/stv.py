@@ -18,13 +18,15 @@ alongside; and only when it says so is the step fixed:
 Cost when nothing triggers: nothing but the global norm, which the kernel
 takes in the same pass as the step (its gradients are in cache), and one
 fix call per bucket that returns at once. Extra host memory: none beyond
-the step's host gradient buffers (4 B/param for fp32 gradients, 2 for bf16), which every
-step has and which STV keeps alive until validation; the rare fix path
-makes transient copies of the undone state.
+the step's host gradient buffers (4 B/param for fp32 gradients, 2 for
+bf16), which every step has and which STV keeps alive until validation;
+the rare fix path works in place for the "ffi" executor (other executors
+make transient copies of the undone state).
 
-The undo is algebraic in fp32 (`executors._undo`); its error is a few ulps
-of each quantity's magnitude, checked against the serial recipe in the
-tests.
+The undo is algebraic: in double precision in the kernel (`AdamUndoRange`)
+and in fp32 for the other executors (`executors._undo`); its error is a
+few ulps of each quantity's magnitude, tested in C++ and in Python, and the
+whole path is checked against the serial recipe.
 """
 
 from __future__ import annotations
