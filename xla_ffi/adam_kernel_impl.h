@@ -46,38 +46,35 @@ JSO_INLINE void AdamMath(const AdamConstants& k, typename Ops::V grad,
                          typename Ops::V& master, typename Ops::V& mu,
                          typename Ops::V& nu) {
   using V = typename Ops::V;
+  // Kept only for the guard; dead (and removed) otherwise.
+  const V old_master = master, old_mu = mu, old_nu = nu;
   const V g = Ops::Mul(grad, Ops::Set(k.grad_scale));
-  const V new_mu = Ops::Add(Ops::Mul(Ops::Set(k.b1), mu),
-                            Ops::Mul(Ops::Set(k.one_minus_b1), g));
-  const V new_nu = Ops::Add(Ops::Mul(Ops::Set(k.b2), nu),
-                            Ops::Mul(Ops::Set(k.one_minus_b2), Ops::Mul(g, g)));
+  mu = Ops::Add(Ops::Mul(Ops::Set(k.b1), mu),
+                Ops::Mul(Ops::Set(k.one_minus_b1), g));
+  nu = Ops::Add(Ops::Mul(Ops::Set(k.b2), nu),
+                Ops::Mul(Ops::Set(k.one_minus_b2), Ops::Mul(g, g)));
   V mu_hat;
   if constexpr (kNesterov) {
     mu_hat = Ops::Add(
-        Ops::Mul(Ops::Set(k.b1), Ops::Mul(new_mu, Ops::Set(k.c1_next))),
+        Ops::Mul(Ops::Set(k.b1), Ops::Mul(mu, Ops::Set(k.c1_next))),
         Ops::Mul(Ops::Set(k.one_minus_b1), Ops::Mul(g, Ops::Set(k.c1))));
   } else {
-    mu_hat = Ops::Mul(new_mu, Ops::Set(k.c1));
+    mu_hat = Ops::Mul(mu, Ops::Set(k.c1));
   }
-  const V nu_hat = Ops::Mul(new_nu, Ops::Set(k.c2));
+  const V nu_hat = Ops::Mul(nu, Ops::Set(k.c2));
   V update = Ops::Div(
       mu_hat, Ops::Add(Ops::Sqrt(Ops::Add(nu_hat, Ops::Set(k.eps_root))),
                        Ops::Set(k.eps)));
   if constexpr (kDecay) {
     update = Ops::Add(update, Ops::Mul(Ops::Set(k.weight_decay), master));
   }
-  const V new_master =
-      Ops::Sub(master, Ops::Mul(Ops::Set(k.learning_rate), update));
+  master = Ops::Sub(master, Ops::Mul(Ops::Set(k.learning_rate), update));
   if constexpr (kGuard) {
     // Speculative steps leave an element whose gradient is NaN or Inf as it
     // was, so that a step found non-finite can be undone exactly.
-    master = Ops::SelectFinite(g, new_master, master);
-    mu = Ops::SelectFinite(g, new_mu, mu);
-    nu = Ops::SelectFinite(g, new_nu, nu);
-  } else {
-    master = new_master;
-    mu = new_mu;
-    nu = new_nu;
+    master = Ops::SelectFinite(g, master, old_master);
+    mu = Ops::SelectFinite(g, mu, old_mu);
+    nu = Ops::SelectFinite(g, nu, old_nu);
   }
 }
 
