@@ -80,6 +80,16 @@ class Config:
   eps: float = 1e-8
   # Decoupled weight decay (skipped for biases, norms and embeddings).
   weight_decay: float = 0.1
+  # superoffload: where its step runs: "auto", "ffi", "xla_host", "device".
+  executor: str = 'auto'
+  # superoffload: global-norm clipping by speculation-then-validation.
+  clip_norm: float | None = None
+  # superoffload: drop steps whose gradients hold NaN or Inf.
+  skip_nonfinite: bool = False
+  # superoffload: casting side, "host", "device" or "auto".
+  cast: str = 'host'
+  # superoffload: fraction of buckets kept and updated on the device.
+  device_buckets: float = 0.0
 
   # --- Run ---
   # Seed for parameter init and data order.
@@ -96,8 +106,12 @@ class Config:
 OPTIMIZERS = ('superoffload', 'optax', 'device')
 POS_ENCODINGS = ('rope', 'learned')
 WEIGHTS_POLICIES = ('stationary', 'flow')
+EXECUTORS = ('auto', 'ffi', 'xla_host', 'device')
+CASTS = ('host', 'device', 'auto')
 CHOICES: dict[str, tuple[str, ...]] = {
   'optimizer': OPTIMIZERS,
+  'executor': EXECUTORS,
+  'cast': CASTS,
   'pos_encoding': POS_ENCODINGS,
   'weights_policy': WEIGHTS_POLICIES,
 }

@@ -51,6 +51,14 @@ def weight_decay_mask(params: Any) -> Any:
   def decay(path: tuple[Any, ...], leaf: Any) -> bool:
     names = [str(getattr(k, 'key', getattr(k, 'name', k))) for k in path]
     ndim = len(getattr(leaf, 'shape', ()))
+    if 'blocks' in names and ndim >= 1:
+      # A scanned stack (no per-block index after "blocks") has the layer as
+      # its leading axis, which is not a matrix dimension.
+      after = path[names.index('blocks') + 1 :]
+      first = after[0] if after else None
+      index = getattr(first, 'key', getattr(first, 'idx', None))
+      if not isinstance(index, int):
+        ndim -= 1
     return ndim >= 2 and not any('embed' in n for n in names)
 
   return jax.tree_util.tree_map_with_path(decay, params)
@@ -95,8 +103,13 @@ def make_optimizer(
   if cfg.optimizer in ('superoffload', 'device'):
     import jax_superoffload as superoffload
 
-    if cfg.optimizer == 'device':
-      kwargs['executor'] = 'device'
+    kwargs.update(
+      executor='device' if cfg.optimizer == 'device' else cfg.executor,
+      clip_norm=cfg.clip_norm,
+      skip_nonfinite=cfg.skip_nonfinite,
+      cast=cfg.cast,
+      device_buckets=cfg.device_buckets or None,
+    )
     return superoffload.adamw(learning_rate, **kwargs)
   raise ValueError(
     f'unknown optimizer {cfg.optimizer!r}; one of {config_lib.OPTIMIZERS}'
@@ -117,7 +130,8 @@ def train_step(
   """
   grad_fn = nnx.value_and_grad(model_lib.loss_fn)
   loss, grads = grad_fn(model, inputs_BxL, targets_BxL)
-  optimizer.update(model, grads)
+  # optimizer.update, keeping weight-flow weights in host memory.
+  model_lib.apply_gradients(model, optimizer, grads)
   return loss
 
 
@@ -180,6 +194,9 @@ def train(
   num_params = model_lib.count_params(model)
   schedule = make_schedule(cfg)
   optimizer = nnx.Optimizer(model, make_optimizer(cfg, schedule), wrt=nnx.Param)
+  # Weight-flow: the stacked block weights move to host memory now that the
+  # optimizer has been built from device copies.
+  model_lib.offload_weights(model)
   commit_placement(model, optimizer)
   log(
     f'preset={cfg.preset} params={num_params:,} '
