@@ -352,8 +352,8 @@ def superoffload_adam(
         )
         out = executors.finish(step, fixed, args[0], args[3])
         states[index], weights[index] = tuple(out[:3]), out[3]
-      others = [i for i in range(len(buckets)) if weights[i] is not None]
-      others = [i for i in others if i not in {p[0] for p in pending}]
+      fixed_in_place = {p[0] for p in pending}
+      others = [i for i in range(len(buckets)) if i not in fixed_in_place]
       if others:
         fixed_states, fixed_weights = _fix_if_needed(
           [buckets[i] for i in others],
