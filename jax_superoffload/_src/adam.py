@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import optax
 
 from jax_superoffload._src import transform
@@ -28,6 +29,8 @@ def adam(
   arrival_order: Sequence[str] | None = None,
   cast: str = 'host',
   hardware: HardwareProfile | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+  shard_axis: str | tuple[str, ...] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Adam whose state lives in host memory and whose step runs on the CPU.
 
@@ -99,6 +102,17 @@ def adam(
       cast throughput). Both sides give bit-identical results.
     hardware: The `HardwareProfile` the "auto" options plan for; default:
       `CPU_ONLY` on the CPU backend, `GH200` otherwise.
+    mesh: With `shard_axis`, ZeRO-style data parallelism: the state of
+      every bucket is padded to a multiple of the axis size N and sharded
+      over it (`NamedSharding(mesh, P(shard_axis))` in pinned host memory),
+      so each device's host memory holds 1/N of it. Each step constrains
+      the bucket's flat gradient to the axis on the device (the data
+      parallel reduction becomes a reduce-scatter where XLA can), runs the
+      host step per shard under `shard_map`, and all-gathers the new
+      weights on the device. Axes of the mesh not named hold the bucket
+      replicated. Parameters and gradients must live on the mesh's devices
+      (e.g. replicated, `NamedSharding(mesh, P())`).
+    shard_axis: The mesh axis name (or tuple of names) to shard over.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`. `update` needs `params` to
@@ -140,6 +154,8 @@ def adam(
     arrival_order=arrival_order,
     cast=cast,
     hardware=hardware,
+    mesh=mesh,
+    shard_axis=shard_axis,
   )
 
 
@@ -162,6 +178,8 @@ def adamw(
   arrival_order: Sequence[str] | None = None,
   cast: str = 'host',
   hardware: HardwareProfile | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+  shard_axis: str | tuple[str, ...] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""AdamW whose state lives in host memory and whose step runs on the CPU.
 
@@ -194,6 +212,8 @@ def adamw(
     arrival_order: Order in which gradients arrive (see `adam`).
     cast: "device", "host" or "auto" (see `adam`).
     hardware: Profile for the "auto" options (see `adam`).
+    mesh: ZeRO-style sharding of the state over `shard_axis` (see `adam`).
+    shard_axis: The mesh axis (or axes) the state is sharded over.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`.
@@ -226,4 +246,6 @@ def adamw(
     arrival_order=arrival_order,
     cast=cast,
     hardware=hardware,
+    mesh=mesh,
+    shard_axis=shard_axis,
   )

@@ -134,22 +134,31 @@ _SCALARS = (
 )
 
 
-def _on_host_with_scalars(fn, step: BucketStep, *arrays):
-  """Runs `fn(step, *arrays)` as host compute.
+def array_scalars(step: BucketStep) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+  """The step's scalars that are arrays, to pass into a traced region.
 
   Array scalars (a schedule's value, inject_hyperparams, a clipping scale)
-  go in as arguments, never as closed-over tracers; Python floats stay
-  Python floats so that 1 - b1 is rounded from double precision, as in
-  optax.
+  go into host compute or `shard_map` as arguments, never as closed-over
+  tracers; Python floats stay Python floats so that 1 - b1 is rounded from
+  double precision, as in optax.
   """
   names = tuple(
     n for n in _SCALARS if not isinstance(getattr(step, n), (int, float))
   )
-  scalars = tuple(jnp.asarray(getattr(step, n)) for n in names)
+  return names, tuple(jnp.asarray(getattr(step, n)) for n in names)
+
+
+def bind(step: BucketStep, names: tuple[str, ...], values) -> BucketStep:
+  """Inverse of `array_scalars` inside the traced region."""
+  return dataclasses.replace(step, **dict(zip(names, values, strict=True)))
+
+
+def _on_host_with_scalars(fn, step: BucketStep, *arrays):
+  """Runs `fn(step, *arrays)` as host compute."""
+  names, scalars = array_scalars(step)
 
   def host_fn(scalars, *arrays):
-    bound = dataclasses.replace(step, **dict(zip(names, scalars, strict=True)))
-    return fn(bound, *arrays)
+    return fn(bind(step, names, scalars), *arrays)
 
   return host_memory.on_host(host_fn, scalars, *arrays)
 

@@ -45,11 +45,12 @@ def global_norm(
   """sqrt(sum of squares) of all gradients, as optax.tree.norm takes it.
 
   `partial_sums` are sums of squares already taken elsewhere (by the kernel,
-  in its pass over a bucket, in host memory).
+  in its pass over a bucket, in host memory), one or, with ZeRO, one per
+  shard.
   """
   total = jnp.zeros([], jnp.float32)
   for s in partial_sums:
-    total = total + host_memory.to_device(s).reshape(())
+    total = total + jnp.sum(host_memory.to_device(s))
   for g in grads:
     total = total + jnp.sum(jnp.real(g * jnp.conj(g))).astype(jnp.float32)
   return jnp.sqrt(total)

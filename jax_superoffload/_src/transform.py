@@ -17,6 +17,7 @@ from jax_superoffload._src import host_memory
 from jax_superoffload._src import layout
 from jax_superoffload._src import placement
 from jax_superoffload._src import stv
+from jax_superoffload._src import zero as zero_lib
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -78,12 +79,13 @@ def _state_to_host(x: jax.Array) -> jax.Array:
   return host_memory.to_device(x)
 
 
-def _fix_if_needed(buckets, states, weights, redo, skip, scale):
+def _fix_if_needed(buckets, states, weights, redo, skip, scale, zero):
   """Undoes the speculative steps if validation failed; redoes if clipping.
 
   The redo scales the gradients (the kernel's `grad_scale`); a skip keeps
   the undone state. Runs only when needed (`lax.cond`), so a step that
-  validates pays nothing.
+  validates pays nothing. With ZeRO, each bucket's undo and redo run per
+  shard.
   """
 
   def keep(states, weights):
@@ -91,7 +93,12 @@ def _fix_if_needed(buckets, states, weights, redo, skip, scale):
 
   def fix(states, weights):
     undone = [
-      executors.undo_bucket(executor, step, *s, grads)
+      zero_lib.per_shard(
+        zero,
+        lambda st, _, m, a, v, gs, executor=executor: executors.undo_bucket(
+          executor, st, m, a, v, gs
+        ),
+      )(step, None, *s, grads)
       for (executor, step, grads, _, _), s in zip(buckets, states, strict=True)
     ]
 
@@ -103,7 +110,9 @@ def _fix_if_needed(buckets, states, weights, redo, skip, scale):
         again = dataclasses.replace(
           step, grad_scale=scale, keep_nonfinite=False
         )
-        m, a, v, w = executors.step_bucket(executor, again, *s, grads, dtypes)
+        m, a, v, w = _bucket_step(zero, executor, dtypes)(
+          again, None, *s, grads
+        )
         out_states.append((m, a, v))
         out_weights.append(w)
       return out_states, out_weights
@@ -116,6 +125,34 @@ def _fix_if_needed(buckets, states, weights, redo, skip, scale):
   return jax.lax.cond(
     jnp.logical_or(redo, skip), fix, keep, [tuple(s) for s in states], weights
   )
+
+
+def _bucket_step(zero, executor, dtypes):
+  """`executors.step_bucket` as `fn(step, extra, *arrays)`, per shard."""
+
+  def fn(step, _, master, mu, nu, grads):
+    return executors.step_bucket(executor, step, master, mu, nu, grads, dtypes)
+
+  return zero_lib.per_shard(zero, fn)
+
+
+def _host_step(zero, executor, dtypes):
+  """`executors.host_step` as `fn(step, extra, *arrays)`, per shard."""
+
+  def fn(step, _, master, mu, nu, grads):
+    return executors.host_step(executor, step, master, mu, nu, grads, dtypes)
+
+  return zero_lib.per_shard(zero, fn)
+
+
+def _fix_and_finish(zero):
+  """An "ffi" bucket's in-place fix after validation, then its weights."""
+
+  def fn(step, flags, host_out, host_grads, master, grads):
+    fixed = executors.fix_in_place(step, host_out, host_grads, *flags)
+    return executors.finish(step, fixed, master, grads)
+
+  return zero_lib.per_shard(zero, fn)
 
 
 def _validate_options(
@@ -179,8 +216,11 @@ def superoffload_adam(
   arrival_order: Any = None,
   cast: str = 'host',
   hardware: Any = None,
+  mesh: Any = None,
+  shard_axis: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Builds the transformation behind `adam` and `adamw` (see their docs)."""
+  zero = zero_lib.make(mesh, shard_axis)
   placement.check_device_buckets(device_buckets)
   if cast not in placement.CASTS:
     raise ValueError(f'cast must be one of {placement.CASTS}, got {cast!r}')
@@ -198,6 +238,18 @@ def superoffload_adam(
   use_kernel = mu_dtype is None or np.dtype(mu_dtype) == np.float32
   bucket_elements = max(1, int(bucket_bytes) // 4)
   no_decay = isinstance(weight_decay, (int, float)) and weight_decay == 0.0
+
+  def state_sizes(lay: layout.Layout) -> tuple[int, ...]:
+    if zero is None:
+      return lay.bucket_sizes
+    return tuple(zero.padded(n) for n in lay.bucket_sizes)
+
+  def place(bucket: jax.Array, on_host: bool) -> jax.Array:
+    if zero is not None:
+      return zero.place(bucket, on_host)
+    return (
+      host_memory.to_host(bucket) if on_host else host_memory.to_device(bucket)
+    )
 
   def make_layout(tree: Any) -> layout.Layout:
     n = len(jax.tree.leaves(tree))
@@ -231,23 +283,27 @@ def superoffload_adam(
     master, mu, nu = [], [], []
     for group in lay.groups:
       for bucket in layout.pack(group, leaves):
-        place = (
-          host_memory.to_device
-          if len(master) in on_device
-          else host_memory.to_host
-        )
-        master.append(place(bucket))
-        mu.append(place(jnp.zeros_like(bucket)))
-        nu.append(place(jnp.zeros_like(bucket)))
+        on_host = len(master) not in on_device
+        master.append(place(bucket, on_host))
+        mu.append(place(jnp.zeros_like(bucket), on_host))
+        nu.append(place(jnp.zeros_like(bucket), on_host))
     fallback = fallback_tx(lay).init([leaves[i] for i in lay.fallback])
+    fallback = jax.tree.map(_state_to_host, fallback)
+    if zero is not None:  # Replicated over the mesh, where the params are.
+      fallback = jax.tree.map(zero.replicate, fallback)
+
+    def counter() -> jax.Array:
+      x = host_memory.to_device(jnp.zeros([], jnp.int32))
+      return x if zero is None else zero.replicate(x)
+
     return SuperOffloadState(
-      count=host_memory.to_device(jnp.zeros([], jnp.int32)),
+      count=counter(),
       mu=tuple(mu),
       nu=tuple(nu),
       master=tuple(master),
-      fallback=jax.tree.map(_state_to_host, fallback),
-      redone=host_memory.to_device(jnp.zeros([], jnp.int32)),
-      skipped=host_memory.to_device(jnp.zeros([], jnp.int32)),
+      fallback=fallback,
+      redone=counter(),
+      skipped=counter(),
     )
 
   def check_state(
@@ -258,9 +314,8 @@ def superoffload_adam(
         f'expected a SuperOffloadState, got {type(state).__name__}'
       )
     got = tuple(int(np.prod(np.shape(b))) for b in state.master)
-    if got != lay.bucket_sizes or any(
-      len(x) != len(got) for x in (state.mu, state.nu)
-    ):
+    want = state_sizes(lay)
+    if got != want or any(len(x) != len(got) for x in (state.mu, state.nu)):
       hint = (
         ' (without params, the layout comes from the gradients: give them '
         "the parameters' dtypes, or pass params)"
@@ -270,7 +325,12 @@ def superoffload_adam(
       raise ValueError(
         'optimizer state was built for another parameter tree: its '
         f'buckets hold {list(got)} elements, these parameters need '
-        f'{list(lay.bucket_sizes)}{hint}'
+        f'{list(want)}{hint}'
+        + (
+          f' (padded to multiples of the {zero.size} shards)'
+          if zero is not None
+          else ''
+        )
       )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -315,19 +375,22 @@ def superoffload_adam(
           for g in layout.bucket_leaves(group, b, grads)
         ]
         dtypes = [lay.dtypes[i] for i in leaf_ids]
+        if zero is not None:  # One flat gradient, this device's slice.
+          bucket_grads = [zero.scatter(bucket_grads, state.master[k].size)]
+          dtypes = [group.dtype]
         bucket_executor = 'resident' if k in on_device else executor
         args = (state.master[k], state.mu[k], state.nu[k], bucket_grads)
         if use_stv and bucket_executor == 'ffi':
           # Fixed in place after validation; weights move only then.
-          host_out, host_grads = executors.host_step(
-            bucket_executor, step, *args, dtypes
+          host_out, host_grads = _host_step(zero, bucket_executor, dtypes)(
+            step, None, *args
           )
           pending.append((len(states), step, host_out, host_grads, args))
           m, a, v = host_out[:3]
           w = None
         else:
-          m, a, v, w = executors.step_bucket(
-            bucket_executor, step, *args, dtypes
+          m, a, v, w = _bucket_step(zero, bucket_executor, dtypes)(
+            step, None, *args
           )
         buckets.append((bucket_executor, step, bucket_grads, dtypes, leaf_ids))
         states.append((m, a, v))
@@ -347,10 +410,9 @@ def superoffload_adam(
       norm = stv.global_norm(rest, [p[2][4] for p in pending])
       redo, skip, scale = stv.validate(norm, clip_norm, skip_nonfinite)
       for index, step, host_out, host_grads, args in pending:
-        fixed = executors.fix_in_place(
-          step, host_out, host_grads, redo, skip, scale
+        out = _fix_and_finish(zero)(
+          step, (redo, skip, scale), host_out, host_grads, args[0], args[3]
         )
-        out = executors.finish(step, fixed, args[0], args[3])
         states[index], weights[index] = tuple(out[:3]), out[3]
       fixed_in_place = {p[0] for p in pending}
       others = [i for i in range(len(buckets)) if i not in fixed_in_place]
@@ -362,12 +424,16 @@ def superoffload_adam(
           redo,
           skip,
           scale,
+          zero,
         )
         for i, s_, w_ in zip(others, fixed_states, fixed_weights, strict=True):
           states[i], weights[i] = s_, w_
 
     out_leaves: list[Any] = [None] * len(grads)
     for (*_, leaf_ids), ws in zip(buckets, weights, strict=True):
+      if zero is not None:  # All-gathered on the device, split into leaves.
+        sizes = [int(np.prod(lay.shapes[i], dtype=np.int64)) for i in leaf_ids]
+        ws = zero.gather(ws[0], sizes)
       for i, w in zip(leaf_ids, ws, strict=True):
         w = w.reshape(lay.shapes[i])
         if params is not None:  # fp32 master split on device: cast here.
