@@ -277,6 +277,14 @@ def superoffload_adam(
     )
 
   def init_fn(params: optax.Params) -> SuperOffloadState:
+    if zero is not None:
+      # Traced, so that every placement is a sharding of the mesh's global
+      # arrays; eager transfers of process-local values to a mesh spanning
+      # several processes are not supported.
+      return jax.jit(build_state)(params)
+    return build_state(params)
+
+  def build_state(params: optax.Params) -> SuperOffloadState:
     lay = make_layout(params)
     on_device = resident(lay, params)
     leaves = jax.tree.leaves(params)
@@ -288,13 +296,18 @@ def superoffload_adam(
         mu.append(place(jnp.zeros_like(bucket), on_host))
         nu.append(place(jnp.zeros_like(bucket), on_host))
     fallback = fallback_tx(lay).init([leaves[i] for i in lay.fallback])
-    fallback = jax.tree.map(_state_to_host, fallback)
-    if zero is not None:  # Replicated over the mesh, where the params are.
-      fallback = jax.tree.map(zero.replicate, fallback)
+    if zero is None:
+      fallback = jax.tree.map(_state_to_host, fallback)
+    else:  # Replicated over the mesh, where the params are.
+      fallback = jax.tree.map(
+        lambda x: zero.replicate(x, on_host=jnp.ndim(x) > 0), fallback
+      )
 
     def counter() -> jax.Array:
-      x = host_memory.to_device(jnp.zeros([], jnp.int32))
-      return x if zero is None else zero.replicate(x)
+      x = jnp.zeros([], jnp.int32)
+      if zero is None:
+        return host_memory.to_device(x)
+      return zero.replicate(x, on_host=False)
 
     return SuperOffloadState(
       count=counter(),

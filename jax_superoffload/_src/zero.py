@@ -63,17 +63,12 @@ class Zero:
   def place(self, flat: jax.Array, on_host: bool) -> jax.Array:
     """Pads a bucket's flat vector and shards it (host or device memory)."""
     flat = _pad(flat, self.padded(flat.size))
-    kind = (
-      host_memory.HOST_MEMORY_KIND
-      if on_host and host_memory.host_memory_available()
-      else None
-    )
-    return jax.device_put(flat, self.sharding(kind))
+    return jax.device_put(flat, self.sharding(_kind(on_host)))
 
-  def replicate(self, x: jax.Array) -> jax.Array:
-    """`x` replicated over the mesh, in the memory kind it has."""
-    kind = host_memory.memory_kind(x)
-    return jax.device_put(x, NamedSharding(self.mesh, P(), memory_kind=kind))
+  def replicate(self, x: jax.Array, on_host: bool) -> jax.Array:
+    """`x` replicated over the mesh (host or device memory)."""
+    sharding = NamedSharding(self.mesh, P(), memory_kind=_kind(on_host))
+    return jax.device_put(x, sharding)
 
   def scatter(self, grads: Sequence[jax.Array], padded: int) -> jax.Array:
     """One bucket's flat gradient, padded, constrained to the shard axis."""
@@ -106,6 +101,12 @@ class Zero:
       out_specs=self.spec,
     )
     return mapped(scalars, *arrays)
+
+
+def _kind(on_host: bool) -> str | None:
+  if on_host and host_memory.host_memory_available():
+    return host_memory.HOST_MEMORY_KIND
+  return None  # The default: device memory.
 
 
 def _pad(flat: jax.Array, n: int) -> jax.Array:
