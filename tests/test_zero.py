@@ -260,3 +260,29 @@ def test_bad_mesh_arguments(kwargs, error, match):
     kwargs = dict(mesh=_mesh(), **kwargs)
   with pytest.raises(error, match=match):
     superoffload.adamw(1e-3, **kwargs)
+
+
+@pytest.mark.parametrize('axis_type', [AxisType.Explicit, AxisType.Auto])
+def test_params_sharded_over_a_model_axis(axis_type):
+  mesh = _mesh((4, 2), ('data', 'model'), axis_type)
+  x, y = _batch()
+  params = _params()
+  params['w1'], params['b1'] = params['w1'][:, :36], params['b1'][:36]
+  params['w2'] = params['w2'][:36]
+  specs = {'w1': P(None, 'model'), 'b1': P('model')}
+  sharded = {
+    k: jax.device_put(v, NamedSharding(mesh, specs.get(k, P())))
+    for k, v in params.items()
+  }
+  data = NamedSharding(mesh, P('data'))
+  pz, _, _ = _train(
+    _adamw(mesh=mesh, shard_axis='data'),
+    sharded,
+    jax.device_put(x, data),
+    jax.device_put(y, data),
+    steps=10,
+  )
+  dev = jax.devices()[0]
+  p1, _, _ = _train(_adamw(), jax.device_put(params, dev), x, y, steps=10)
+  assert _max_diff(p1, pz) < 1e-6
+  assert pz['w1'].sharding.spec == P(None, 'model')

@@ -288,6 +288,8 @@ def superoffload_adam(
     lay = make_layout(params)
     on_device = resident(lay, params)
     leaves = jax.tree.leaves(params)
+    if zero is not None:
+      leaves = [zero.unshard(x) for x in leaves]
     master, mu, nu = [], [], []
     for group in lay.groups:
       for bucket in layout.pack(group, leaves):
@@ -361,6 +363,8 @@ def superoffload_adam(
 
     on_device = resident(lay, reference)
     cast_on_device = placement.resolve_cast(cast, reference, hardware)
+    # Leaves that can be flattened as they are (see `Zero.unshard`).
+    flat_ready = grads if zero is None else [zero.unshard(g) for g in grads]
     # Speculative pass: every bucket's host step starts at once.
     buckets = []  # (executor, step, grads, dtypes, leaf ids) per bucket.
     states, weights = [], []
@@ -385,7 +389,7 @@ def superoffload_adam(
         leaf_ids = [group.leaves[j] for j in bucket]
         bucket_grads = [
           _kernel_grad(g, cast_on_device)
-          for g in layout.bucket_leaves(group, b, grads)
+          for g in layout.bucket_leaves(group, b, flat_ready)
         ]
         dtypes = [lay.dtypes[i] for i in leaf_ids]
         if zero is not None:  # One flat gradient, this device's slice.
@@ -449,6 +453,8 @@ def superoffload_adam(
         ws = zero.gather(ws[0], sizes)
       for i, w in zip(leaf_ids, ws, strict=True):
         w = w.reshape(lay.shapes[i])
+        if zero is not None:  # Back to the leaf's own (explicit) sharding.
+          w = zero.match(w, grads[i])
         if params is not None:  # fp32 master split on device: cast here.
           w = w.astype(lay.dtypes[i])
         # Without params: the fp32 change of the master.

@@ -70,6 +70,24 @@ class Zero:
     sharding = NamedSharding(self.mesh, P(), memory_kind=_kind(on_host))
     return jax.device_put(x, sharding)
 
+  def unshard(self, x: jax.Array) -> jax.Array:
+    """`x` replicated, if its type carries an explicit sharding.
+
+    Arrays sharded over explicit mesh axes (say a tensor-parallel weight)
+    cannot be flattened and concatenated with others as they are; under
+    auto axes XLA picks the layouts itself and `x` is returned as is.
+    """
+    if not _explicit_spec(x):
+      return x
+    return jax.device_put(x, NamedSharding(self.mesh, P()))
+
+  def match(self, x: jax.Array, like: jax.Array) -> jax.Array:
+    """`x` with the explicit sharding of `like` (as is under auto axes)."""
+    spec = _explicit_spec(like)
+    if not spec:
+      return x
+    return jax.device_put(x, NamedSharding(self.mesh, spec))
+
   def scatter(self, grads: Sequence[jax.Array], padded: int) -> jax.Array:
     """One bucket's flat gradient, padded, constrained to the shard axis."""
     dtypes = {g.dtype for g in grads}
@@ -101,6 +119,15 @@ class Zero:
       out_specs=self.spec,
     )
     return mapped(scalars, *arrays)
+
+
+def _explicit_spec(x: jax.Array) -> P | None:
+  """The spec of `x`'s type if it shards over explicit axes, else None."""
+  sharding = getattr(jax.typeof(x), 'sharding', None)
+  spec = getattr(sharding, 'spec', None)
+  if spec is None or all(s is None for s in spec):
+    return None
+  return spec
 
 
 def _kind(on_host: bool) -> str | None:
