@@ -102,9 +102,11 @@ def test_zero_equals_single_device_after_50_steps(axis_type):
   assert lz[-1] < 0.5 * lz[0]
 
 
-def test_each_device_holds_one_eighth_in_pinned_host():
-  mesh = _mesh()
-  _, state, _ = _sharded(_adamw, mesh, steps=2)
+@pytest.mark.parametrize('steps', [0, 2])
+@pytest.mark.parametrize('axis_type', [AxisType.Explicit, AxisType.Auto])
+def test_each_device_holds_one_eighth_in_pinned_host(steps, axis_type):
+  mesh = _mesh(axis_type=axis_type)
+  _, state, _ = _sharded(_adamw, mesh, steps=steps)
   for bucket in (*state.master, *state.mu, *state.nu):
     assert bucket.sharding.memory_kind == 'pinned_host'
     assert bucket.sharding.spec == P('data')

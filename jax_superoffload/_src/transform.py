@@ -279,10 +279,36 @@ def superoffload_adam(
   def init_fn(params: optax.Params) -> SuperOffloadState:
     if zero is not None:
       # Traced, so that every placement is a sharding of the mesh's global
-      # arrays; eager transfers of process-local values to a mesh spanning
-      # several processes are not supported.
-      return jax.jit(build_state)(params)
+      # arrays (eager transfers of process-local values to a mesh spanning
+      # several processes are not supported), with the output shardings
+      # spelled out: under auto mesh axes jit does not take them from the
+      # placements inside.
+      return jax.jit(build_state, out_shardings=zero_shardings(params))(params)
     return build_state(params)
+
+  def zero_shardings(params: optax.Params) -> SuperOffloadState:
+    lay = make_layout(params)
+    on_device = resident(lay, params)
+    buckets = tuple(
+      zero.bucket_sharding(on_host=k not in on_device)
+      for k in range(lay.num_buckets)
+    )
+    leaves = jax.tree.leaves(params)
+    fallback = jax.eval_shape(
+      fallback_tx(lay).init, [leaves[i] for i in lay.fallback]
+    )
+    counter = zero.replicated(on_host=False)
+    return SuperOffloadState(
+      count=counter,
+      mu=buckets,
+      nu=buckets,
+      master=buckets,
+      fallback=jax.tree.map(
+        lambda x: zero.replicated(on_host=len(x.shape) > 0), fallback
+      ),
+      redone=counter,
+      skipped=counter,
+    )
 
   def build_state(params: optax.Params) -> SuperOffloadState:
     lay = make_layout(params)

@@ -60,15 +60,20 @@ class Zero:
   def sharding(self, memory_kind: str | None) -> NamedSharding:
     return NamedSharding(self.mesh, self.spec, memory_kind=memory_kind)
 
+  def bucket_sharding(self, on_host: bool) -> NamedSharding:
+    return self.sharding(_kind(on_host))
+
   def place(self, flat: jax.Array, on_host: bool) -> jax.Array:
     """Pads a bucket's flat vector and shards it (host or device memory)."""
     flat = _pad(flat, self.padded(flat.size))
-    return jax.device_put(flat, self.sharding(_kind(on_host)))
+    return jax.device_put(flat, self.bucket_sharding(on_host))
+
+  def replicated(self, on_host: bool) -> NamedSharding:
+    return NamedSharding(self.mesh, P(), memory_kind=_kind(on_host))
 
   def replicate(self, x: jax.Array, on_host: bool) -> jax.Array:
     """`x` replicated over the mesh (host or device memory)."""
-    sharding = NamedSharding(self.mesh, P(), memory_kind=_kind(on_host))
-    return jax.device_put(x, sharding)
+    return jax.device_put(x, self.replicated(on_host))
 
   def unshard(self, x: jax.Array) -> jax.Array:
     """`x` replicated, if its type carries an explicit sharding.
