@@ -4,16 +4,25 @@ One flat dataclass holds every knob (model, data, optimizer, logging). The
 defaults are the ``small`` preset, which trains in a few minutes on two CPU
 cores. Other presets override a subset of the fields; every field can also be
 overridden from the command line (``--batch-size 8``, ``--no-tie-embeddings``).
+
+`validate` checks a config for mistakes that can be found without touching a
+device; it, the parser and `get_config` raise `ConfigError` with a one-line
+message.
 """
 
 import argparse
 import dataclasses
 import inspect
+import os
 import re
 import types
 import typing
 from collections.abc import Sequence
 from typing import Any
+
+
+class ConfigError(ValueError):
+  """A bad configuration; its message is one line, fit for the terminal."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +73,7 @@ class Config:
   # --- Optimizer ---
   # "superoffload" (host Adam), "optax" (optax.adamw) or "device".
   optimizer: str = 'superoffload'
-  # Number of training steps.
+  # Total number of training steps, counting those before a resume.
   steps: int = 600
   # Peak learning rate of the warmup + cosine schedule.
   learning_rate: float = 3e-3
@@ -91,15 +100,35 @@ class Config:
   # superoffload: fraction of buckets kept and updated on the device.
   device_buckets: float = 0.0
 
+  # --- Mesh ---
+  # Data-parallel size: mesh axis 'data', which shards the batch.
+  mesh_data: int = 1
+  # Ulysses sequence-parallel size: mesh axis 'seq', which shards sequences.
+  mesh_seq: int = 1
+  # ZeRO: shard the optimizer's host state over the 'data' axis.
+  zero: bool = False
+
+  # --- Checkpoints ---
+  # Checkpoint folder (also for SIGINT/SIGTERM); None: <out_dir>/checkpoints.
+  checkpoint_dir: str | None = None
+  # Checkpoint every N steps and at the end; 0: at the end iff a dir is set.
+  checkpoint_every: int = 0
+  # Number of latest checkpoints kept on disk.
+  checkpoint_keep: int = 3
+  # Continue from the latest checkpoint (data position and run dir too).
+  resume: bool = False
+
   # --- Run ---
   # Seed for parameter init and data order.
   seed: int = 0
-  # Output folder for metrics; None means runs/<timestamp>.
+  # Run folder; None: runs/<timestamp>, or on --resume the checkpoint's.
   out_dir: str | None = None
   # Number of last steps averaged into the reported final loss.
   final_loss_window: int = 10
   # Show a tqdm progress bar.
   progress: bool = True
+  # Peak TFLOP/s per device for MFU; None: known-chip table or CPU matmul.
+  peak_tflops: float | None = None
 
 
 # Allowed values of the string fields that have a fixed set of them.
@@ -147,6 +176,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     warmup_steps=1000,
     learning_rate=6e-4,
     data_max_bytes=1_000_000_000,
+    checkpoint_every=1000,
   ),
   # ~353M params.
   '350m': dict(
@@ -160,6 +190,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     warmup_steps=2000,
     learning_rate=3e-4,
     data_max_bytes=1_000_000_000,
+    checkpoint_every=1000,
   ),
   # ~1.0B params.
   '1b': dict(
@@ -173,6 +204,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     warmup_steps=2000,
     learning_rate=2e-4,
     data_max_bytes=4_000_000_000,
+    checkpoint_every=500,
   ),
 }
 
@@ -188,10 +220,10 @@ def get_config(preset: str = 'small', **overrides: Any) -> Config:
     The resulting `Config`.
 
   Raises:
-    ValueError: If `preset` is unknown.
+    ConfigError: If `preset` is unknown.
   """
   if preset not in PRESETS:
-    raise ValueError(f'unknown preset {preset!r}; one of {list(PRESETS)}')
+    raise ConfigError(f'unknown preset {preset!r}; one of {list(PRESETS)}')
   return dataclasses.replace(
     Config(), preset=preset, **{**PRESETS[preset], **overrides}
   )
@@ -229,9 +261,20 @@ def _none_or(tp: type) -> Any:
   return parse
 
 
+class _Parser(argparse.ArgumentParser):
+  """An `ArgumentParser` whose errors raise `ConfigError` (one line)."""
+
+  def error(self, message: str) -> typing.NoReturn:
+    """Raises instead of printing the usage and exiting."""
+    raise ConfigError(message.replace('\n', ' '))
+
+
 def build_parser() -> argparse.ArgumentParser:
-  """Builds a CLI parser with one ``--flag`` per `Config` field."""
-  parser = argparse.ArgumentParser(
+  """Builds a CLI parser with one ``--flag`` per `Config` field.
+
+  Bad flags raise `ConfigError` instead of exiting.
+  """
+  parser = _Parser(
     prog='python -m experiments.train',
     description='Train a byte-level decoder-only LM.',
   )
@@ -277,3 +320,77 @@ def config_from_args(argv: Sequence[str] | None = None) -> Config:
   preset = args.pop('preset')
   overrides = {k: v for k, v in args.items() if v is not None}
   return get_config(preset, **overrides)
+
+
+def validate(cfg: Config) -> None:
+  """Checks a config for mistakes that need no device to find.
+
+  Args:
+    cfg: The configuration.
+
+  Raises:
+    ConfigError: On the first problem found, with a one-line message.
+  """
+  if cfg.preset not in PRESETS:
+    raise ConfigError(f'unknown preset {cfg.preset!r}; one of {list(PRESETS)}')
+  for field, choices in CHOICES.items():
+    if getattr(cfg, field) not in choices:
+      raise ConfigError(
+        f'{field}={getattr(cfg, field)!r} is not one of {list(choices)}'
+      )
+  positive = (
+    'vocab_size',
+    'd_model',
+    'num_layers',
+    'num_heads',
+    'mlp_dim',
+    'seq_len',
+    'batch_size',
+    'steps',
+    'mesh_data',
+    'mesh_seq',
+    'checkpoint_keep',
+  )
+  for field in positive:
+    if getattr(cfg, field) < 1:
+      raise ConfigError(
+        f'{field} must be at least 1, got {getattr(cfg, field)}'
+      )
+  if cfg.checkpoint_every < 0:
+    raise ConfigError(
+      f'checkpoint_every must be >= 0, got {cfg.checkpoint_every}'
+    )
+  if cfg.d_model % cfg.num_heads:
+    raise ConfigError(
+      f'num_heads ({cfg.num_heads}) must divide d_model ({cfg.d_model})'
+    )
+  if cfg.pos_encoding == 'rope' and (cfg.d_model // cfg.num_heads) % 2:
+    raise ConfigError(
+      f'rope needs an even head width, got d_model/num_heads = '
+      f'{cfg.d_model // cfg.num_heads}'
+    )
+  if cfg.weights_policy == 'flow' and not cfg.scan_layers:
+    raise ConfigError('weights_policy=flow needs --scan-layers')
+  if cfg.batch_size % cfg.mesh_data:
+    raise ConfigError(
+      f'batch_size ({cfg.batch_size}) must be divisible by the data-parallel '
+      f'size mesh_data ({cfg.mesh_data})'
+    )
+  if cfg.seq_len % cfg.mesh_seq:
+    raise ConfigError(
+      f'seq_len ({cfg.seq_len}) must be divisible by the sequence-parallel '
+      f'size mesh_seq ({cfg.mesh_seq})'
+    )
+  if cfg.num_heads % cfg.mesh_seq:
+    raise ConfigError(
+      f'num_heads ({cfg.num_heads}) must be divisible by the '
+      f'sequence-parallel size mesh_seq ({cfg.mesh_seq})'
+    )
+  if cfg.zero and cfg.optimizer == 'optax':
+    raise ConfigError('--zero needs --optimizer superoffload or device')
+  if cfg.data is not None and not os.path.exists(os.path.expanduser(cfg.data)):
+    raise ConfigError(f'--data: no such file or folder: {cfg.data}')
+  if cfg.resume and cfg.checkpoint_dir is None and cfg.out_dir is None:
+    raise ConfigError('--resume needs --checkpoint-dir (or --out-dir)')
+  if cfg.peak_tflops is not None and cfg.peak_tflops <= 0:
+    raise ConfigError(f'peak_tflops must be positive, got {cfg.peak_tflops}')

@@ -4,6 +4,11 @@ Token embedding, rotary or learned absolute positions, pre-norm blocks of
 causal self-attention (`jax.nn.dot_product_attention`) and a GELU MLP, a final
 LayerNorm, and a tied or untied output head.
 
+With `set_sequence_parallel`, attention runs as Ulysses sequence-parallel
+attention (`jax_superoffload.ulysses.attention`) over a mesh axis that shards
+the sequence. Positions are always global: RoPE and the learned table index
+the whole (logical) sequence outside the `shard_map`.
+
 The blocks are a Python list run in a loop (the default), or, with
 ``scan_layers``, one `nnx.vmap`-built block whose weights carry a leading
 layer axis, run with SuperOffload's `weight_flow_scan`. With
@@ -28,6 +33,7 @@ from flax import nnx
 from experiments.config import POS_ENCODINGS
 from experiments.config import WEIGHTS_POLICIES
 from experiments.config import Config
+from jax_superoffload import ulysses
 from jax_superoffload._src import weight_flow
 
 
@@ -81,6 +87,10 @@ class CausalSelfAttention(nnx.Module):
     )
     self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, kernel_init=init, **kw)
     self.out = nnx.Linear(cfg.d_model, cfg.d_model, kernel_init=out_init, **kw)
+    # Ulysses sequence parallelism (static; see `set_sequence_parallel`).
+    self.mesh: jax.sharding.Mesh | None = None
+    self.seq_axis: str | None = None
+    self.batch_axis: str | None = None
 
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
     """Attends each position to itself and earlier positions."""
@@ -93,9 +103,20 @@ class CausalSelfAttention(nnx.Module):
     if self.rope:
       q_BxLxHxK = rotary_embedding(q_BxLxHxK)
       k_BxLxHxK = rotary_embedding(k_BxLxHxK)
-    o_BxLxHxK = jax.nn.dot_product_attention(
-      q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True
-    )
+    if self.mesh is None:
+      o_BxLxHxK = jax.nn.dot_product_attention(
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True
+      )
+    else:
+      o_BxLxHxK = ulysses.attention(
+        q_BxLxHxK,
+        k_BxLxHxK,
+        v_BxLxHxK,
+        mesh=self.mesh,
+        axis=self.seq_axis,
+        batch_axis=self.batch_axis,
+        causal=True,
+      )
     return self.out(o_BxLxHxK.reshape(batch, seq_len, d_model))
 
 
@@ -278,6 +299,33 @@ def offload_weights(model: Transformer) -> None:
   if model.weights_policy == 'flow':
     blocks = nnx.state(model.blocks)
     nnx.update(model.blocks, weight_flow.offload_stacked(blocks))
+
+
+def set_sequence_parallel(
+  model: Transformer,
+  mesh: jax.sharding.Mesh | None,
+  axis: str = 'seq',
+  batch_axis: str | None = 'data',
+) -> None:
+  """Makes every attention layer Ulysses attention over mesh axis `axis`.
+
+  The mesh becomes static module metadata (part of the graph definition,
+  so a jitted step compiles for it). Inputs should be sharded along the
+  sequence over `axis` (and along the batch over `batch_axis`); the
+  sequence length and the number of heads must be divisible by the size of
+  `axis`.
+
+  Args:
+    model: The model, updated in place.
+    mesh: The device mesh; None restores plain single-program attention.
+    axis: The mesh axis sharding the sequence.
+    batch_axis: The mesh axis sharding the batch, or None.
+  """
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, CausalSelfAttention):
+      module.mesh = mesh
+      module.seq_axis = None if mesh is None else axis
+      module.batch_axis = None if mesh is None else batch_axis
 
 
 def apply_gradients(

@@ -157,3 +157,126 @@ def test_weight_flow_and_stv_options_train_like_stationary(tmp_path):
   # the numbers.
   assert _losses(runs['flow']) == _losses(runs['stationary'])
   assert runs['flow']['final_loss'] < runs['flow']['first_loss']
+
+
+def test_summary_json_plot_and_mfu(optax_run):
+  cfg, summary = optax_run
+  out_dir = pathlib.Path(summary['out_dir'])
+  saved = json.loads((out_dir / 'summary.json').read_text())
+  keys = {
+    'preset',
+    'optimizer',
+    'executor',
+    'num_params',
+    'steps',
+    'first_loss',
+    'final_loss',
+    'tokens_per_s',
+    'step_time_s_median',
+    'mfu',
+    'host_bytes_per_param',
+    'device_bytes_per_param',
+    'wall_time_s',
+    'out_dir',
+  }
+  assert keys <= set(saved)
+  assert (saved['preset'], saved['optimizer']) == ('tiny', 'optax')
+  assert saved['executor'] is None
+  assert saved['steps'] == cfg.steps
+  assert saved['num_params'] == summary['num_params']
+  assert saved['final_loss'] == pytest.approx(summary['final_loss'])
+  assert 0 < saved['mfu'] < 1
+  assert saved['step_time_s_median'] > 0
+  # optax: params (4 B) and its fp32 mu and nu (8 B), all on the device.
+  assert saved['host_bytes_per_param'] == 0
+  assert saved['device_bytes_per_param'] == pytest.approx(12, abs=0.01)
+  records = [
+    json.loads(x) for x in (out_dir / 'metrics.jsonl').read_text().splitlines()
+  ]
+  assert all(0 < r['mfu'] < 1 for r in records)
+  png = (out_dir / 'loss_curve.png').read_bytes()
+  assert png.startswith(b'\x89PNG')
+
+
+def test_mesh_data_sequence_parallel_and_zero_match_one_device(
+  tmp_path, optax_run
+):
+  pytest.importorskip('jax_superoffload')
+  assert len(jax.devices()) >= 4  # conftest.py: 8 CPU devices.
+  args = [
+    *_tiny_args(tmp_path, 'superoffload'),
+    '--mesh-data=2',
+    '--mesh-seq=2',
+    '--zero',
+  ]
+  summary = train.train(config.config_from_args(args), log=lambda _: None)
+  assert summary['final_loss'] < 0.6 * summary['first_loss']
+  # Sharded batch, Ulysses attention over global RoPE positions, replicated
+  # parameters, ZeRO-sharded Adam state: the 1-device losses up to the
+  # order of reductions.
+  np.testing.assert_allclose(
+    _losses(summary), _losses(optax_run[1]), rtol=0, atol=1e-4
+  )
+  # Every device holds all parameters (4 B) and, with ZeRO, half of the
+  # fp32 master, mu and nu (12 B/param in all).
+  assert summary['device_bytes_per_param'] == pytest.approx(4, rel=0.01)
+  assert summary['host_bytes_per_param'] == pytest.approx(6, rel=0.01)
+
+
+@pytest.mark.parametrize(
+  'flags, message',
+  [
+    (['--preset=huge'], "invalid choice: 'huge'"),
+    (['--mesh-seq=3'], 'seq_len (32) must be divisible'),
+    (['--mesh-seq=4'], 'num_heads (2) must be divisible'),
+    (['--mesh-data=3'], 'batch_size (4) must be divisible'),
+    (
+      ['--mesh-data=8', '--mesh-seq=2', '--batch-size=8'],
+      'only 8 cpu device(s) exist',
+    ),
+    (['--data=/no/such/corpus.txt'], 'no such file or folder'),
+    (['--num-heads=3'], 'num_heads (3) must divide d_model (32)'),
+    (['--steps=0'], 'steps must be at least 1'),
+    (['--optimizer=optax', '--zero'], '--zero needs --optimizer'),
+    (['--batch-size=many'], "invalid int value: 'many'"),
+  ],
+)
+def test_bad_configs_are_one_line_errors(flags, message, capsys):
+  assert train.main(['--preset=tiny', *flags]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith('error: ') and err.count('\n') == 1, err
+  assert message in err
+
+
+def test_flops_and_peak_helpers():
+  from experiments import perf
+
+  assert perf.flops_per_token(100, 2, 8, 16) == 6 * 100 + 12 * 2 * 8 * 16
+  assert perf.table_peak_tflops('NVIDIA H200') == 989
+  assert perf.table_peak_tflops('NVIDIA H100 PCIe') == 756
+  assert perf.table_peak_tflops('TPU v5 lite') == 197
+  assert perf.table_peak_tflops('Some future chip') is None
+  assert perf.peak_flops(jax.devices()[:4], 2.0) == (2e12, 'config')
+  assert perf.measure_cpu_peak_tflops(seconds=0.05, n=64) > 0
+  assert np.isnan(perf.mfu(100.0, 1e6, None))
+  assert perf.mfu(100.0, 1e6, 1e9) == pytest.approx(0.1)
+
+
+def test_bytes_by_memory_kind_counts_one_shard():
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from experiments import perf
+
+  mesh = jax.make_mesh((4,), ('data',), devices=jax.devices()[:4])
+  tree = {
+    'sharded': jax.device_put(
+      np.zeros(64, np.float32),
+      NamedSharding(mesh, P('data'), memory_kind='pinned_host'),
+    ),
+    'replicated': jax.device_put(
+      np.zeros(8, np.float32), NamedSharding(mesh, P())
+    ),
+  }
+  got = perf.bytes_by_memory_kind(tree, jax.devices()[0])
+  assert got == {'host': 64 * 4 // 4, 'device': 8 * 4}
