@@ -201,7 +201,10 @@ def make_train_step(
   with fixed output shardings equal to its input shardings: every array
   keeps its placement (mesh, partition, memory kind) from step to step, so
   the step compiles once, parameters stay as placed (replicated), and a
-  state restored with the same shardings runs the very same program.
+  state restored with the same shardings runs the very same program. The
+  state is donated: parameters and optimizer state are updated in place
+  (SuperOffload's kernel writes its host buckets where they are), so the
+  caller must not use the state it passed in again.
 
   Args:
     model: The model, placed (and committed) as it should stay.
@@ -226,7 +229,9 @@ def make_train_step(
     model_lib.apply_gradients(model, optimizer, grads)
     return nnx.state((model, optimizer)), loss
 
-  return jax.jit(step, out_shardings=(shardings, loss_sharding))
+  return jax.jit(
+    step, out_shardings=(shardings, loss_sharding), donate_argnums=0
+  )
 
 
 def commit_placement(*nodes: nnx.Module | nnx.Optimizer) -> None:
@@ -550,6 +555,8 @@ def train(
       'time': datetime.datetime.now().isoformat(timespec='seconds'),
     }
     saver.save(step, state, meta)
+    # The next step donates `state`, whose buffers the save may still read.
+    saver.wait()
     last_saved = step
 
   mesh_sharding = NamedSharding(mesh, P(DATA_AXIS, SEQ_AXIS))
