@@ -1,0 +1,805 @@
+"""Runs a grid of training runs, each in its own time-limited subprocess.
+
+The grid (model size x optimizer/executor x sequence length x weights policy)
+comes from a small TOML or JSON file under ``experiments/sweeps/``::
+
+    python -m experiments.sweep experiments/sweeps/cpu_optimizers.toml
+    python -m experiments.sweep CONFIG --dry-run     # list the runs only
+
+Every grid point becomes one ``python -m experiments.train ... --out-dir
+runs/sweep/<run-id> --no-progress --steps K`` subprocess. One JSON line per
+run is appended to the results file as soon as the run ends: the grid point,
+``status`` (``ok``, ``failed`` or ``timeout``), ``error`` (the tail of stderr
+for failures) and ``summary``. A run id is a slug of the grid point plus a
+hash of its full command line, so re-running the sweep skips the runs that
+already finished ``ok``; failed and timed-out runs are tried again (their old
+lines stay in the file) unless ``--no-retry``.
+
+The summary comes from the trainer's ``summary.json`` when it writes one.
+Otherwise it is rebuilt from ``metrics.jsonl``, ``config.json`` and the
+trainer's stdout, and the resident bytes per parameter in host and device
+memory are measured by a separate probe subprocess that builds the same model
+and optimizer (``python -m experiments.sweep --probe-memory RUN_DIR``). Keys
+that neither source gives (e.g. ``mfu``) are null.
+
+Config file format (TOML; JSON with the same structure also works)::
+
+    description = 'what the sweep asks'
+    results = 'results/sweep/NAME.jsonl'   # the JSONL file
+    runs_dir = 'runs/sweep'                # parent of the run folders
+    steps = 12
+    repeats = 1                            # passes over the whole grid
+    timeout_s = 300                        # per run
+    flags = {batch_size = 1, warmup_steps = 2}   # passed to every run
+
+    [grid]
+    seq_len = [32, 128]
+    weights_policy = ['stationary']
+    # optimizer = ['optax', 'device']      # names, or these tables:
+
+    [[grid.optimizer]]
+    name = 'so-xla'
+    optimizer = 'superoffload'             # default: the name
+    executor = 'xla_host'
+    flags = ['--clip-norm=1.0']
+
+    [[grid.model]]
+    name = '5m'
+    preset = 'small'                       # the default
+    flags = {d_model = 256, num_layers = 6, num_heads = 4, mlp_dim = 1024}
+
+(TOML allows either the ``optimizer = [...]`` array or ``[[grid.optimizer]]``
+tables, not both; an array may mix names and one-line tables.) Flags are
+``{field = value}`` tables (``d_model = 256`` becomes ``--d-model=256``,
+``true``/``false`` become ``--flag``/``--no-flag``) or lists of command-line
+strings. Any grid entry (model or optimizer) may carry extra ``flags``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import pathlib
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
+
+# The keys of the trainer's `summary.json` (null when a run cannot give one).
+SUMMARY_KEYS = (
+  'preset',
+  'optimizer',
+  'executor',
+  'num_params',
+  'steps',
+  'first_loss',
+  'final_loss',
+  'tokens_per_s',
+  'step_time_s_median',
+  'mfu',
+  'host_bytes_per_param',
+  'device_bytes_per_param',
+  'wall_time_s',
+  'out_dir',
+)
+
+# The default trainer command; the run's flags follow it.
+TRAINER = (sys.executable, '-m', 'experiments.train')
+
+# Characters of stderr kept as the error text of a failed run.
+ERROR_TAIL_CHARS = 3000
+
+# `config.json` fields that do not change the resident memory of the model
+# and optimizer, so runs differing only in them share one memory probe.
+_PROBE_IGNORED_FIELDS = (
+  'out_dir',
+  'steps',
+  'batch_size',
+  'progress',
+  'data',
+  'data_max_bytes',
+  'warmup_steps',
+  'final_loss_window',
+  'learning_rate',
+  'min_lr_ratio',
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """One grid point, resolved to a trainer command line."""
+
+  run_id: str
+  grid: dict[str, Any]
+  flags: tuple[str, ...]
+
+  def argv(self, trainer: Sequence[str], out_dir: pathlib.Path) -> list[str]:
+    """The full command line of this run."""
+    return [*trainer, *self.flags, f'--out-dir={out_dir}', '--no-progress']
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+  """A parsed sweep config file."""
+
+  name: str
+  description: str
+  results: pathlib.Path
+  runs_dir: pathlib.Path
+  steps: int
+  timeout_s: float
+  runs: tuple[RunSpec, ...]
+  trainer: tuple[str, ...] = TRAINER
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessResult:
+  """What a runner reports about one finished (or killed) subprocess."""
+
+  returncode: int | None
+  stdout: str
+  stderr: str
+  timed_out: bool
+  wall_s: float
+
+
+Runner = Callable[[Sequence[str], float, pathlib.Path], ProcessResult]
+
+
+def flag_args(flags: Any) -> list[str]:
+  """Turns a ``{field: value}`` table (or a list of strings) into CLI flags.
+
+  Args:
+    flags: None, a list of command-line strings, or a mapping from `Config`
+      field names (``d_model`` or ``d-model``) to values.
+
+  Returns:
+    The flags as command-line strings, e.g. ``['--d-model=256']``.
+
+  Raises:
+    TypeError: If `flags` is neither a mapping nor a list.
+  """
+  if flags is None:
+    return []
+  if isinstance(flags, list | tuple):
+    return [str(f) for f in flags]
+  if not isinstance(flags, dict):
+    raise TypeError(f'flags must be a table or a list, got {flags!r}')
+  out = []
+  for key, value in flags.items():
+    name = key.replace('_', '-')
+    if value is True:
+      out.append(f'--{name}')
+    elif value is False:
+      out.append(f'--no-{name}')
+    elif value is None:
+      out.append(f'--{name}=none')
+    else:
+      out.append(f'--{name}={value}')
+  return out
+
+
+def _entry(value: Any, key: str) -> dict[str, Any]:
+  """Normalises a grid entry: a scalar becomes ``{name: v, key: v}``."""
+  if isinstance(value, dict):
+    entry = dict(value)
+    entry.setdefault('name', str(entry.get(key, '')))
+    if not entry['name']:
+      raise ValueError(f'grid entry {value!r} needs a name or a {key!r}')
+    return entry
+  return {'name': str(value), key: value}
+
+
+def _slug(text: str) -> str:
+  return re.sub(r'[^A-Za-z0-9.]+', '-', text).strip('-').lower()
+
+
+def make_run_id(grid: dict[str, Any], flags: Sequence[str]) -> str:
+  """A readable, stable id: a slug of the grid point and a hash of its flags.
+
+  Args:
+    grid: The grid point (model, optimizer, seq_len, weights_policy names).
+    flags: The run's full trainer flags (without the output folder).
+
+  Returns:
+    E.g. ``'5m-superoffload-s32-stationary-1a2b3c4d'``.
+  """
+  parts = [grid['model'], grid['optimizer_name']]
+  if grid.get('seq_len') is not None:
+    parts.append(f's{grid["seq_len"]}')
+  if grid.get('weights_policy') is not None:
+    parts.append(grid['weights_policy'])
+  key = list(flags)
+  if grid.get('repeat') is not None:
+    parts.append(f'r{grid["repeat"]}')
+    key.append(f'repeat={grid["repeat"]}')
+  slug = _slug('-'.join(str(p) for p in parts))
+  digest = hashlib.sha1(json.dumps(key).encode()).hexdigest()[:8]
+  return f'{slug}-{digest}'
+
+
+def expand_grid(raw: dict[str, Any]) -> list[RunSpec]:
+  """Expands a config's grid into runs, optimizers varying fastest.
+
+  Runs that differ only in the optimizer are adjacent, so the optimizers of
+  one model size are measured back to back on a machine whose load drifts.
+  With ``repeats = N`` (N > 1) the whole grid runs N times over, each grid
+  point once per pass, as points with a ``repeat`` index and their own ids.
+
+  Args:
+    raw: The parsed config file (see the module docstring).
+
+  Returns:
+    One `RunSpec` per grid point.
+
+  Raises:
+    ValueError: If the grid has no models or optimizers, or two grid points
+      get the same run id.
+  """
+  grid = raw.get('grid', {})
+  models = [_entry(m, 'preset') for m in grid.get('model', [])]
+  optimizers = [_entry(o, 'optimizer') for o in grid.get('optimizer', [])]
+  if not models or not optimizers:
+    raise ValueError('the grid needs at least one model and one optimizer')
+  seq_lens = list(grid.get('seq_len', [None]))
+  policies = list(grid.get('weights_policy', [None]))
+  steps = int(raw.get('steps', 12))
+  common = flag_args(raw.get('flags'))
+  runs: list[RunSpec] = []
+  for model in models:
+    for seq_len in seq_lens:
+      for policy in policies:
+        for opt in optimizers:
+          flags = [f'--preset={model.get("preset", "small")}']
+          flags += common
+          flags += flag_args(model.get('flags'))
+          flags.append(f'--optimizer={opt.get("optimizer", opt["name"])}')
+          if opt.get('executor') is not None:
+            flags.append(f'--executor={opt["executor"]}')
+          flags += flag_args(opt.get('flags'))
+          if seq_len is not None:
+            flags.append(f'--seq-len={seq_len}')
+          if policy is not None:
+            flags.append(f'--weights-policy={policy}')
+          flags.append(f'--steps={steps}')
+          point = {
+            'model': model['name'],
+            'preset': model.get('preset', 'small'),
+            'optimizer_name': opt['name'],
+            'optimizer': opt.get('optimizer', opt['name']),
+            'executor': opt.get('executor'),
+            'seq_len': seq_len,
+            'weights_policy': policy,
+            'steps': steps,
+          }
+          runs.append(RunSpec(make_run_id(point, flags), point, tuple(flags)))
+  repeats = int(raw.get('repeats', 1))
+  if repeats > 1:
+    runs = [
+      RunSpec(make_run_id(point, r.flags), point, r.flags)
+      for rep in range(repeats)
+      for r in runs
+      for point in [{**r.grid, 'repeat': rep}]
+    ]
+  ids = [r.run_id for r in runs]
+  if len(set(ids)) != len(ids):
+    raise ValueError('two grid points have the same run id; rename entries')
+  return runs
+
+
+def load_config(path: str | os.PathLike[str]) -> SweepConfig:
+  """Reads a TOML or JSON sweep config.
+
+  Args:
+    path: The config file; ``.json`` is read as JSON, anything else as TOML.
+
+  Returns:
+    The parsed config with its grid expanded.
+  """
+  path = pathlib.Path(path)
+  text = path.read_text()
+  raw = json.loads(text) if path.suffix == '.json' else tomllib.loads(text)
+  name = raw.get('name', path.stem)
+  trainer = tuple(raw['trainer']) if 'trainer' in raw else TRAINER
+  return SweepConfig(
+    name=name,
+    description=raw.get('description', ''),
+    results=pathlib.Path(raw.get('results', f'results/sweep/{name}.jsonl')),
+    runs_dir=pathlib.Path(raw.get('runs_dir', 'runs/sweep')),
+    steps=int(raw.get('steps', 12)),
+    timeout_s=float(raw.get('timeout_s', 600)),
+    runs=tuple(expand_grid(raw)),
+    trainer=trainer,
+  )
+
+
+def run_subprocess(
+  argv: Sequence[str], timeout_s: float, cwd: pathlib.Path
+) -> ProcessResult:
+  """Runs `argv` in its own process group; kills the group on timeout.
+
+  Args:
+    argv: The command line.
+    timeout_s: Wall-clock limit in seconds.
+    cwd: Working directory of the child.
+
+  Returns:
+    The exit status (None when killed), captured output and wall time.
+  """
+  env = dict(os.environ, PYTHONUNBUFFERED='1')
+  start = time.perf_counter()
+  proc = subprocess.Popen(
+    list(argv),
+    cwd=cwd,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    start_new_session=True,
+  )
+  try:
+    stdout, stderr = proc.communicate(timeout=timeout_s)
+    timed_out = False
+  except subprocess.TimeoutExpired:
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(proc.pid, signal.SIGKILL)
+    stdout, stderr = proc.communicate()
+    timed_out = True
+  return ProcessResult(
+    returncode=None if timed_out else proc.returncode,
+    stdout=stdout or '',
+    stderr=stderr or '',
+    timed_out=timed_out,
+    wall_s=time.perf_counter() - start,
+  )
+
+
+def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
+  """The records of a JSONL file; a missing file or bad lines are skipped."""
+  if not path.exists():
+    return []
+  records = []
+  for line in path.read_text().splitlines():
+    line = line.strip()
+    if not line:
+      continue
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue  # A line cut short by a killed sweep.
+  return records
+
+
+def finished_ids(records: Iterable[dict[str, Any]], retry: bool) -> set[str]:
+  """Run ids to skip: those recorded ``ok`` (and, without retry, any)."""
+  return {
+    r['run_id']
+    for r in records
+    if 'run_id' in r and (r.get('status') == 'ok' or not retry)
+  }
+
+
+def _number(text: str) -> float:
+  return float(text.replace(',', ''))
+
+
+def summary_from_metrics(
+  out_dir: pathlib.Path, stdout: str
+) -> dict[str, Any] | None:
+  """Rebuilds the trainer's summary from ``metrics.jsonl`` and its stdout.
+
+  The median step time and the tokens/s leave out step 0 (compilation), as
+  the trainer does.
+
+  Args:
+    out_dir: The run's output folder.
+    stdout: The trainer's standard output (for the parameter count and the
+      wall time).
+
+  Returns:
+    A dict with the `SUMMARY_KEYS` it can fill (the rest None), or None when
+    there is no metrics file.
+  """
+  metrics_path = out_dir / 'metrics.jsonl'
+  rows = read_jsonl(metrics_path)
+  if not rows:
+    return None
+  cfg_path = out_dir / 'config.json'
+  cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+  timed = [r for r in rows if r.get('step', 0) > 0 and 'step_time_s' in r]
+  times = [r['step_time_s'] for r in timed]
+  tokens_per_step = None
+  if cfg.get('batch_size') and cfg.get('seq_len'):
+    tokens_per_step = cfg['batch_size'] * cfg['seq_len']
+  tokens_per_s = None
+  if times and tokens_per_step:
+    tokens_per_s = tokens_per_step * len(times) / sum(times)
+  window = max(1, int(cfg.get('final_loss_window', 10)))
+  losses = [r['loss'] for r in rows if 'loss' in r]
+  optimizer = cfg.get('optimizer')
+  executor = None
+  if optimizer == 'superoffload':
+    executor = cfg.get('executor')
+  elif optimizer == 'device':
+    executor = 'device'
+  summary = dict.fromkeys(SUMMARY_KEYS)
+  summary.update(
+    preset=cfg.get('preset'),
+    optimizer=optimizer,
+    executor=executor,
+    steps=len(rows),
+    first_loss=losses[0] if losses else None,
+    final_loss=statistics.fmean(losses[-window:]) if losses else None,
+    tokens_per_s=tokens_per_s,
+    step_time_s_median=statistics.median(times) if times else None,
+    out_dir=str(out_dir),
+  )
+  if m := re.search(r'\bparams=([\d,]+)', stdout):
+    summary['num_params'] = int(_number(m.group(1)))
+  if m := re.search(r'\|\s*([\d.]+)s\s*\|', stdout):
+    summary['wall_time_s'] = _number(m.group(1))
+  return summary
+
+
+def step_time_stats(out_dir: pathlib.Path) -> dict[str, Any]:
+  """Step times from ``metrics.jsonl``, step 0 (compilation) left out."""
+  rows = read_jsonl(out_dir / 'metrics.jsonl')
+  times = [r['step_time_s'] for r in rows if r.get('step', 0) > 0]
+  times = [t for t in times if isinstance(t, int | float)]
+  if not times:
+    return {'timed_steps': 0}
+  return {
+    'timed_steps': len(times),
+    'step_time_s_median': statistics.median(times),
+    'step_time_s_min': min(times),
+    'step_time_s_max': max(times),
+    'first_step_s': rows[0].get('step_time_s'),
+  }
+
+
+def _probe_key(cfg: dict[str, Any]) -> str:
+  kept = {k: v for k, v in cfg.items() if k not in _PROBE_IGNORED_FIELDS}
+  return json.dumps(kept, sort_keys=True)
+
+
+def probe_memory(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+  """Measures resident bytes per parameter by memory kind for a run's config.
+
+  Builds the model and optimizer exactly as the trainer does (same config,
+  same `make_optimizer`, weight-flow offloading and commit), then sums the
+  bytes of every array of both by memory kind. Transient buffers of a step
+  (gradients, activations) are not counted.
+
+  Args:
+    run_dir: A run folder holding the trainer's ``config.json``.
+
+  Returns:
+    ``num_params``, ``bytes_by_kind`` and ``host_bytes_per_param`` (pinned
+    and unpinned host) and ``device_bytes_per_param``.
+  """
+  # Imported here: the sweep itself does not need JAX.
+  import jax
+  from flax import nnx
+
+  from experiments import config as config_lib
+  from experiments import model as model_lib
+  from experiments import train as train_lib
+
+  raw = json.loads((pathlib.Path(run_dir) / 'config.json').read_text())
+  fields = {f.name for f in dataclasses.fields(config_lib.Config)}
+  cfg = config_lib.Config(**{k: v for k, v in raw.items() if k in fields})
+  model = model_lib.init_model(cfg)
+  num_params = model_lib.count_params(model)
+  tx = train_lib.make_optimizer(cfg, train_lib.make_schedule(cfg))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  model_lib.offload_weights(model)
+  train_lib.commit_placement(model, optimizer)
+  by_kind: dict[str, int] = {}
+  for x in jax.tree.leaves(nnx.state((model, optimizer))):
+    kind = str(getattr(getattr(x, 'sharding', None), 'memory_kind', None))
+    by_kind[kind] = by_kind.get(kind, 0) + x.nbytes
+  host = sum(v for k, v in by_kind.items() if 'host' in k)
+  device = sum(v for k, v in by_kind.items() if 'host' not in k)
+  return {
+    'num_params': num_params,
+    'bytes_by_kind': by_kind,
+    'host_bytes_per_param': host / num_params,
+    'device_bytes_per_param': device / num_params,
+  }
+
+
+def source_state(root: pathlib.Path) -> dict[str, Any]:
+  """The checked-out commit and what differs from it (read-only git).
+
+  Runs read-only git commands (no optional index locks); empty when `root`
+  is not a git checkout.
+  """
+  env = dict(os.environ, GIT_OPTIONAL_LOCKS='0')
+
+  def git(*args: str) -> str:
+    out = subprocess.run(
+      ['git', *args], cwd=root, env=env, capture_output=True, text=True
+    )
+    return out.stdout.strip() if out.returncode == 0 else ''
+
+  commit = git('rev-parse', 'HEAD')
+  if not commit:
+    return {}
+  changed = [
+    line[3:] for line in git('status', '--porcelain').splitlines() if line
+  ]
+  diff = git('diff', 'HEAD')
+  return {
+    'commit': commit,
+    'changed_files': changed,
+    # Equal between two runs iff their tracked files had the same content.
+    'diff_sha1': hashlib.sha1(diff.encode()).hexdigest(),
+  }
+
+
+def machine() -> dict[str, Any]:
+  """Where the sweep runs: platform, CPU count, Python."""
+  return {
+    'platform': platform.platform(),
+    'processor': platform.machine(),
+    'cpus': os.cpu_count(),
+    'python': platform.python_version(),
+  }
+
+
+def _tail(text: str, chars: int = ERROR_TAIL_CHARS) -> str:
+  return text[-chars:].strip()
+
+
+class Sweep:
+  """Runs the grid of a `SweepConfig` and appends one JSON line per run.
+
+  Attributes:
+    config: The sweep.
+    root: Working directory of the runs (the repository root).
+    runner: Runs one command line; `run_subprocess` unless a test fakes it.
+    probe: Whether to measure bytes per parameter when the summary has none.
+    log: Receives one progress line per run.
+  """
+
+  def __init__(
+    self,
+    config: SweepConfig,
+    root: str | os.PathLike[str] = '.',
+    runner: Runner = run_subprocess,
+    probe: bool = True,
+    log: Callable[[str], None] = print,
+  ):
+    self.config = config
+    self.root = pathlib.Path(root)
+    self.runner = runner
+    self.probe = probe
+    self.log = log
+    self._probe_cache: dict[str, dict[str, Any]] = {}
+
+  @property
+  def results_path(self) -> pathlib.Path:
+    """The JSONL file, relative paths taken from `root`."""
+    return self.root / self.config.results
+
+  def out_dir(self, spec: RunSpec) -> pathlib.Path:
+    """The output folder of a run, as passed to the trainer."""
+    return self.config.runs_dir / spec.run_id
+
+  def pending(self, retry: bool = True) -> list[RunSpec]:
+    """The runs not yet finished according to the results file."""
+    done = finished_ids(read_jsonl(self.results_path), retry)
+    return [r for r in self.config.runs if r.run_id not in done]
+
+  def run(
+    self, retry: bool = True, only: str | None = None
+  ) -> list[dict[str, Any]]:
+    """Runs every pending grid point in order and records each.
+
+    Args:
+      retry: Run failed and timed-out runs again (ok runs are always
+        skipped).
+      only: If set, run only the run ids containing this substring.
+
+    Returns:
+      The records written by this call.
+    """
+    todo = [r for r in self.pending(retry) if not only or only in r.run_id]
+    skipped = len(self.config.runs) - len(self.pending(retry))
+    self.log(
+      f'sweep {self.config.name}: {len(self.config.runs)} runs, '
+      f'{skipped} finished, {len(todo)} to run -> {self.results_path}'
+    )
+    records = []
+    for i, spec in enumerate(todo):
+      record = self.run_one(spec)
+      records.append(record)
+      median = (record.get('summary') or {}).get('step_time_s_median')
+      median_text = f'{1e3 * median:.0f} ms/step' if median else '-'
+      self.log(
+        f'[{i + 1}/{len(todo)}] {spec.run_id}: {record["status"]} '
+        f'{median_text} ({record["subprocess_wall_s"]:.0f}s)'
+      )
+    return records
+
+  def run_one(self, spec: RunSpec) -> dict[str, Any]:
+    """Runs one grid point and appends its record to the results file."""
+    out_dir = self.out_dir(spec)
+    abs_out = self.root / out_dir
+    if abs_out.exists():
+      shutil.rmtree(abs_out)  # Stale files of an earlier, failed attempt.
+    argv = spec.argv(self.config.trainer, out_dir)
+    source = source_state(self.root)  # The code this run is about to use.
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')
+    result = self.runner(argv, self.config.timeout_s, self.root)
+    record: dict[str, Any] = {
+      'run_id': spec.run_id,
+      'sweep': self.config.name,
+      'description': self.config.description,
+      'grid': spec.grid,
+      'argv': [*spec.flags, f'--out-dir={out_dir}', '--no-progress'],
+      'started_at': started,
+      'subprocess_wall_s': result.wall_s,
+      'returncode': result.returncode,
+      'out_dir': str(out_dir),
+      'source': source,
+      'machine': machine(),
+    }
+    summary, source = self._summary(abs_out, result.stdout)
+    if result.timed_out:
+      status = 'timeout'
+      error = f'timed out after {self.config.timeout_s:g} s'
+      if result.stderr.strip():
+        error += '\n' + _tail(result.stderr)
+    elif result.returncode != 0:
+      status = 'failed'
+      error = _tail(result.stderr) or _tail(result.stdout)
+      error = error or f'exit status {result.returncode}'
+    elif summary is None:
+      status = 'failed'
+      error = 'the trainer exited 0 but wrote no metrics.jsonl/summary.json'
+    else:
+      status, error = 'ok', None
+    if status == 'ok' and self.probe:
+      summary = self._fill_memory(summary, abs_out, record)
+    record.update(
+      status=status,
+      error=error,
+      summary=summary,
+      summary_source=source,
+      step_times=step_time_stats(abs_out),
+    )
+    self.results_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(self.results_path, 'a') as f:
+      f.write(json.dumps(record, default=_json_default) + '\n')
+    return record
+
+  def _summary(
+    self, out_dir: pathlib.Path, stdout: str
+  ) -> tuple[dict[str, Any] | None, str | None]:
+    """The run's summary and where it came from, filling missing keys."""
+    fallback = summary_from_metrics(out_dir, stdout)
+    path = out_dir / 'summary.json'
+    if path.exists():
+      try:
+        given = json.loads(path.read_text())
+      except json.JSONDecodeError:
+        given = None
+      if isinstance(given, dict):
+        summary = dict.fromkeys(SUMMARY_KEYS)
+        summary.update(given)
+        for key, value in (fallback or {}).items():
+          if summary.get(key) is None and value is not None:
+            summary[key] = value
+        return summary, 'summary.json'
+    if fallback is None:
+      return None, None
+    return fallback, 'metrics.jsonl'
+
+  def _fill_memory(
+    self,
+    summary: dict[str, Any],
+    out_dir: pathlib.Path,
+    record: dict[str, Any],
+  ) -> dict[str, Any]:
+    """Adds bytes/param from a memory probe when the summary has none."""
+    keys = ('host_bytes_per_param', 'device_bytes_per_param')
+    if all(summary.get(k) is not None for k in keys):
+      return summary
+    cfg_path = out_dir / 'config.json'
+    if not cfg_path.exists():
+      return summary
+    key = _probe_key(json.loads(cfg_path.read_text()))
+    if key not in self._probe_cache:
+      argv = [sys.executable, '-m', 'experiments.sweep', '--probe-memory']
+      result = self.runner(
+        [*argv, str(out_dir)], self.config.timeout_s, self.root
+      )
+      try:
+        self._probe_cache[key] = json.loads(
+          result.stdout.strip().splitlines()[-1]
+        )
+      except (json.JSONDecodeError, IndexError):
+        record['probe_error'] = _tail(result.stderr) or 'no probe output'
+        return summary
+    probe = self._probe_cache[key]
+    record['memory_probe'] = probe
+    summary = dict(summary)
+    for k in keys:
+      if summary.get(k) is None:
+        summary[k] = probe.get(k)
+    if summary.get('num_params') is None:
+      summary['num_params'] = probe.get('num_params')
+    return summary
+
+
+def _json_default(value: Any) -> Any:
+  if isinstance(value, float) and math.isnan(value):
+    return None
+  if isinstance(value, pathlib.Path):
+    return str(value)
+  raise TypeError(f'not JSON serializable: {value!r}')
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """CLI entry point."""
+  parser = argparse.ArgumentParser(
+    prog='python -m experiments.sweep', description=__doc__.split('\n')[0]
+  )
+  parser.add_argument('config', nargs='?', help='TOML or JSON sweep config')
+  parser.add_argument(
+    '--dry-run', action='store_true', help='list the runs and their status'
+  )
+  parser.add_argument(
+    '--no-retry',
+    action='store_true',
+    help='also skip runs recorded as failed or timed out',
+  )
+  parser.add_argument('--only', help='run only run ids containing this')
+  parser.add_argument('--results', help='override the JSONL results file')
+  parser.add_argument('--timeout-s', type=float, help='override timeout_s')
+  parser.add_argument(
+    '--no-probe', action='store_true', help='skip the memory probe'
+  )
+  parser.add_argument(
+    '--probe-memory', metavar='RUN_DIR', help=argparse.SUPPRESS
+  )
+  args = parser.parse_args(argv)
+  if args.probe_memory:
+    print(json.dumps(probe_memory(args.probe_memory)))
+    return 0
+  if not args.config:
+    parser.error('a sweep config is required')
+  config = load_config(args.config)
+  if args.results:
+    config = dataclasses.replace(config, results=pathlib.Path(args.results))
+  if args.timeout_s:
+    config = dataclasses.replace(config, timeout_s=args.timeout_s)
+  sweep = Sweep(config, probe=not args.no_probe)
+  if args.dry_run:
+    pending = {r.run_id for r in sweep.pending(retry=not args.no_retry)}
+    for spec in config.runs:
+      mark = 'todo' if spec.run_id in pending else 'done'
+      print(f'{mark}  {spec.run_id}  {" ".join(spec.flags)}')
+    return 0
+  records = sweep.run(retry=not args.no_retry, only=args.only)
+  return 0 if all(r['status'] == 'ok' for r in records) else 1
+
+
+if __name__ == '__main__':
+  sys.exit(main())
