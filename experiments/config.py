@@ -99,6 +99,9 @@ class Config:
   cast: str = 'host'
   # superoffload: fraction of buckets kept and updated on the device.
   device_buckets: float = 0.0
+  # superoffload: bucket size in MiB (None: the library's 256). Small
+  # buckets start their host step while the backward pass still runs.
+  bucket_mib: float | None = 4.0
 
   # --- Mesh ---
   # Data-parallel size: mesh axis 'data', which shards the batch.
@@ -392,5 +395,7 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f'--data: no such file or folder: {cfg.data}')
   if cfg.resume and cfg.checkpoint_dir is None and cfg.out_dir is None:
     raise ConfigError('--resume needs --checkpoint-dir (or --out-dir)')
+  if cfg.bucket_mib is not None and cfg.bucket_mib * 2**20 < 4:
+    raise ConfigError(f'bucket_mib must be positive, got {cfg.bucket_mib}')
   if cfg.peak_tflops is not None and cfg.peak_tflops <= 0:
     raise ConfigError(f'peak_tflops must be positive, got {cfg.peak_tflops}')

@@ -163,6 +163,9 @@ def make_optimizer(
       skip_nonfinite=cfg.skip_nonfinite,
       cast=cfg.cast,
       device_buckets=cfg.device_buckets or None,
+      bucket_bytes=(
+        None if cfg.bucket_mib is None else int(cfg.bucket_mib * 2**20)
+      ),
     )
     if cfg.zero:
       if mesh is None:

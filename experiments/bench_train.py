@@ -1,0 +1,174 @@
+"""Whole training steps of the trainer, superoffload vs optax vs device Adam.
+
+Builds the trainer's model, optimizer and jitted, donated train step
+(`experiments.train.make_train_step`) for each optimizer at each model
+size, all in one process, then times them in interleaved rounds (one step
+of each per round), so that the machine's noise hits every candidate
+alike. Reports the median step time per candidate, the ratio optax /
+superoffload (above 1: superoffload is faster), and the bytes per parameter
+each keeps in host and in device memory.
+
+  python -m experiments.bench_train [--sizes 5m,19m] [--rounds 15]
+
+Writes `results/bench_train.json` (or `--out`) beside the printed table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from experiments import config as config_lib
+from experiments import model as model_lib
+from experiments import perf
+from experiments import train
+
+# Model shapes (byte vocabulary, tied embeddings): ~12 * layers * d_model**2.
+SIZES = {
+  '5m': dict(d_model=256, num_layers=6, num_heads=4, mlp_dim=1024),
+  '19m': dict(d_model=512, num_layers=6, num_heads=8, mlp_dim=2048),
+  '50m': dict(d_model=768, num_layers=7, num_heads=12, mlp_dim=3072),
+}
+OPTIMIZERS = ('superoffload', 'optax', 'device')
+
+
+def _build(size, optimizer, batch, seq_len, bucket_mib):
+  cfg = config_lib.get_config(
+    'small',
+    optimizer=optimizer,
+    bucket_mib=bucket_mib,
+    batch_size=batch,
+    seq_len=seq_len,
+    warmup_steps=2,
+    steps=1000,
+    **SIZES[size],
+  )
+  mesh = train.make_mesh(cfg)
+  model = model_lib.init_model(cfg)
+  train.place_on_mesh(mesh, model)
+  tx = train.make_optimizer(cfg, train.make_schedule(cfg), mesh)
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  train.place_on_mesh(mesh, model, opt)
+  step = train.make_train_step(model, opt, mesh)
+  state = nnx.state((model, opt))
+  sharding = NamedSharding(mesh, P(train.DATA_AXIS, train.SEQ_AXIS))
+  tokens = np.random.default_rng(0).integers(0, 256, (batch, seq_len + 1))
+  inputs = jax.device_put(tokens[:, :-1].astype(np.int32), sharding)
+  targets = jax.device_put(tokens[:, 1:].astype(np.int32), sharding)
+  num_params = model_lib.count_params(model)
+  by_kind = perf.bytes_by_memory_kind(state, jax.devices()[0])
+  return {
+    'step': step,
+    'state': state,
+    'batch': (inputs, targets),
+    'num_params': num_params,
+    'host_bytes_per_param': by_kind['host'] / num_params,
+    'device_bytes_per_param': by_kind['device'] / num_params,
+  }
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--sizes', default='5m,19m')
+  parser.add_argument('--optimizers', default=','.join(OPTIMIZERS))
+  parser.add_argument('--batch', type=int, default=1)
+  parser.add_argument('--seq-len', type=int, default=32)
+  parser.add_argument('--rounds', type=int, default=15)
+  parser.add_argument(
+    '--bucket-mib', type=float, default=4.0, help='superoffload buckets'
+  )
+  parser.add_argument('--warmup', type=int, default=3)
+  parser.add_argument('--out', default='results/bench_train.json')
+  args = parser.parse_args()
+  sizes = args.sizes.split(',')
+  optimizers = args.optimizers.split(',')
+
+  rows = []
+  for size in sizes:
+    cands = {
+      o: _build(size, o, args.batch, args.seq_len, args.bucket_mib)
+      for o in optimizers
+    }
+    for c in cands.values():  # Compile and settle.
+      for _ in range(args.warmup):
+        c['state'], loss = c['step'](c['state'], *c['batch'])
+        float(loss)
+    times = {o: [] for o in optimizers}
+    for _ in range(args.rounds):
+      for o, c in cands.items():
+        t0 = time.perf_counter()
+        c['state'], loss = c['step'](c['state'], *c['batch'])
+        float(loss)
+        times[o].append(time.perf_counter() - t0)
+    for o, c in cands.items():
+      rows.append(
+        {
+          'size': size,
+          'optimizer': o,
+          'num_params': c['num_params'],
+          'median_ms': 1e3 * float(np.median(times[o])),
+          'times_ms': [1e3 * t for t in times[o]],
+          'host_bytes_per_param': c['host_bytes_per_param'],
+          'device_bytes_per_param': c['device_bytes_per_param'],
+        }
+      )
+    del cands
+
+  print(
+    f'{"size":>5} {"optimizer":>13} {"params":>11} {"median ms":>10} '
+    f'{"optax/this":>10} {"host B/p":>9} {"device B/p":>10}'
+  )
+  for row in rows:
+    optax_ms = next(
+      (
+        r['median_ms']
+        for r in rows
+        if r['size'] == row['size'] and r['optimizer'] == 'optax'
+      ),
+      float('nan'),
+    )
+    row['optax_over_this'] = optax_ms / row['median_ms']
+    print(
+      f'{row["size"]:>5} {row["optimizer"]:>13} {row["num_params"]:>11,} '
+      f'{row["median_ms"]:>10.1f} {row["optax_over_this"]:>10.2f} '
+      f'{row["host_bytes_per_param"]:>9.1f} '
+      f'{row["device_bytes_per_param"]:>10.1f}'
+    )
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(
+    json.dumps(
+      {
+        'date': datetime.datetime.now(datetime.UTC).isoformat(
+          timespec='seconds'
+        ),
+        'machine': platform.machine(),
+        'cpu_count': os.cpu_count(),
+        'jax': jax.__version__,
+        'batch': args.batch,
+        'seq_len': args.seq_len,
+        'rounds': args.rounds,
+        'bucket_mib': args.bucket_mib,
+        'rows': rows,
+      },
+      indent=2,
+    )
+    + '\n'
+  )
+  print(f'wrote {out}')
+  return 0
+
+
+if __name__ == '__main__':
+  raise SystemExit(main())
