@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from jax_superoffload import kernels
+from jax_superoffload._src import grace_adam as grace_adam_ffi
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -76,6 +77,51 @@ def grace_adam(n: int, lowp: bool) -> Callable[[], None]:
     )
 
   step = jax.jit(step.__wrapped__, donate_argnums=(0, 1, 2))
+  count = [0]
+
+  def run():
+    out = step(state[0], state[1], state[2], grad, jnp.int32(count[0]))
+    jax.block_until_ready(out)
+    state[0], state[1], state[2] = out[0], out[1], out[2]
+    count[0] += 1
+
+  return run
+
+
+def grace_adam_stv(n: int, sumsq: bool) -> Callable[[], None]:
+  """The kernel call of an STV step: one bucket, keep_nonfinite.
+
+  With `sumsq`, the sum of the squared gradients is taken in the same pass.
+  """
+  params, grads = _state(n, 0)
+  state = [
+    jnp.asarray(params),
+    jnp.zeros(n, jnp.float32),
+    jnp.zeros(n, jnp.float32),
+  ]
+  grad = jnp.asarray(grads)
+
+  def step(master, mu, nu, grad, count):
+    master, mu, nu, _, total = grace_adam_ffi.adam_step_segments(
+      master,
+      mu,
+      nu,
+      [grad],
+      None,
+      count=count,
+      learning_rate=LR,
+      b1=0.9,
+      b2=0.999,
+      eps=1e-8,
+      eps_root=0.0,
+      weight_decay=WEIGHT_DECAY,
+      nesterov=False,
+      keep_nonfinite=True,
+      compute_sumsq=sumsq,
+    )
+    return master, mu, nu, total
+
+  step = jax.jit(step, donate_argnums=(0, 1, 2))
   count = [0]
 
   def run():
@@ -213,6 +259,18 @@ def main() -> None:
       BYTES_PER_PARAM_LOWP,
       'optax_lowp',
     ),
+    Candidate(
+      'grace adam, STV step (keep_nonfinite)',
+      grace_adam_stv(n, False),
+      BYTES_PER_PARAM,
+      'ours_stv',
+    ),
+    Candidate(
+      'grace adam, STV step + sum of squares',
+      grace_adam_stv(n, True),
+      BYTES_PER_PARAM,
+      'ours_stv_sumsq',
+    ),
     *torch_candidates(n),
   ]
   for c in candidates:
@@ -249,6 +307,10 @@ def main() -> None:
     'optax_vs_roofline': roof / median[by_group['optax']],
     'ours_lowp_vs_optax_then_cast': (
       median[by_group['optax_lowp']] / median[by_group['ours_lowp']]
+    ),
+    # What the fused sum of squares costs the STV step (1.0: nothing).
+    'stv_sumsq_over_stv_step': (
+      median[by_group['ours_stv_sumsq']] / median[by_group['ours_stv']]
     ),
   }
   peers = [c.name for c in candidates if c.group == 'peer']

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_superoffload import kernels
+from jax_superoffload._src import grace_adam
 
 
 def numpy_adamw(
@@ -299,6 +300,80 @@ def test_shard_map_runs_per_shard():
     learning_rate=1e-3,
   )
   np.testing.assert_array_equal(out[0], ref[0])
+
+
+def segments_step(master, mu, nu, grads, *, keep_nonfinite, compute_sumsq):
+  return grace_adam.adam_step_segments(
+    jnp.asarray(master),
+    jnp.asarray(mu),
+    jnp.asarray(nu),
+    grads,
+    None,
+    count=2,
+    learning_rate=1e-3,
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+    eps_root=0.0,
+    weight_decay=0.01,
+    nesterov=False,
+    grad_scale=0.5,
+    keep_nonfinite=keep_nonfinite,
+    compute_sumsq=compute_sumsq,
+  )
+
+
+@pytest.mark.parametrize('grad_dtype', [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize('keep_nonfinite', [False, True])
+def test_segments_sum_of_squares(grad_dtype, keep_nonfinite):
+  rng = np.random.default_rng(11)
+  # Leaves that straddle the kernel's 2**18-element work chunks.
+  sizes = [100003, 7, 2**18 + 5, 1, 4099]
+  master, mu, nu = random_state(sum(sizes))
+  grads = [random_grad(rng, (s,), grad_dtype) for s in sizes]
+  step = functools.partial(
+    segments_step, master, mu, nu, grads, keep_nonfinite=keep_nonfinite
+  )
+  summed = step(compute_sumsq=True)
+  plain = step(compute_sumsq=False)
+  # The same pass: the state is the plain step's, bit for bit.
+  for a, b in zip(summed[:3], plain[:3], strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert float(plain[4][0]) == 0.0
+  # The squares the kernel forms (fp32 g * 0.5, squared in fp32), in double.
+  want = sum(
+    np.sum(
+      np.square(np.asarray(g, np.float32) * np.float32(0.5)), dtype=np.float64
+    )
+    for g in grads
+  )
+  got = float(summed[4][0])
+  # fp32 lanes of at most 64 squares, then double, then one fp32 rounding.
+  assert abs(got - want) <= 65 * 2.0**-24 * want
+  # Fixed chunks and a fixed order of additions: the same bits every time.
+  again = step(compute_sumsq=True)
+  assert np.asarray(again[4]).tobytes() == np.asarray(summed[4]).tobytes()
+
+
+@pytest.mark.parametrize('keep_nonfinite', [False, True])
+@pytest.mark.parametrize(
+  ('bad', 'check'),
+  [
+    (np.nan, np.isnan),
+    (np.inf, np.isposinf),
+    (-np.inf, np.isposinf),
+    (1e20, np.isposinf),  # Finite, but its square overflows fp32.
+  ],
+)
+def test_segments_sum_of_squares_is_not_finite(keep_nonfinite, bad, check):
+  sizes = [1000, 2**18 + 3]
+  master, mu, nu = random_state(sum(sizes))
+  grads = [jnp.ones(s, jnp.float32) for s in sizes]
+  grads[1] = grads[1].at[2**18 - 999].set(bad)  # In the bucket's 2nd chunk.
+  out = segments_step(
+    master, mu, nu, grads, keep_nonfinite=keep_nonfinite, compute_sumsq=True
+  )
+  assert check(float(out[4][0]))
 
 
 def test_zero_size_and_scalar_arrays():

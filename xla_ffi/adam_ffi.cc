@@ -20,7 +20,6 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/adam_ffi.h"
 #include "xla_ffi/adam_kernel.h"
-#include "xla_ffi/float_convert.h"
 
 namespace ffi = xla::ffi;
 
@@ -262,55 +261,6 @@ ffi::Error StreamRooflineHandler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mas
   return ffi::Error::Success();
 }
 
-// Sum of (grad * scale)^2 over [begin, end) of a segment. Eight fp32
-// lanes (which the compiler can keep in one vector register: each lane only
-// ever adds to itself) are flushed to a double every 512 elements, so the
-// result is accurate to about 1e-7 relative without slowing the step.
-template <typename Load>
-double SumOfSquares(const Load& load, int64_t begin, int64_t end,
-                    float scale) {
-  constexpr int kLanes = 8;
-  constexpr int64_t kBlock = 512;
-  double total = 0.0;
-  for (int64_t block = begin; block < end; block += kBlock) {
-    const int64_t stop = std::min(end, block + kBlock);
-    float lanes[kLanes] = {};
-    int64_t i = block;
-    for (; i + kLanes <= stop; i += kLanes) {
-      for (int lane = 0; lane < kLanes; ++lane) {
-        const float x = load(i + lane) * scale;
-        lanes[lane] += x * x;
-      }
-    }
-    for (; i < stop; ++i) {
-      const float x = load(i) * scale;
-      lanes[0] += x * x;
-    }
-    for (float lane : lanes) total += lane;
-  }
-  return total;
-}
-
-double GradSumOfSquares(const AdamBuffers& b, int64_t begin, int64_t end,
-                        float scale) {
-  switch (b.grad_type) {
-    case ElementType::kBF16: {
-      const auto* g = static_cast<const uint16_t*>(b.grad);
-      return SumOfSquares([g](int64_t i) { return Bf16BitsToFloat(g[i]); },
-                          begin, end, scale);
-    }
-    case ElementType::kF16: {
-      const auto* g = static_cast<const uint16_t*>(b.grad);
-      return SumOfSquares([g](int64_t i) { return F16BitsToFloat(g[i]); },
-                          begin, end, scale);
-    }
-    default: {
-      const auto* g = static_cast<const float*>(b.grad);
-      return SumOfSquares([g](int64_t i) { return g[i]; }, begin, end, scale);
-    }
-  }
-}
-
 // One bucket of several leaves: flat fp32 state, one gradient buffer per
 // leaf and, optionally, one new-weights buffer per leaf (in the leaf's
 // dtype), so no gradient is concatenated and no weight sliced on the way in
@@ -390,8 +340,9 @@ ffi::Error AdamStepSegmentsHandler(
   const Isa isa = BestIsa();
   const int64_t num_chunks = (size + kChunkElements - 1) / kChunkElements;
   // Per-chunk sums of squared (scaled) gradients, for speculation-then-
-  // validation's global norm: taken right after the chunk's step, while its
-  // gradients are still in cache, and added in chunk order (deterministic).
+  // validation's global norm: taken by the step's own pass over the chunk,
+  // and added in chunk order. Chunks are fixed, so the result does not
+  // depend on the number of threads.
   std::vector<double> partial(compute_sumsq ? num_chunks : 0, 0.0);
   ParallelChunks(pool, num_chunks, [&](int64_t chunk) {
     const int64_t begin = chunk * kChunkElements;
@@ -402,12 +353,12 @@ ffi::Error AdamStepSegmentsHandler(
     for (int64_t i = begin; i < end; ++j) {
       const int64_t stop = std::min(end, starts[j + 1]);
       // Segment j's pointers start at its leaf: take [i, stop) of it.
-      AdamStepRange(sets[0], segments[j], i - starts[j], stop - starts[j],
-                    isa);
       if (compute_sumsq) {
-        partial[chunk] += GradSumOfSquares(segments[j], i - starts[j],
-                                           stop - starts[j],
-                                           sets[0].grad_scale);
+        partial[chunk] += AdamStepSumSquaresRange(
+            sets[0], segments[j], i - starts[j], stop - starts[j], isa);
+      } else {
+        AdamStepRange(sets[0], segments[j], i - starts[j], stop - starts[j],
+                      isa);
       }
       i = stop;
     }

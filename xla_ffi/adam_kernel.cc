@@ -131,22 +131,42 @@ const char* ValidateAdamBuffers(const AdamBuffers& b) {
   return nullptr;
 }
 
-void AdamStepRange(const AdamConstants& constants, const AdamBuffers& buffers,
-                   int64_t begin, int64_t end, Isa isa) {
-  if (begin >= end) return;
+namespace {
+
+double StepRange(const AdamConstants& constants, const AdamBuffers& buffers,
+                 int64_t begin, int64_t end, Isa isa, bool sum_squares) {
+  if (begin >= end) return 0.0;
   if (!IsaAvailable(isa)) isa = Isa::kScalar;
   switch (isa) {
     case Isa::kAvx2:
-      return internal::AdamStepRangeAvx2(constants, buffers, begin, end);
+      return internal::AdamStepRangeAvx2(constants, buffers, begin, end,
+                                         sum_squares);
     case Isa::kAvx512:
-      return internal::AdamStepRangeAvx512(constants, buffers, begin, end);
+      return internal::AdamStepRangeAvx512(constants, buffers, begin, end,
+                                           sum_squares);
     case Isa::kNeon:
-      return internal::AdamStepRangeNeon(constants, buffers, begin, end);
+      return internal::AdamStepRangeNeon(constants, buffers, begin, end,
+                                         sum_squares);
     case Isa::kSve:
-      return internal::AdamStepRangeSve(constants, buffers, begin, end);
+      return internal::AdamStepRangeSve(constants, buffers, begin, end,
+                                        sum_squares);
     default:
-      return internal::AdamStepRangeScalar(constants, buffers, begin, end);
+      return internal::AdamStepRangeScalar(constants, buffers, begin, end,
+                                           sum_squares);
   }
+}
+
+}  // namespace
+
+void AdamStepRange(const AdamConstants& constants, const AdamBuffers& buffers,
+                   int64_t begin, int64_t end, Isa isa) {
+  StepRange(constants, buffers, begin, end, isa, /*sum_squares=*/false);
+}
+
+double AdamStepSumSquaresRange(const AdamConstants& constants,
+                               const AdamBuffers& buffers, int64_t begin,
+                               int64_t end, Isa isa) {
+  return StepRange(constants, buffers, begin, end, isa, /*sum_squares=*/true);
 }
 
 void AdamStep(const AdamConfig& config, const AdamBuffers& buffers) {

@@ -126,6 +126,20 @@ const char* ValidateAdamBuffers(const AdamBuffers& buffers);
 void AdamStepRange(const AdamConstants& constants, const AdamBuffers& buffers,
                    int64_t begin, int64_t end, Isa isa);
 
+// AdamStepRange that also returns the sum over [begin, end) of g * g, the
+// squared scaled gradients (g = grad * grad_scale in fp32, squared in fp32,
+// whether or not keep_nonfinite keeps the element), taken in the same pass.
+// Each vector lane adds up to 64 squares in fp32 before they go into a
+// double, so the result is within 64 * 2^-24 (typically a few 1e-8) relative
+// of the exact sum of those squares; it is NaN or Inf when any g * g is.
+// The order of the additions is fixed by `isa` and the range alone (not by
+// threads or timing): the same call gives the same bits every time, while
+// two instruction sets or two ways of splitting a range may differ in the
+// last bits.
+double AdamStepSumSquaresRange(const AdamConstants& constants,
+                               const AdamBuffers& buffers, int64_t begin,
+                               int64_t end, Isa isa);
+
 // Convenience: the whole range with the best instruction set.
 void AdamStep(const AdamConfig& config, const AdamBuffers& buffers);
 

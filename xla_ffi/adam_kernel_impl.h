@@ -17,6 +17,10 @@
 namespace jax_superoffload {
 namespace {
 
+// Squares each lane adds up in fp32 before they go into a double: 64 keeps
+// the fp32 rounding to a few 1e-8 typically (at most 64 * 2^-24 relative).
+inline constexpr int64_t kSumSquaresPerLane = 64;
+
 // One fp32 lane: the reference the vector paths must match bit for bit, and
 // the tail loop of every vectorised path.
 struct ScalarOps {
@@ -40,19 +44,23 @@ struct ScalarOps {
   static JSO_INLINE void StoreF16(uint16_t* p, V x) { *p = FloatToF16Bits(x); }
 };
 
-// The Adam formula of adam_kernel.h on one vector of lanes.
+// The Adam formula of adam_kernel.h on one vector of lanes. Returns g * g
+// (the scaled gradient squared, unguarded), which callers that do not sum
+// squares simply drop.
 template <class Ops, bool kNesterov, bool kDecay, bool kGuard>
-JSO_INLINE void AdamMath(const AdamConstants& k, typename Ops::V grad,
-                         typename Ops::V& master, typename Ops::V& mu,
-                         typename Ops::V& nu) {
+JSO_INLINE typename Ops::V AdamMath(const AdamConstants& k,
+                                    typename Ops::V grad,
+                                    typename Ops::V& master,
+                                    typename Ops::V& mu, typename Ops::V& nu) {
   using V = typename Ops::V;
   // Kept only for the guard; dead (and removed) otherwise.
   const V old_master = master, old_mu = mu, old_nu = nu;
   const V g = Ops::Mul(grad, Ops::Set(k.grad_scale));
   mu = Ops::Add(Ops::Mul(Ops::Set(k.b1), mu),
                 Ops::Mul(Ops::Set(k.one_minus_b1), g));
+  const V g_squared = Ops::Mul(g, g);
   nu = Ops::Add(Ops::Mul(Ops::Set(k.b2), nu),
-                Ops::Mul(Ops::Set(k.one_minus_b2), Ops::Mul(g, g)));
+                Ops::Mul(Ops::Set(k.one_minus_b2), g_squared));
   V mu_hat;
   if constexpr (kNesterov) {
     mu_hat = Ops::Add(
@@ -76,6 +84,7 @@ JSO_INLINE void AdamMath(const AdamConstants& k, typename Ops::V grad,
     mu = Ops::SelectFinite(g, mu, old_mu);
     nu = Ops::SelectFinite(g, nu, old_nu);
   }
+  return g_squared;
 }
 
 template <class Ops, ElementType kGrad>
@@ -100,31 +109,72 @@ JSO_INLINE void StoreLowp(void* out, int64_t i, typename Ops::V x) {
   }
 }
 
-// Fixed-width loop: full vectors, then the scalar tail with the same math.
+// One vector of elements at i: load, step, store. Returns g * g.
 template <class Ops, ElementType kGrad, ElementType kLowp, bool kNesterov,
           bool kDecay, bool kGuard>
-void AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
-              int64_t begin, int64_t end) {
+JSO_INLINE typename Ops::V AdamElements(const AdamConstants& k,
+                                        const AdamBuffers& b, int64_t i) {
+  typename Ops::V master = Ops::Load(b.master_in + i);
+  typename Ops::V mu = Ops::Load(b.mu_in + i);
+  typename Ops::V nu = Ops::Load(b.nu_in + i);
+  const typename Ops::V grad = LoadGrad<Ops, kGrad>(b.grad, i);
+  const typename Ops::V g_squared =
+      AdamMath<Ops, kNesterov, kDecay, kGuard>(k, grad, master, mu, nu);
+  Ops::Store(b.master_out + i, master);
+  Ops::Store(b.mu_out + i, mu);
+  Ops::Store(b.nu_out + i, nu);
+  StoreLowp<Ops, kLowp>(b.lowp_out, i, master);
+  return g_squared;
+}
+
+// Fixed-width loop: full vectors, then the scalar tail with the same math.
+// With kSumSquares it also returns the sum of g * g over [begin, end) (see
+// AdamStepSumSquaresRange): each lane adds up to kSumSquaresPerLane fp32
+// squares, one per vector, then goes into its own double; the doubles are
+// added in lane order, then the tail's sum. The order depends on the
+// instruction set and the range only.
+template <class Ops, ElementType kGrad, ElementType kLowp, bool kNesterov,
+          bool kDecay, bool kGuard, bool kSumSquares>
+double AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
+                int64_t begin, int64_t end) {
+  using V = typename Ops::V;
+  constexpr int64_t kLanes = Ops::kLanes;
   // Local copies: the output buffers are float*, which may alias the float
   // fields of the caller's structs, so without copies the compiler reloads
   // and re-broadcasts every constant on every iteration.
   const AdamConstants k = constants;
   const AdamBuffers b = buffers;
   int64_t i = begin;
-  for (; i + Ops::kLanes <= end; i += Ops::kLanes) {
-    typename Ops::V master = Ops::Load(b.master_in + i);
-    typename Ops::V mu = Ops::Load(b.mu_in + i);
-    typename Ops::V nu = Ops::Load(b.nu_in + i);
-    const typename Ops::V grad = LoadGrad<Ops, kGrad>(b.grad, i);
-    AdamMath<Ops, kNesterov, kDecay, kGuard>(k, grad, master, mu, nu);
-    Ops::Store(b.master_out + i, master);
-    Ops::Store(b.mu_out + i, mu);
-    Ops::Store(b.nu_out + i, nu);
-    StoreLowp<Ops, kLowp>(b.lowp_out, i, master);
+  double total = 0.0;
+  if constexpr (!kSumSquares) {
+    for (; i + kLanes <= end; i += kLanes) {
+      AdamElements<Ops, kGrad, kLowp, kNesterov, kDecay, kGuard>(k, b, i);
+    }
+  } else {
+    double lane_totals[kLanes] = {};
+    while (i + kLanes <= end) {
+      const int64_t stop =
+          end - i < kSumSquaresPerLane * kLanes
+              ? end
+              : i + kSumSquaresPerLane * kLanes;
+      V sum = Ops::Set(0.0f);
+      for (; i + kLanes <= stop; i += kLanes) {
+        sum = Ops::Add(sum, AdamElements<Ops, kGrad, kLowp, kNesterov, kDecay,
+                                         kGuard>(k, b, i));
+      }
+      alignas(64) float lanes[kLanes];
+      Ops::Store(lanes, sum);
+      for (int64_t lane = 0; lane < kLanes; ++lane) {
+        lane_totals[lane] += lanes[lane];
+      }
+    }
+    for (int64_t lane = 0; lane < kLanes; ++lane) total += lane_totals[lane];
   }
-  if constexpr (Ops::kLanes > 1) {
-    AdamLoop<ScalarOps, kGrad, kLowp, kNesterov, kDecay, kGuard>(k, b, i, end);
+  if constexpr (kLanes > 1) {
+    total += AdamLoop<ScalarOps, kGrad, kLowp, kNesterov, kDecay, kGuard,
+                      kSumSquares>(k, b, i, end);
   }
+  return total;
 }
 
 template <class Ops>
@@ -143,81 +193,106 @@ void RooflineLoop(const AdamBuffers& b, int64_t begin, int64_t end) {
 }
 
 // Turns the runtime choices into template arguments, so the inner loop has
-// no branches. `Loop<G, L, N, D, F>::Run(k, b, begin, end)` does the work.
-template <template <ElementType, ElementType, bool, bool, bool> class Loop,
-          ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay>
-void DispatchGuard(const AdamConstants& k, const AdamBuffers& b,
-                   int64_t begin, int64_t end) {
+// no branches. `Loop<G, L, N, D, F, S>::Run(k, b, begin, end)` does the work
+// and returns the sum of squares (S) or 0.
+template <template <ElementType, ElementType, bool, bool, bool, bool>
+          class Loop, ElementType kGrad, ElementType kLowp,
+          bool kNesterov, bool kDecay, bool kGuard>
+double DispatchSumSquares(const AdamConstants& k, const AdamBuffers& b,
+                          int64_t begin, int64_t end, bool sum_squares) {
+  if (sum_squares) {
+    return Loop<kGrad, kLowp, kNesterov, kDecay, kGuard, true>::Run(k, b,
+                                                                    begin, end);
+  }
+  return Loop<kGrad, kLowp, kNesterov, kDecay, kGuard, false>::Run(k, b, begin,
+                                                                   end);
+}
+
+template <template <ElementType, ElementType, bool, bool, bool, bool>
+          class Loop, ElementType kGrad, ElementType kLowp,
+          bool kNesterov, bool kDecay>
+double DispatchGuard(const AdamConstants& k, const AdamBuffers& b,
+                     int64_t begin, int64_t end, bool sum_squares) {
   if (k.keep_nonfinite) {
-    Loop<kGrad, kLowp, kNesterov, kDecay, true>::Run(k, b, begin, end);
-  } else {
-    Loop<kGrad, kLowp, kNesterov, kDecay, false>::Run(k, b, begin, end);
+    return DispatchSumSquares<Loop, kGrad, kLowp, kNesterov, kDecay, true>(
+        k, b, begin, end, sum_squares);
   }
+  return DispatchSumSquares<Loop, kGrad, kLowp, kNesterov, kDecay, false>(
+      k, b, begin, end, sum_squares);
 }
 
-template <template <ElementType, ElementType, bool, bool, bool> class Loop,
-          ElementType kGrad, ElementType kLowp, bool kNesterov>
-void DispatchDecay(const AdamConstants& k, const AdamBuffers& b,
-                   int64_t begin, int64_t end) {
+template <template <ElementType, ElementType, bool, bool, bool, bool>
+          class Loop, ElementType kGrad, ElementType kLowp,
+          bool kNesterov>
+double DispatchDecay(const AdamConstants& k, const AdamBuffers& b,
+                     int64_t begin, int64_t end, bool sum_squares) {
   if (k.weight_decay != 0.0f) {
-    DispatchGuard<Loop, kGrad, kLowp, kNesterov, true>(k, b, begin, end);
-  } else {
-    DispatchGuard<Loop, kGrad, kLowp, kNesterov, false>(k, b, begin, end);
+    return DispatchGuard<Loop, kGrad, kLowp, kNesterov, true>(k, b, begin, end,
+                                                              sum_squares);
   }
+  return DispatchGuard<Loop, kGrad, kLowp, kNesterov, false>(k, b, begin, end,
+                                                             sum_squares);
 }
 
-template <template <ElementType, ElementType, bool, bool, bool> class Loop,
-          ElementType kGrad, ElementType kLowp>
-void DispatchNesterov(const AdamConstants& k, const AdamBuffers& b,
-                      int64_t begin, int64_t end) {
+template <template <ElementType, ElementType, bool, bool, bool, bool>
+          class Loop, ElementType kGrad, ElementType kLowp>
+double DispatchNesterov(const AdamConstants& k, const AdamBuffers& b,
+                        int64_t begin, int64_t end, bool sum_squares) {
   if (k.nesterov) {
-    DispatchDecay<Loop, kGrad, kLowp, true>(k, b, begin, end);
-  } else {
-    DispatchDecay<Loop, kGrad, kLowp, false>(k, b, begin, end);
+    return DispatchDecay<Loop, kGrad, kLowp, true>(k, b, begin, end,
+                                                   sum_squares);
   }
+  return DispatchDecay<Loop, kGrad, kLowp, false>(k, b, begin, end,
+                                                  sum_squares);
 }
 
-template <template <ElementType, ElementType, bool, bool, bool> class Loop,
-          ElementType kGrad>
-void DispatchLowp(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
-                  int64_t end) {
+template <template <ElementType, ElementType, bool, bool, bool, bool>
+          class Loop, ElementType kGrad>
+double DispatchLowp(const AdamConstants& k, const AdamBuffers& b,
+                    int64_t begin, int64_t end, bool sum_squares) {
   switch (b.lowp_type) {
     case ElementType::kF32:
-      return DispatchNesterov<Loop, kGrad, ElementType::kF32>(k, b, begin,
-                                                              end);
+      return DispatchNesterov<Loop, kGrad, ElementType::kF32>(k, b, begin, end,
+                                                              sum_squares);
     case ElementType::kBF16:
-      return DispatchNesterov<Loop, kGrad, ElementType::kBF16>(k, b, begin,
-                                                               end);
+      return DispatchNesterov<Loop, kGrad, ElementType::kBF16>(
+          k, b, begin, end, sum_squares);
     case ElementType::kF16:
-      return DispatchNesterov<Loop, kGrad, ElementType::kF16>(k, b, begin,
-                                                              end);
+      return DispatchNesterov<Loop, kGrad, ElementType::kF16>(k, b, begin, end,
+                                                              sum_squares);
     default:
-      return DispatchNesterov<Loop, kGrad, ElementType::kNone>(k, b, begin,
-                                                               end);
+      return DispatchNesterov<Loop, kGrad, ElementType::kNone>(
+          k, b, begin, end, sum_squares);
   }
 }
 
-template <template <ElementType, ElementType, bool, bool, bool> class Loop>
-void DispatchAdam(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
-                  int64_t end) {
+template <template <ElementType, ElementType, bool, bool, bool, bool>
+          class Loop>
+double DispatchAdam(const AdamConstants& k, const AdamBuffers& b,
+                    int64_t begin, int64_t end, bool sum_squares) {
   switch (b.grad_type) {
     case ElementType::kBF16:
-      return DispatchLowp<Loop, ElementType::kBF16>(k, b, begin, end);
+      return DispatchLowp<Loop, ElementType::kBF16>(k, b, begin, end,
+                                                    sum_squares);
     case ElementType::kF16:
-      return DispatchLowp<Loop, ElementType::kF16>(k, b, begin, end);
+      return DispatchLowp<Loop, ElementType::kF16>(k, b, begin, end,
+                                                   sum_squares);
     default:
-      return DispatchLowp<Loop, ElementType::kF32>(k, b, begin, end);
+      return DispatchLowp<Loop, ElementType::kF32>(k, b, begin, end,
+                                                   sum_squares);
   }
 }
 
 // Adapts AdamLoop over a fixed-width Ops to the dispatcher's shape.
 template <class Ops>
 struct FixedWidth {
-  template <ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay, bool kGuard>
+  template <ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay,
+            bool kGuard, bool kSumSquares>
   struct Loop {
-    static void Run(const AdamConstants& k, const AdamBuffers& b,
-                    int64_t begin, int64_t end) {
-      AdamLoop<Ops, kGrad, kLowp, kNesterov, kDecay, kGuard>(k, b, begin, end);
+    static double Run(const AdamConstants& k, const AdamBuffers& b,
+                      int64_t begin, int64_t end) {
+      return AdamLoop<Ops, kGrad, kLowp, kNesterov, kDecay, kGuard,
+                      kSumSquares>(k, b, begin, end);
     }
   };
 };
@@ -229,9 +304,10 @@ struct FixedWidth {
 #define JSO_DEFINE_FIXED_WIDTH_ISA(Name, Ops)                                \
   namespace jax_superoffload::internal {                                    \
   bool Name##Compiled() { return true; }                                    \
-  void AdamStepRange##Name(const AdamConstants& k, const AdamBuffers& b,    \
-                           int64_t begin, int64_t end) {                    \
-    DispatchAdam<FixedWidth<Ops>::template Loop>(k, b, begin, end);         \
+  double AdamStepRange##Name(const AdamConstants& k, const AdamBuffers& b,  \
+                             int64_t begin, int64_t end, bool sum_squares) {\
+    return DispatchAdam<FixedWidth<Ops>::template Loop>(k, b, begin, end,   \
+                                                        sum_squares);       \
   }                                                                         \
   void RooflineRange##Name(const AdamBuffers& b, int64_t begin,             \
                            int64_t end) {                                   \
@@ -243,8 +319,10 @@ struct FixedWidth {
 #define JSO_DEFINE_MISSING_ISA(Name)                                         \
   namespace jax_superoffload::internal {                                    \
   bool Name##Compiled() { return false; }                                   \
-  void AdamStepRange##Name(const AdamConstants&, const AdamBuffers&,        \
-                           int64_t, int64_t) {}                             \
+  double AdamStepRange##Name(const AdamConstants&, const AdamBuffers&,      \
+                             int64_t, int64_t, bool) {                      \
+    return 0.0;                                                             \
+  }                                                                         \
   void RooflineRange##Name(const AdamBuffers&, int64_t, int64_t) {}         \
   }  // namespace jax_superoffload::internal
 

@@ -14,9 +14,10 @@ namespace jax_superoffload::internal {
 
 #define JSO_DECLARE_ISA(Name)                                               \
   bool Name##Compiled();                                                    \
-  void AdamStepRange##Name(const AdamConstants& constants,                  \
-                           const AdamBuffers& buffers, int64_t begin,       \
-                           int64_t end);                                    \
+  /* Returns the sum of squared scaled gradients if sum_squares, else 0. */ \
+  double AdamStepRange##Name(const AdamConstants& constants,                \
+                             const AdamBuffers& buffers, int64_t begin,     \
+                             int64_t end, bool sum_squares);                \
   void RooflineRange##Name(const AdamBuffers& buffers, int64_t begin,       \
                            int64_t end);
 

@@ -63,21 +63,77 @@ JSO_INLINE void SveStoreLowp(svbool_t pg, void* out, int64_t i,
   }
 }
 
-template <ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay, bool kGuard>
-struct SveLoop {
-  static void Run(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
-                  int64_t end) {
-    for (int64_t i = begin; i < end; i += svcntw()) {
-      const svbool_t pg = svwhilelt_b32(i, end);
-      svfloat32_t master = svld1_f32(pg, b.master_in + i);
-      svfloat32_t mu = svld1_f32(pg, b.mu_in + i);
-      svfloat32_t nu = svld1_f32(pg, b.nu_in + i);
-      const svfloat32_t grad = SveLoadGrad<kGrad>(pg, b.grad, i);
+// One vector at i, its active lanes `pg`: load, step, store. Returns g * g.
+template <ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay,
+          bool kGuard>
+JSO_INLINE svfloat32_t SveElements(const AdamConstants& k,
+                                   const AdamBuffers& b, svbool_t pg,
+                                   int64_t i) {
+  svfloat32_t master = svld1_f32(pg, b.master_in + i);
+  svfloat32_t mu = svld1_f32(pg, b.mu_in + i);
+  svfloat32_t nu = svld1_f32(pg, b.nu_in + i);
+  const svfloat32_t grad = SveLoadGrad<kGrad>(pg, b.grad, i);
+  const svfloat32_t g_squared =
       AdamMath<SveOps, kNesterov, kDecay, kGuard>(k, grad, master, mu, nu);
-      svst1_f32(pg, b.master_out + i, master);
-      svst1_f32(pg, b.mu_out + i, mu);
-      svst1_f32(pg, b.nu_out + i, nu);
-      SveStoreLowp<kLowp>(pg, b.lowp_out, i, master);
+  svst1_f32(pg, b.master_out + i, master);
+  svst1_f32(pg, b.mu_out + i, mu);
+  svst1_f32(pg, b.nu_out + i, nu);
+  SveStoreLowp<kLowp>(pg, b.lowp_out, i, master);
+  return g_squared;
+}
+
+// As AdamLoop (adam_kernel_impl.h), with the tail in the last, partial
+// vector. With kSumSquares, each lane adds up to kSumSquaresPerLane squares
+// of its active elements in fp32, then goes into a double: the even lanes
+// into one vector of doubles, the odd lanes into another, which are stored
+// and added in lane order at the end.
+template <ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay,
+          bool kGuard, bool kSumSquares>
+struct SveLoop {
+  static double Run(const AdamConstants& constants, const AdamBuffers& buffers,
+                    int64_t begin, int64_t end) {
+    // Local copies, as in AdamLoop.
+    const AdamConstants k = constants;
+    const AdamBuffers b = buffers;
+    const int64_t lanes = static_cast<int64_t>(svcntw());
+    if constexpr (!kSumSquares) {
+      for (int64_t i = begin; i < end; i += lanes) {
+        SveElements<kGrad, kLowp, kNesterov, kDecay, kGuard>(
+            k, b, svwhilelt_b32(i, end), i);
+      }
+      return 0.0;
+    } else {
+      const svbool_t all64 = svptrue_b64();
+      svfloat64_t even = svdup_n_f64(0.0), odd = svdup_n_f64(0.0);
+      for (int64_t i = begin; i < end;) {
+        const int64_t stop = end - i < kSumSquaresPerLane * lanes
+                                 ? end
+                                 : i + kSumSquaresPerLane * lanes;
+        svfloat32_t sum = svdup_n_f32(0.0f);
+        for (; i < stop; i += lanes) {
+          const svbool_t pg = svwhilelt_b32(i, stop);
+          // Merging add: lanes past the end keep their sum.
+          sum = svadd_f32_m(
+              pg, sum,
+              SveElements<kGrad, kLowp, kNesterov, kDecay, kGuard>(k, b, pg,
+                                                                   i));
+        }
+        // svcvt_f64_f32 widens the even-numbered fp32 lanes; shifting each
+        // 64-bit container right by 32 brings the odd ones there.
+        even = svadd_f64_x(all64, even, svcvt_f64_f32_x(all64, sum));
+        const svfloat32_t odd_moved = svreinterpret_f32_u64(
+            svlsr_n_u64_x(all64, svreinterpret_u64_f32(sum), 32));
+        odd = svadd_f64_x(all64, odd, svcvt_f64_f32_x(all64, odd_moved));
+      }
+      double even_lanes[32], odd_lanes[32];  // Vectors hold up to 2048 bits.
+      svst1_f64(all64, even_lanes, even);
+      svst1_f64(all64, odd_lanes, odd);
+      double total = 0.0;
+      for (int64_t lane = 0; lane < lanes / 2; ++lane) {
+        total += even_lanes[lane];
+        total += odd_lanes[lane];
+      }
+      return total;
     }
   }
 };
@@ -89,9 +145,9 @@ namespace jax_superoffload::internal {
 
 bool SveCompiled() { return true; }
 
-void AdamStepRangeSve(const AdamConstants& k, const AdamBuffers& b,
-                      int64_t begin, int64_t end) {
-  DispatchAdam<SveLoop>(k, b, begin, end);
+double AdamStepRangeSve(const AdamConstants& k, const AdamBuffers& b,
+                        int64_t begin, int64_t end, bool sum_squares) {
+  return DispatchAdam<SveLoop>(k, b, begin, end, sum_squares);
 }
 
 void RooflineRangeSve(const AdamBuffers& b, int64_t begin, int64_t end) {

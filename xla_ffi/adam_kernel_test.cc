@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <algorithm>
 #include <initializer_list>
@@ -587,6 +588,188 @@ void TestUndo() {
   }
 }
 
+// The squares the kernel sums, exactly as it forms them: g = grad * scale in
+// fp32, then g * g in fp32. Summed here in double, in element order.
+double ReferenceSumSquares(const std::vector<float>& grad, float scale) {
+  double sum = 0.0;
+  for (float x : grad) {
+    const float g = x * scale;
+    const float square = g * g;
+    sum += square;
+  }
+  return sum;
+}
+
+// AdamStepSumSquaresRange steps exactly as AdamStepRange does and returns
+// the sum of the squared scaled gradients within 64 fp32 roundings.
+void TestSumSquares() {
+  const std::vector<Isa> isas = [] {
+    std::vector<Isa> out;
+    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon,
+                    Isa::kSve}) {
+      if (IsaAvailable(isa)) out.push_back(isa);
+    }
+    return out;
+  }();
+  const ElementType kGrads[] = {ElementType::kF32, ElementType::kBF16,
+                                ElementType::kF16};
+  const ElementType kLowps[] = {ElementType::kNone, ElementType::kF32,
+                                ElementType::kBF16, ElementType::kF16};
+  // Each lane adds at most 64 positive squares in fp32.
+  const double tolerance = 64.0 * std::ldexp(1.0, -24);
+  struct Shape {
+    int64_t n;
+    bool all_configs;
+  };
+  for (const Shape shape : {Shape{0, false}, Shape{1, false}, Shape{7, false},
+                            Shape{100, false}, Shape{1000, true},
+                            Shape{4099, false}, Shape{70001, false}}) {
+    const int64_t n = shape.n;
+    for (Isa isa : isas) {
+      bool same_state = true, within = true, repeatable = true;
+      double worst = 0.0;
+      for (ElementType grad_type : kGrads) {
+        for (ElementType lowp_type : kLowps) {
+          for (int config_bits = 0; config_bits < 8; ++config_bits) {
+            const bool all = shape.all_configs;
+            if (!all && (lowp_type != ElementType::kBF16 || config_bits != 5)) {
+              continue;
+            }
+            uint64_t rng = 77 + n + config_bits;
+            std::vector<float> master(n), mu(n), nu(n), grad(n);
+            std::vector<uint16_t> grad16(n);
+            for (int64_t i = 0; i < n; ++i) {
+              master[i] = static_cast<float>(Uniform(rng));
+              mu[i] = static_cast<float>(Uniform(rng) * 0.01);
+              nu[i] = static_cast<float>((Uniform(rng) + 1.0) * 1e-4);
+              const double g =
+                  Uniform(rng) * std::pow(10.0, Uniform(rng) * 3.0);
+              if (grad_type == ElementType::kF32) {
+                grad[i] = static_cast<float>(g);
+              } else {
+                grad16[i] = EncodeGrad(g, grad_type);
+                grad[i] = static_cast<float>(DecodeGrad(grad16[i], grad_type));
+              }
+            }
+            AdamConfig config;
+            config.learning_rate = 1e-2f;
+            config.nesterov = (config_bits & 1) != 0;
+            config.weight_decay = (config_bits & 2) ? 0.01f : 0.0f;
+            config.keep_nonfinite = (config_bits & 4) != 0;
+            config.grad_scale = 0.75f;
+            config.count = 3;
+            const AdamConstants k = MakeAdamConstants(config);
+            // Two copies of everything: one for each entry point.
+            std::vector<float> master2 = master, mu2 = mu, nu2 = nu;
+            std::vector<uint16_t> lowp(n, 0), lowp2(n, 0);
+            std::vector<float> lowp32(n, 0.0f), lowp32_2(n, 0.0f);
+            auto buffers = [&](std::vector<float>& p, std::vector<float>& m,
+                               std::vector<float>& v, std::vector<uint16_t>& l,
+                               std::vector<float>& l32) {
+              AdamBuffers b;
+              b.size = n;
+              b.master_in = b.master_out = p.data();
+              b.mu_in = b.mu_out = m.data();
+              b.nu_in = b.nu_out = v.data();
+              b.grad = grad_type == ElementType::kF32
+                           ? static_cast<const void*>(grad.data())
+                           : static_cast<const void*>(grad16.data());
+              b.grad_type = grad_type;
+              b.lowp_type = lowp_type;
+              b.lowp_out = lowp_type == ElementType::kF32
+                               ? static_cast<void*>(l32.data())
+                               : static_cast<void*>(l.data());
+              return b;
+            };
+            const AdamBuffers plain = buffers(master, mu, nu, lowp, lowp32);
+            const AdamBuffers summing =
+                buffers(master2, mu2, nu2, lowp2, lowp32_2);
+            // A split that falls mid-vector, as a chunk boundary may.
+            const int64_t split = n / 3 + (n > 2 ? 1 : 0);
+            AdamStepRange(k, plain, 0, split, isa);
+            AdamStepRange(k, plain, split, n, isa);
+            const double sum =
+                AdamStepSumSquaresRange(k, summing, 0, split, isa) +
+                AdamStepSumSquaresRange(k, summing, split, n, isa);
+            for (int64_t i = 0; i < n; ++i) {
+              same_state &= Bits(master[i]) == Bits(master2[i]) &&
+                            Bits(mu[i]) == Bits(mu2[i]) &&
+                            Bits(nu[i]) == Bits(nu2[i]) &&
+                            lowp[i] == lowp2[i] &&
+                            Bits(lowp32[i]) == Bits(lowp32_2[i]);
+            }
+            const double want = ReferenceSumSquares(grad, config.grad_scale);
+            const double error = want == 0.0 ? std::fabs(sum)
+                                             : std::fabs(sum - want) / want;
+            worst = std::max(worst, error);
+            within &= error <= tolerance;
+            // The same call again (state restored) gives the same bits.
+            std::vector<float> master3 = master2, mu3 = mu2, nu3 = nu2;
+            std::vector<uint16_t> lowp3(n);
+            std::vector<float> lowp32_3(n);
+            const AdamBuffers again =
+                buffers(master3, mu3, nu3, lowp3, lowp32_3);
+            const double first = AdamStepSumSquaresRange(k, again, 0, n, isa);
+            std::copy(master2.begin(), master2.end(), master3.begin());
+            std::copy(mu2.begin(), mu2.end(), mu3.begin());
+            std::copy(nu2.begin(), nu2.end(), nu3.begin());
+            const double second = AdamStepSumSquaresRange(k, again, 0, n, isa);
+            repeatable &= std::memcmp(&first, &second, sizeof(double)) == 0;
+          }
+        }
+      }
+      char context[64];
+      std::snprintf(context, sizeof(context), "%s n=%lld", IsaName(isa),
+                    static_cast<long long>(n));
+      Check(same_state, "summing squares leaves the step bit for bit", context);
+      Check(within, "sum of squares within 64 fp32 roundings", context);
+      Check(repeatable, "sum of squares is repeatable", context);
+      if (!within || std::getenv("JSO_VERBOSE")) {
+        std::printf("  %s: sum of squares relative error %.3g\n", context,
+                    worst);
+      }
+    }
+  }
+  // Non-finite squares make the sum non-finite, guarded or not: NaN, +-Inf,
+  // and a finite gradient whose fp32 square overflows.
+  for (Isa isa : isas) {
+    for (bool keep : {false, true}) {
+      struct Poison {
+        float value;
+        bool nan;  // Whether the sum must be NaN (else +Inf).
+      };
+      for (const Poison poison :
+           {Poison{std::numeric_limits<float>::quiet_NaN(), true},
+            Poison{std::numeric_limits<float>::infinity(), false},
+            Poison{-std::numeric_limits<float>::infinity(), false},
+            Poison{1e20f, false}}) {
+        for (int64_t where : {0, 5, 700, 1036}) {
+          const int64_t n = 1037;
+          std::vector<float> p(n, 0.5f), m(n, 0.0f), v(n, 0.0f), g(n, 0.25f);
+          g[where] = poison.value;
+          AdamConfig config;
+          config.keep_nonfinite = keep;
+          AdamBuffers b;
+          b.size = n;
+          b.master_in = b.master_out = p.data();
+          b.mu_in = b.mu_out = m.data();
+          b.nu_in = b.nu_out = v.data();
+          b.grad = g.data();
+          const double sum =
+              AdamStepSumSquaresRange(MakeAdamConstants(config), b, 0, n, isa);
+          const bool ok = poison.nan ? std::isnan(sum)
+                                     : std::isinf(sum) && sum > 0;
+          char context[64];
+          std::snprintf(context, sizeof(context), "%s keep=%d g=%g at %lld",
+                        IsaName(isa), keep, poison.value,
+                        static_cast<long long>(where));
+          Check(ok, "a non-finite square makes the sum non-finite", context);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace jax_superoffload
 
@@ -597,6 +780,7 @@ int main() {
   TestNonFiniteGradients();
   TestOutOfPlaceAndRoofline();
   TestUndo();
+  TestSumSquares();
   const ElementType kGrads[] = {ElementType::kF32, ElementType::kBF16,
                                 ElementType::kF16};
   const ElementType kLowps[] = {ElementType::kNone, ElementType::kF32,
