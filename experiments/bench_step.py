@@ -2,7 +2,10 @@
 
 The step is `update` + `optax.apply_updates`, jitted with the parameters and
 the optimizer state donated, on one 64M-parameter leaf and on 640 leaves
-holding the same 64M parameters. Candidates alternate in one run; medians.
+holding the same 64M parameters. Each optimizer is timed beside optax.adamw
+(and the STV variant beside the plain ffi step), candidates alternating,
+medians; only those few are alive at once, so that a dozen 64M-parameter
+candidates do not crowd the machine's memory and skew each other.
 
   python -m experiments.bench_step [--params 67108864] [--leaves 640]
 
@@ -93,24 +96,33 @@ def main() -> None:
     ),
   }
   layouts = {'1 leaf': 1, f'{args.leaves} leaves': args.leaves}
-  runs = {}
-  for name, make in optimizers.items():
-    for layout_name, leaves in layouts.items():
-      runs[(name, layout_name)] = candidate(make(), n, leaves)
-  for run in runs.values():
-    for _ in range(args.warmup):
-      run()
-  times = {key: [] for key in runs}
-  keys = list(runs)
-  for rep in range(args.reps):
-    for key in keys if rep % 2 == 0 else keys[::-1]:
-      start = time.perf_counter()
-      runs[key]()
-      times[key].append(time.perf_counter() - start)
-  median = {key: statistics.median(t) for key, t in times.items()}
-
   one, many = layouts
-  base = median[('optax.adamw', one)]
+  plain, stv = 'superoffload ffi', 'superoffload ffi + STV'
+
+  def measure(names: list[str]) -> dict[tuple[str, str], list[float]]:
+    """Times `names` at both layouts, interleaved, all alive together."""
+    runs = {
+      (name, layout_name): candidate(optimizers[name](), n, leaves)
+      for name in names
+      for layout_name, leaves in layouts.items()
+    }
+    for run in runs.values():
+      for _ in range(args.warmup):
+        run()
+    times = {key: [] for key in runs}
+    keys = list(runs)
+    for rep in range(args.reps):
+      for key in keys if rep % 2 == 0 else keys[::-1]:
+        start = time.perf_counter()
+        runs[key]()
+        times[key].append(time.perf_counter() - start)
+    return times
+
+  # One group per optimizer, each beside optax.adamw (and STV beside the
+  # plain ffi step): a few 64M-parameter candidates alive at a time, not
+  # all of them, which would crowd this machine's memory.
+  rows = []
+  stv_cost = {}
   print(
     f'\nWhole AdamW step (update + apply_updates, jit, donated), '
     f'{n / 1e6:.1f}M fp32 params, median of {args.reps} '
@@ -120,9 +132,19 @@ def main() -> None:
     f'{"optimizer":24s} {"1 leaf ms":>10s} {many + " ms":>16s} '
     f'{"many/one":>9s} {"vs optax (1 leaf)":>18s}'
   )
-  rows = []
   for name in optimizers:
+    group = [name] if name == 'optax.adamw' else ['optax.adamw', name]
+    if name == stv:
+      group.insert(1, plain)
+    times = measure(group)
+    median = {key: statistics.median(t) for key, t in times.items()}
+    base = median[('optax.adamw', one)]
     t1, tn = median[(name, one)], median[(name, many)]
+    if name == stv:
+      stv_cost = {
+        layout_name: median[(stv, layout_name)] / median[(plain, layout_name)]
+        for layout_name in layouts
+      }
     rows.append(
       {
         'optimizer': name,
@@ -130,6 +152,7 @@ def main() -> None:
         'many_leaves_s': tn,
         'many_over_one': tn / t1,
         'speedup_vs_optax_one_leaf': base / t1,
+        'measured_with': group,
         'times_one_s': times[(name, one)],
         'times_many_s': times[(name, many)],
       }
@@ -138,11 +161,6 @@ def main() -> None:
       f'{name:24s} {t1 * 1e3:10.1f} {tn * 1e3:16.1f} {tn / t1:9.2f} '
       f'{base / t1:18.2f}'
     )
-  stv_cost = {
-    layout_name: median[('superoffload ffi + STV', layout_name)]
-    / median[('superoffload ffi', layout_name)]
-    for layout_name in layouts
-  }
   print(
     'STV (never triggered) / plain ffi step: '
     + ', '.join(f'{k} {v:.3f}' for k, v in stv_cost.items())
