@@ -11,6 +11,7 @@ from flax import nnx
 
 from experiments import config
 from experiments import model
+from experiments import sweep
 from experiments import train
 
 # A short, highly repetitive corpus: a tiny model learns it in a few steps.
@@ -163,23 +164,8 @@ def test_summary_json_plot_and_mfu(optax_run):
   cfg, summary = optax_run
   out_dir = pathlib.Path(summary['out_dir'])
   saved = json.loads((out_dir / 'summary.json').read_text())
-  keys = {
-    'preset',
-    'optimizer',
-    'executor',
-    'num_params',
-    'steps',
-    'first_loss',
-    'final_loss',
-    'tokens_per_s',
-    'step_time_s_median',
-    'mfu',
-    'host_bytes_per_param',
-    'device_bytes_per_param',
-    'wall_time_s',
-    'out_dir',
-  }
-  assert keys <= set(saved)
+  # Every key the sweep reads (its contract with the trainer).
+  assert set(sweep.SUMMARY_KEYS) <= set(saved)
   assert (saved['preset'], saved['optimizer']) == ('tiny', 'optax')
   assert saved['executor'] is None
   assert saved['steps'] == cfg.steps

@@ -245,8 +245,8 @@ def superoffload_adam(
     return tuple(zero.padded(n) for n in lay.bucket_sizes)
 
   def place(bucket: jax.Array, on_host: bool) -> jax.Array:
-    if zero is not None:
-      return zero.place(bucket, on_host)
+    if zero is not None:  # Placed by init's out_shardings.
+      return zero.pad(bucket)
     return (
       host_memory.to_host(bucket) if on_host else host_memory.to_device(bucket)
     )
@@ -324,18 +324,12 @@ def superoffload_adam(
         mu.append(place(jnp.zeros_like(bucket), on_host))
         nu.append(place(jnp.zeros_like(bucket), on_host))
     fallback = fallback_tx(lay).init([leaves[i] for i in lay.fallback])
-    if zero is None:
+    if zero is None:  # With ZeRO, init's out_shardings place the state.
       fallback = jax.tree.map(_state_to_host, fallback)
-    else:  # Replicated over the mesh, where the params are.
-      fallback = jax.tree.map(
-        lambda x: zero.replicate(x, on_host=jnp.ndim(x) > 0), fallback
-      )
 
     def counter() -> jax.Array:
       x = jnp.zeros([], jnp.int32)
-      if zero is None:
-        return host_memory.to_device(x)
-      return zero.replicate(x, on_host=False)
+      return x if zero is not None else host_memory.to_device(x)
 
     return SuperOffloadState(
       count=counter(),

@@ -57,23 +57,17 @@ class Zero:
     """`n` rounded up to a whole number of elements per shard."""
     return -(-n // self.size) * self.size
 
-  def sharding(self, memory_kind: str | None) -> NamedSharding:
-    return NamedSharding(self.mesh, self.spec, memory_kind=memory_kind)
-
   def bucket_sharding(self, on_host: bool) -> NamedSharding:
-    return self.sharding(_kind(on_host))
-
-  def place(self, flat: jax.Array, on_host: bool) -> jax.Array:
-    """Pads a bucket's flat vector and shards it (host or device memory)."""
-    flat = _pad(flat, self.padded(flat.size))
-    return jax.device_put(flat, self.bucket_sharding(on_host))
+    """A bucket sharded along the axis, in host or device memory."""
+    return NamedSharding(self.mesh, self.spec, memory_kind=_kind(on_host))
 
   def replicated(self, on_host: bool) -> NamedSharding:
+    """Replicated over the mesh, in host or device memory."""
     return NamedSharding(self.mesh, P(), memory_kind=_kind(on_host))
 
-  def replicate(self, x: jax.Array, on_host: bool) -> jax.Array:
-    """`x` replicated over the mesh (host or device memory)."""
-    return jax.device_put(x, self.replicated(on_host))
+  def pad(self, flat: jax.Array) -> jax.Array:
+    """A bucket's flat vector padded to a whole number per shard."""
+    return _pad(flat, self.padded(flat.size))
 
   def unshard(self, x: jax.Array) -> jax.Array:
     """`x` replicated, if its type carries an explicit sharding.
@@ -84,7 +78,7 @@ class Zero:
     """
     if not _explicit_spec(x):
       return x
-    return jax.device_put(x, NamedSharding(self.mesh, P()))
+    return jax.device_put(x, self.replicated(on_host=False))
 
   def match(self, x: jax.Array, like: jax.Array) -> jax.Array:
     """`x` with the explicit sharding of `like` (as is under auto axes)."""
@@ -99,11 +93,13 @@ class Zero:
     dtype = dtypes.pop() if len(dtypes) == 1 else jnp.float32
     parts = [jnp.ravel(g).astype(dtype) for g in grads]
     flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    return jax.device_put(_pad(flat, padded), self.sharding(None))
+    return jax.device_put(
+      _pad(flat, padded), self.bucket_sharding(on_host=False)
+    )
 
   def gather(self, flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
     """All-gathers a sharded flat vector on the device; splits it by size."""
-    flat = jax.device_put(flat, NamedSharding(self.mesh, P()))
+    flat = jax.device_put(flat, self.replicated(on_host=False))
     out, start = [], 0
     for n in sizes:
       out.append(flat[start : start + n])
