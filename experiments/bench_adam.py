@@ -54,6 +54,19 @@ def _state(n: int, seed: int) -> tuple[np.ndarray, ...]:
   return params, grads
 
 
+def _stepper(step, state: list[jax.Array], grad: jax.Array):
+  """Runs a donated kernel step on (master, mu, nu) in place, counting."""
+  count = [0]
+
+  def run():
+    out = step(state[0], state[1], state[2], grad, jnp.int32(count[0]))
+    jax.block_until_ready(out)
+    state[0], state[1], state[2] = out[0], out[1], out[2]
+    count[0] += 1
+
+  return run
+
+
 def grace_adam(n: int, lowp: bool) -> Callable[[], None]:
   params, grads = _state(n, 0)
   state = [
@@ -77,15 +90,7 @@ def grace_adam(n: int, lowp: bool) -> Callable[[], None]:
     )
 
   step = jax.jit(step.__wrapped__, donate_argnums=(0, 1, 2))
-  count = [0]
-
-  def run():
-    out = step(state[0], state[1], state[2], grad, jnp.int32(count[0]))
-    jax.block_until_ready(out)
-    state[0], state[1], state[2] = out[0], out[1], out[2]
-    count[0] += 1
-
-  return run
+  return _stepper(step, state, grad)
 
 
 def grace_adam_stv(n: int, sumsq: bool) -> Callable[[], None]:
@@ -122,15 +127,7 @@ def grace_adam_stv(n: int, sumsq: bool) -> Callable[[], None]:
     return master, mu, nu, total
 
   step = jax.jit(step, donate_argnums=(0, 1, 2))
-  count = [0]
-
-  def run():
-    out = step(state[0], state[1], state[2], grad, jnp.int32(count[0]))
-    jax.block_until_ready(out)
-    state[0], state[1], state[2] = out[0], out[1], out[2]
-    count[0] += 1
-
-  return run
+  return _stepper(step, state, grad)
 
 
 def optax_adamw(n: int, lowp: bool) -> Callable[[], None]:
