@@ -8,6 +8,12 @@ medians; only those few are alive at once, so that a dozen 64M-parameter
 candidates do not crowd the machine's memory and skew each other.
 
   python -m experiments.bench_step [--params 67108864] [--leaves 640]
+      [--leaf-multiple 16]
+
+64M split into 640 leaves gives odd leaf sizes (104,857 and 104,858), which
+XLA:CPU handles far worse than even ones (optax.adamw: about 2.5x one leaf
+with odd sizes, 1.0x with sizes that are multiples of 16);
+`--leaf-multiple 16` measures the even case.
 
 Writes `results/bench_step.json` (or `--out`).
 """
@@ -31,10 +37,23 @@ import jax_superoffload as superoffload
 from jax_superoffload import kernels
 
 
-def make_tree(n: int, leaves: int, seed: int) -> dict[str, jax.Array]:
+def leaf_sizes(n: int, leaves: int, multiple: int = 1) -> list[int]:
+  """`leaves` nearly equal sizes, each a multiple of `multiple`, adding to n."""
+  if n % multiple:
+    raise ValueError(f'{n} parameters are not a multiple of {multiple}')
+  units = n // multiple
+  return [
+    multiple * (units // leaves + (1 if i < units % leaves else 0))
+    for i in range(leaves)
+  ]
+
+
+def make_tree(
+  n: int, leaves: int, seed: int, multiple: int = 1
+) -> dict[str, jax.Array]:
   """`leaves` leaves of (nearly) equal size holding `n` parameters in all."""
   rng = np.random.default_rng(seed)
-  sizes = [n // leaves + (1 if i < n % leaves else 0) for i in range(leaves)]
+  sizes = leaf_sizes(n, leaves, multiple)
   device = jax.devices()[0]
   return {
     f'leaf{i:04d}': jax.device_put(
@@ -45,10 +64,10 @@ def make_tree(n: int, leaves: int, seed: int) -> dict[str, jax.Array]:
 
 
 def candidate(
-  tx: optax.GradientTransformation, n: int, leaves: int
+  tx: optax.GradientTransformation, n: int, leaves: int, multiple: int = 1
 ) -> Callable[[], None]:
-  params = make_tree(n, leaves, 0)
-  grads = jax.tree.map(lambda x: x * 1e-2, make_tree(n, leaves, 1))
+  params = make_tree(n, leaves, 0, multiple)
+  grads = jax.tree.map(lambda x: x * 1e-2, make_tree(n, leaves, 1, multiple))
   box = [params, tx.init(params)]
 
   def step(params, state, grads):
@@ -71,6 +90,13 @@ def main() -> None:
   parser.add_argument('--leaves', type=int, default=640)
   parser.add_argument('--reps', type=int, default=9)
   parser.add_argument('--warmup', type=int, default=2)
+  parser.add_argument(
+    '--leaf-multiple',
+    type=int,
+    default=1,
+    help='make every leaf size a multiple of this (default 1: n // leaves '
+    'and one more for the first n % leaves; 64M / 640 gives odd sizes)',
+  )
   parser.add_argument('--out', default='results/bench_step.json')
   args = parser.parse_args()
   n = args.params
@@ -102,7 +128,9 @@ def main() -> None:
   def measure(names: list[str]) -> dict[tuple[str, str], list[float]]:
     """Times `names` at both layouts, interleaved, all alive together."""
     runs = {
-      (name, layout_name): candidate(optimizers[name](), n, leaves)
+      (name, layout_name): candidate(
+        optimizers[name](), n, leaves, args.leaf_multiple
+      )
       for name in names
       for layout_name, leaves in layouts.items()
     }
@@ -126,7 +154,8 @@ def main() -> None:
   print(
     f'\nWhole AdamW step (update + apply_updates, jit, donated), '
     f'{n / 1e6:.1f}M fp32 params, median of {args.reps} '
-    f'(kernel ISA: {kernels.instruction_set()})'
+    f'(kernel ISA: {kernels.instruction_set()}; {many} of '
+    f'{sorted(set(leaf_sizes(n, args.leaves, args.leaf_multiple)))} params)'
   )
   print(
     f'{"optimizer":24s} {"1 leaf ms":>10s} {many + " ms":>16s} '
@@ -178,6 +207,7 @@ def main() -> None:
     },
     'params': n,
     'leaves': args.leaves,
+    'leaf_sizes': sorted(set(leaf_sizes(n, args.leaves, args.leaf_multiple))),
     'reps': args.reps,
     'rows': rows,
   }
