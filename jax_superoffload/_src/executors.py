@@ -74,10 +74,10 @@ class BucketStep:
     )
 
 
-def _split(
-  flat: jax.Array, grads: Sequence[jax.Array], count: Any = None
+def split_leaves(
+  flat: jax.Array, sizes: Sequence[int], count: Any = None
 ) -> list[jax.Array]:
-  """`flat` cut into one slice per leaf of `grads`.
+  """`flat` cut into one slice per leaf of the given sizes.
 
   With several leaves, each of odd length is cut with a dynamic slice whose
   offset XLA cannot fold to a constant (`min(count, 0)` is 0: the step count
@@ -88,19 +88,25 @@ def _split(
   """
   dynamic = (
     count is not None
-    and len(grads) > 1
-    and any(g.size % 2 for g in grads)
+    and len(sizes) > 1
+    and any(n % 2 for n in sizes)
     and jax.default_backend() == 'cpu'
   )
   zero = jnp.minimum(jnp.asarray(count, jnp.int32), 0) if dynamic else None
   out, start = [], 0
-  for g in grads:
-    if dynamic and g.size % 2:
-      out.append(jax.lax.dynamic_slice(flat, (start + zero,), (g.size,)))
+  for n in sizes:
+    if dynamic and n % 2:
+      out.append(jax.lax.dynamic_slice(flat, (start + zero,), (n,)))
     else:
-      out.append(flat[start : start + g.size])
-    start += g.size
+      out.append(flat[start : start + n])
+    start += n
   return out
+
+
+def _split(
+  flat: jax.Array, grads: Sequence[jax.Array], count: Any = None
+) -> list[jax.Array]:
+  return split_leaves(flat, [g.size for g in grads], count)
 
 
 def _run(kernel: str, step: BucketStep, master, mu, nu, grads, dtypes):

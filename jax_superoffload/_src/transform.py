@@ -470,7 +470,7 @@ def superoffload_adam(
     for (*_, leaf_ids), ws in zip(buckets, weights, strict=True):
       if zero is not None:  # All-gathered on the device, split into leaves.
         sizes = [int(np.prod(lay.shapes[i], dtype=np.int64)) for i in leaf_ids]
-        ws = zero.gather(ws[0], sizes)
+        ws = zero.gather(ws[0], sizes, count)
       for i, w in zip(leaf_ids, ws, strict=True):
         w = w.reshape(lay.shapes[i])
         if zero is not None:  # Back to the leaf's own (explicit) sharding.

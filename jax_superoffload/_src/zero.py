@@ -97,14 +97,15 @@ class Zero:
       _pad(flat, padded), self.bucket_sharding(on_host=False)
     )
 
-  def gather(self, flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
-    """All-gathers a sharded flat vector on the device; splits it by size."""
+  def gather(
+    self, flat: jax.Array, sizes: Sequence[int], count: Any = None
+  ) -> list[jax.Array]:
+    """All-gathers a sharded flat vector on the device; splits it by size.
+
+    `count` is the step count, for `executors.split_leaves`.
+    """
     flat = jax.device_put(flat, self.replicated(on_host=False))
-    out, start = [], 0
-    for n in sizes:
-      out.append(flat[start : start + n])
-      start += n
-    return out
+    return executors.split_leaves(flat, sizes, count)
 
   def map(self, fn: Callable[..., Any], scalars: Any, *arrays):
     """`fn(scalars, *arrays)` per shard: arrays and outputs split by axis.
