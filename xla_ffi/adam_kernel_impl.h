@@ -146,7 +146,11 @@ double AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
   const AdamBuffers b = buffers;
   int64_t i = begin;
   double total = 0.0;
+  // Four vectors per iteration keep more loads of the seven streams in
+  // flight: on the 2-core CI VM the step went from ~0.91 to ~0.97 of the
+  // same-traffic roofline (medians of 15, several interleaved runs).
   if constexpr (!kSumSquares) {
+#pragma GCC unroll 4
     for (; i + kLanes <= end; i += kLanes) {
       AdamElements<Ops, kGrad, kLowp, kNesterov, kDecay, kGuard>(k, b, i);
     }
@@ -158,6 +162,7 @@ double AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
               ? end
               : i + kSumSquaresPerLane * kLanes;
       V sum = Ops::Set(0.0f);
+#pragma GCC unroll 4
       for (; i + kLanes <= stop; i += kLanes) {
         sum = Ops::Add(sum, AdamElements<Ops, kGrad, kLowp, kNesterov, kDecay,
                                          kGuard>(k, b, i));
