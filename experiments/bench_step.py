@@ -11,8 +11,8 @@ candidates do not crowd the machine's memory and skew each other.
       [--leaf-multiple 16]
 
 64M split into 640 leaves gives odd leaf sizes (104,857 and 104,858), which
-XLA:CPU handles far worse than even ones (optax.adamw: about 2.5x one leaf
-with odd sizes, 1.0x with sizes that are multiples of 16);
+XLA:CPU handles far worse than even ones (optax.adamw: 1.9-2.5x one leaf
+with odd sizes, 1.04x with sizes that are multiples of 16);
 `--leaf-multiple 16` measures the even case.
 
 Writes `results/bench_step.json` (or `--out`).

@@ -224,7 +224,7 @@ def test_compiled_step_runs_the_kernel_as_host_compute():
 
 def test_odd_leaves_are_written_back_through_dynamic_slices():
   # XLA:CPU runs fusions that read odd-length slices at constant offsets
-  # about ten times slower; executors._split hides the offsets from the
+  # about ten times slower; executors.split_leaves hides the offsets from the
   # compiler. If XLA ever folds them, this fails before the benchmark does.
   params = {'a': jnp.ones((7,)), 'b': jnp.ones((33,)), 'c': jnp.ones((16,))}
   tx = superoffload.adamw(1e-3)

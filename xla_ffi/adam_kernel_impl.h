@@ -147,8 +147,8 @@ double AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
   int64_t i = begin;
   double total = 0.0;
   // Four vectors per iteration keep more loads of the seven streams in
-  // flight: on the 2-core CI VM the step went from ~0.91 to ~0.97 of the
-  // same-traffic roofline (medians of 15, several interleaved runs).
+  // flight: on the 2-core CI VM the step went from 0.86-0.94 to 0.94-1.00
+  // of the same-traffic roofline (medians of 15, interleaved runs).
   if constexpr (!kSumSquares) {
 #pragma GCC unroll 4
     for (; i + kLanes <= end; i += kLanes) {
