@@ -69,6 +69,9 @@ template <ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay,
 JSO_INLINE svfloat32_t SveElements(const AdamConstants& k,
                                    const AdamBuffers& b, svbool_t pg,
                                    int64_t i) {
+  if (StartsLine(i, static_cast<int64_t>(svcntw()))) {
+    PrefetchInputs<kGrad>(b, i);
+  }
   svfloat32_t master = svld1_f32(pg, b.master_in + i);
   svfloat32_t mu = svld1_f32(pg, b.mu_in + i);
   svfloat32_t nu = svld1_f32(pg, b.nu_in + i);
@@ -154,6 +157,9 @@ void RooflineRangeSve(const AdamBuffers& b, int64_t begin, int64_t end) {
   const float* grad = static_cast<const float*>(b.grad);
   for (int64_t i = begin; i < end; i += svcntw()) {
     const svbool_t pg = svwhilelt_b32(i, end);
+    if (StartsLine(i, static_cast<int64_t>(svcntw()))) {
+      PrefetchInputs<ElementType::kF32>(b, i);
+    }
     const svfloat32_t master = svld1_f32(pg, b.master_in + i);
     const svfloat32_t mu = svld1_f32(pg, b.mu_in + i);
     const svfloat32_t nu = svld1_f32(pg, b.nu_in + i);
