@@ -14,6 +14,7 @@ import optax
 from jax_superoffload._src import adam_args
 from jax_superoffload._src import executors
 from jax_superoffload._src import host_memory
+from jax_superoffload._src import in_place
 from jax_superoffload._src import layout
 from jax_superoffload._src import placement
 from jax_superoffload._src import stv
@@ -466,6 +467,11 @@ def superoffload_adam(
         for i, s_, w_ in zip(others, fixed_states, fixed_weights, strict=True):
           states[i], weights[i] = s_, w_
 
+    # Without STV the device-side updates would race the backward pass's
+    # reads of the weights (STV's validation already orders them).
+    token = None
+    if params is not None and not use_stv and in_place.wanted(zero):
+      token = in_place.token_after([s_[0] for s_ in states])
     out_leaves: list[Any] = [None] * len(grads)
     for (*_, leaf_ids), ws in zip(buckets, weights, strict=True):
       if zero is not None:  # All-gathered on the device, split into leaves.
@@ -478,6 +484,8 @@ def superoffload_adam(
         if params is not None:  # fp32 master split on device: cast here.
           w = w.astype(lay.dtypes[i])
         # Without params: the fp32 change of the master.
+        if token is not None:
+          w = in_place.after(w, token)
         u = w if params is None else _exact_delta(w, param_leaves[i])
         out_leaves[i] = u if skip is None else jnp.where(skip, 0.0, u)
     for i in range(len(grads)):  # Zero-size leaves no bucket holds.
