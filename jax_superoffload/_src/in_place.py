@@ -8,26 +8,29 @@ weight twice, for its own gradient and for the gradient of the layer's
 input, and the second read feeds only the *earlier* layers' gradients. An
 update that depends on its own bucket's gradients is therefore unordered
 with that read, and XLA copies the parameter at the start of the step: 8
-bytes per parameter of memory traffic ahead of the forward pass, and a
-temporary the size of the model (optax.adamw pays the same copies).
+bytes per parameter of memory traffic ahead of the forward pass
+(optax.adamw's step pays the same copies).
 
 SuperOffload's host steps still start as soon as their bucket's gradients
 exist; only the device-side `params + updates` is made to wait for a token
 that depends on every bucket's new master weights, hence on every gradient,
 hence on every read of every weight. The token reaches each update through
-a `dynamic_update_slice` that writes an element over itself at an index
-that is always clamped to 0: a no-op that XLA cannot fold, and that it
-fuses into the update's loop, so it costs no buffer and no pass.
+a select whose predicate is always true but, with two buckets or more, not
+provably so: XLA keeps it and fuses it into the update's loop, so it costs
+no buffer and no pass. (With one bucket XLA folds it, which is harmless:
+that bucket's step already depends on every gradient. A
+`dynamic_update_slice` at an always-clamped index worked for leaves cut out
+of a bucket, but for a bucket holding a single leaf it wrote into a copy of
+the whole master: bench_step's one-leaf step took 169 ms instead of ~62.)
 
 Measured on the 2-core CPU VM (`experiments/bench_train.py`): at 19M
 parameters the step's parameter copies went from 18 to 0 and its temporary
-memory from 20.8 to 14.3 MB; optax.adamw's time over ours went from 0.98 to
-1.05 at 19M and from 0.96 to 1.12 at 50M parameters.
+memory from 20.8 to 14.3 MB; optax.adamw's step time over ours went from
+1.00, 0.98 and 0.96 to 1.09, 1.03 and 1.07 at 4.8M, 19M and 50M parameters.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -52,26 +55,19 @@ def token_after(masters: Sequence[jax.Array]) -> jax.Array:
 
   One element of each (fp32) array is enough for the dependency; the bits
   are masked so that no value, NaN included, can make the result
-  non-negative.
+  non-negative. The maximum is a reduction, which XLA computes once into
+  its own scalar (a chain of scalar ops would be fused into, and recomputed
+  by, every update loop) and whose range it does not analyse.
   """
-  bits = [
-    jax.lax.bitcast_convert_type(
-      host_memory.to_device(jnp.ravel(m)[:1]), jnp.int32
-    )
-    & 0x7FFFFFFF
-    for m in masters
-    if m.size
-  ]
-  if not bits:
+  firsts = [host_memory.to_device(jnp.ravel(m)[:1]) for m in masters if m.size]
+  if not firsts:
     return jnp.int32(-1)
-  return (-1 - functools.reduce(jnp.maximum, bits))[0]
+  bits = jax.lax.bitcast_convert_type(jnp.concatenate(firsts), jnp.int32)
+  return -1 - jnp.max(bits & 0x7FFFFFFF)
 
 
 def after(x: jax.Array, token: jax.Array) -> jax.Array:
   """`x`, unchanged, as a value that depends on `token` (see module doc)."""
-  if x.size == 0:
-    return x
-  flat = x.reshape(-1)
-  # `token` < 0 is clamped to 0: element 0 is written over itself.
-  flat = jax.lax.dynamic_update_slice(flat, flat[:1], (token,))
-  return flat.reshape(x.shape)
+  # `token` is always negative, so this selects `x`; XLA cannot prove it,
+  # and fuses the select into the consumer's loop (no buffer, no pass).
+  return jnp.where(token < 0, x, -x)
