@@ -483,9 +483,9 @@ def superoffload_adam(
           w = zero.match(w, grads[i])
         if params is not None:  # fp32 master split on device: cast here.
           w = w.astype(lay.dtypes[i])
-        # Without params: the fp32 change of the master.
         if token is not None:
           w = in_place.after(w, token)
+        # Without params: the fp32 change of the master.
         u = w if params is None else _exact_delta(w, param_leaves[i])
         out_leaves[i] = u if skip is None else jnp.where(skip, 0.0, u)
     for i in range(len(grads)):  # Zero-size leaves no bucket holds.
