@@ -4,6 +4,12 @@ Candidates run alternately in one process, `--reps` times each, and the table
 reports medians. Ratios are the numbers to read: absolute times on a shared
 2-core machine move from run to run, ratios taken in the same run do not.
 
+The limit is independent of the kernel: `stream_limit.c`, compiled here
+apart from it, moves the same 28 B/param with no math in several ways
+(plain, prefetch t0 or nta, streaming stores); the fastest is the limit.
+Grace Adam also runs under each prefetch policy (the environment override),
+so one run shows whether the default is right on this CPU.
+
   python -m experiments.bench_adam [--params 67108864] [--reps 15]
 
 Writes `results/bench_adam.json` (or `--out`).
@@ -16,7 +22,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -26,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from experiments import machine
+from experiments import stream_limit
 from jax_superoffload import kernels
 from jax_superoffload._src import grace_adam as grace_adam_ffi
 
@@ -67,7 +74,7 @@ def _stepper(step, state: list[jax.Array], grad: jax.Array):
   return run
 
 
-def grace_adam(n: int, lowp: bool) -> Callable[[], None]:
+def grace_adam(n: int) -> Callable[[], None]:
   params, grads = _state(n, 0)
   state = [
     jnp.asarray(params),
@@ -76,7 +83,6 @@ def grace_adam(n: int, lowp: bool) -> Callable[[], None]:
   ]
   grad = jnp.asarray(grads)
 
-  @jax.jit
   def step(master, mu, nu, grad, count):
     return kernels.adam_step(
       master,
@@ -86,11 +92,63 @@ def grace_adam(n: int, lowp: bool) -> Callable[[], None]:
       count=count,
       learning_rate=LR,
       weight_decay=WEIGHT_DECAY,
-      lowp_dtype=jnp.bfloat16 if lowp else None,
     )
 
-  step = jax.jit(step.__wrapped__, donate_argnums=(0, 1, 2))
+  step = jax.jit(step, donate_argnums=(0, 1, 2))
   return _stepper(step, state, grad)
+
+
+def grace_adam_lowp(n: int) -> Callable[[], None]:
+  """The step with a fused bf16 copy, written into a donated destination."""
+  params, grads = _state(n, 0)
+  box = [
+    jnp.asarray(params),
+    jnp.zeros(n, jnp.float32),
+    jnp.zeros(n, jnp.float32),
+    jnp.zeros(n, jnp.bfloat16),
+  ]
+  grad = jnp.asarray(grads)
+
+  def step(master, mu, nu, lowp, grad, count):
+    return kernels.adam_step(
+      master,
+      grad,
+      mu,
+      nu,
+      count=count,
+      learning_rate=LR,
+      weight_decay=WEIGHT_DECAY,
+      lowp_dtype=jnp.bfloat16,
+      lowp_out=lowp,
+    )
+
+  step = jax.jit(step, donate_argnums=(0, 1, 2, 3))
+  count = [0]
+
+  def run():
+    out = step(*box, grad, jnp.int32(count[0]))
+    jax.block_until_ready(out)
+    box[:] = out
+    count[0] += 1
+
+  return run
+
+
+def with_prefetch(run: Callable[[], None], policy: str) -> Callable[[], None]:
+  """`run` under another kernel prefetch policy (the environment override).
+
+  The handlers read the variable on every call, and nothing else runs while
+  a candidate does, so setting it around the call is enough.
+  """
+
+  def wrapped():
+    os.environ['JAX_SUPEROFFLOAD_PREFETCH'] = policy
+    try:
+      run()
+    finally:
+      del os.environ['JAX_SUPEROFFLOAD_PREFETCH']
+
+  return wrapped
 
 
 def grace_adam_stv(n: int, sumsq: bool) -> Callable[[], None]:
@@ -131,30 +189,38 @@ def grace_adam_stv(n: int, sumsq: bool) -> Callable[[], None]:
 
 
 def optax_adamw(n: int, lowp: bool) -> Callable[[], None]:
+  """optax.adamw; with `lowp`, then a bf16 cast into a donated buffer."""
   params, grads = _state(n, 0)
   tx = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
   p = jnp.asarray(params)
-  box = [p, tx.init(p)]
+  box = [p, tx.init(p), jnp.zeros(n, jnp.bfloat16)]
   grad = jnp.asarray(grads)
 
-  def step(params, opt_state, grad):
+  def step(params, opt_state, old_lowp, grad):
+    del old_lowp  # Donated: XLA may write the new copy into its buffer.
     updates, opt_state = tx.update(grad, opt_state, params)
     params = optax.apply_updates(params, updates)
-    if lowp:
-      return params, opt_state, params.astype(jnp.bfloat16)
-    return params, opt_state
+    return params, opt_state, params.astype(jnp.bfloat16)
 
-  step = jax.jit(step, donate_argnums=(0, 1))
+  def step_fp32(params, opt_state, grad):
+    updates, opt_state = tx.update(grad, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  if lowp:
+    step = jax.jit(step, donate_argnums=(0, 1, 2))
+  else:
+    step = jax.jit(step_fp32, donate_argnums=(0, 1))
 
   def run():
-    out = step(box[0], box[1], grad)
+    out = step(*box[: 3 if lowp else 2], grad)
     jax.block_until_ready(out)
-    box[0], box[1] = out[0], out[1]
+    box[: len(out)] = out
 
   return run
 
 
-def roofline(n: int) -> Callable[[], None]:
+def kernel_stream(n: int) -> Callable[[], None]:
+  """The kernel's own stream loop (`kernels.stream_roofline`): no limit."""
   params, grads = _state(n, 0)
   state = [
     jnp.asarray(params),
@@ -219,24 +285,44 @@ def torch_candidates(n: int) -> list[Candidate]:
   return out
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--params', type=int, default=64 * 2**20)
-  parser.add_argument('--reps', type=int, default=15)
-  parser.add_argument('--warmup', type=int, default=3)
-  parser.add_argument('--out', default='results/bench_adam.json')
-  args = parser.parse_args()
-  n = args.params
+def limit_candidates(n: int, threads: int) -> tuple[list[Candidate], str]:
+  """The independent limit's variants, and how they were compiled."""
+  lib, command = stream_limit.build()
+  limit = stream_limit.StreamLimit(lib, n, threads)
+  return [
+    Candidate(f'limit: {name}', run, BYTES_PER_PARAM, 'limit')
+    for name, run in limit.runs.items()
+  ], command
 
+
+def build_candidates(n: int, threads: int) -> tuple[list[Candidate], str]:
+  """Every candidate of one run, and the limit's compile command."""
+  limits, command = limit_candidates(n, threads)
+  ours = grace_adam(n)
+  default = kernels.prefetch_policy()
+  others = [p for p in ('t0', 'nta', 'none') if p != default]
   candidates = [
+    *limits,
     Candidate(
-      'roofline (same bytes, no math)', roofline(n), BYTES_PER_PARAM, 'roofline'
-    ),
-    Candidate(
-      'grace adam (kernels.adam_step, jit)',
-      grace_adam(n, False),
+      f'grace adam (prefetch {default}, the default)',
+      ours,
       BYTES_PER_PARAM,
       'ours',
+    ),
+    *[
+      Candidate(
+        f'grace adam, prefetch {p}',
+        with_prefetch(ours, p),
+        BYTES_PER_PARAM,
+        f'ours_prefetch_{p}',
+      )
+      for p in others
+    ],
+    Candidate(
+      "kernel's own stream loop (shares its prefetch)",
+      kernel_stream(n),
+      BYTES_PER_PARAM,
+      'kernel_stream',
     ),
     Candidate(
       'optax.adamw (jit, donated)',
@@ -245,13 +331,13 @@ def main() -> None:
       'optax',
     ),
     Candidate(
-      'grace adam + fused bf16 copy',
-      grace_adam(n, True),
+      'grace adam + fused bf16 copy (donated)',
+      grace_adam_lowp(n),
       BYTES_PER_PARAM_LOWP,
       'ours_lowp',
     ),
     Candidate(
-      'optax.adamw then cast to bf16',
+      'optax.adamw then cast to bf16 (donated)',
       optax_adamw(n, True),
       BYTES_PER_PARAM_LOWP,
       'optax_lowp',
@@ -270,84 +356,134 @@ def main() -> None:
     ),
     *torch_candidates(n),
   ]
+  return candidates, command
+
+
+def measure(
+  candidates: list[Candidate], reps: int, warmup: int
+) -> dict[str, list[float]]:
+  """Times every candidate `reps` times, alternating the order."""
   for c in candidates:
-    for _ in range(args.warmup):
+    for _ in range(warmup):
       c.step()
   times = {c.name: [] for c in candidates}
-  for rep in range(args.reps):
+  for rep in range(reps):
     # Alternate the order so no candidate always follows the same one.
     order = candidates if rep % 2 == 0 else candidates[::-1]
     for c in order:
       start = time.perf_counter()
       c.step()
       times[c.name].append(time.perf_counter() - start)
+  return times
 
-  median = {name: statistics.median(t) for name, t in times.items()}
-  by_group = {c.group: c.name for c in candidates}
-  roof = median[by_group['roofline']]
+
+def ratios(
+  candidates: list[Candidate], median: dict[str, float]
+) -> dict[str, float | str]:
+  """The run's headline ratios (> 1: the first named is faster)."""
+  groups: dict[str, list[str]] = {}
+  for c in candidates:
+    groups.setdefault(c.group, []).append(c.name)
+  limit_name = min(groups['limit'], key=lambda name: median[name])
+  ours = median[groups['ours'][0]]
+  out: dict[str, float | str] = {
+    'limit_variant': limit_name,
+    'ours_vs_limit': median[limit_name] / ours,
+    'ours_vs_optax': median[groups['optax'][0]] / ours,
+    'optax_vs_limit': median[limit_name] / median[groups['optax'][0]],
+    'kernel_stream_vs_limit': (
+      median[limit_name] / median[groups['kernel_stream'][0]]
+    ),
+    'ours_lowp_vs_optax_then_cast': (
+      median[groups['optax_lowp'][0]] / median[groups['ours_lowp'][0]]
+    ),
+    'ours_lowp_vs_limit': (
+      median[limit_name]
+      / median[groups['ours_lowp'][0]]
+      * BYTES_PER_PARAM_LOWP
+      / BYTES_PER_PARAM
+    ),
+    # What the fused sum of squares costs the STV step (1.0: nothing).
+    'stv_sumsq_over_stv_step': (
+      median[groups['ours_stv_sumsq'][0]] / median[groups['ours_stv'][0]]
+    ),
+  }
+  for group, names in groups.items():
+    if group.startswith('ours_prefetch_'):
+      out[f'default_vs_{group[len("ours_") :]}'] = median[names[0]] / ours
+  if 'peer' in groups:
+    fastest_peer = min(groups['peer'], key=lambda name: median[name])
+    out['fastest_peer'] = fastest_peer
+    out['ours_vs_fastest_peer'] = median[fastest_peer] / ours
+  return out
+
+
+def table_rows(
+  candidates: list[Candidate],
+  times: dict[str, list[float]],
+  n: int,
+  limit_s: float,
+) -> list[dict]:
   rows = []
   for c in candidates:
-    m = median[c.name]
+    m = statistics.median(times[c.name])
     rows.append(
       {
         'name': c.name,
         'median_s': m,
         'mparam_per_s': n / m / 1e6,
         'gb_per_s': n * c.bytes_per_param / m / 1e9,
-        'vs_roofline': roof / m * c.bytes_per_param / BYTES_PER_PARAM,
+        'vs_limit': limit_s / m * c.bytes_per_param / BYTES_PER_PARAM,
         'times_s': times[c.name],
       }
     )
-  speedups = {
-    'ours_vs_roofline': roof / median[by_group['ours']],
-    'ours_vs_optax': median[by_group['optax']] / median[by_group['ours']],
-    'optax_vs_roofline': roof / median[by_group['optax']],
-    'ours_lowp_vs_optax_then_cast': (
-      median[by_group['optax_lowp']] / median[by_group['ours_lowp']]
-    ),
-    # What the fused sum of squares costs the STV step (1.0: nothing).
-    'stv_sumsq_over_stv_step': (
-      median[by_group['ours_stv_sumsq']] / median[by_group['ours_stv']]
-    ),
-  }
-  peers = [c.name for c in candidates if c.group == 'peer']
-  if peers:
-    fastest_peer = min(peers, key=lambda name: median[name])
-    speedups['fastest_peer'] = fastest_peer
-    speedups['ours_vs_fastest_peer'] = (
-      median[fastest_peer] / median[by_group['ours']]
-    )
+  return rows
 
+
+def print_table(
+  rows: list[dict], summary: dict, n: int, reps: int, host: dict
+) -> None:
+  print(f'\nAdamW step, {n / 1e6:.1f}M fp32 params, median of {reps}')
+  print(f'machine: {machine.headline(host)}')
   print(
-    f'\nAdamW step, {n / 1e6:.1f}M fp32 params, median of {args.reps} '
-    f'(kernel ISA: {kernels.instruction_set()}, {os.cpu_count()} cpus)'
-  )
-  print(
-    f'{"candidate":40s} {"ms":>8s} {"Mparam/s":>9s} {"GB/s":>6s} {"x roof":>7s}'
+    f'{"candidate":48s} {"ms":>8s} {"Mparam/s":>9s} {"GB/s":>6s} '
+    f'{"x limit":>7s}'
   )
   for r in rows:
     print(
-      f'{r["name"]:40s} {r["median_s"] * 1e3:8.1f} '
+      f'{r["name"]:48s} {r["median_s"] * 1e3:8.1f} '
       f'{r["mparam_per_s"]:9.0f} {r["gb_per_s"]:6.1f} '
-      f'{r["vs_roofline"]:7.2f}'
+      f'{r["vs_limit"]:7.2f}'
     )
-  for k, v in speedups.items():
+  for k, v in summary.items():
     print(f'{k}: {v:.3f}' if isinstance(v, float) else f'{k}: {v}')
 
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--params', type=int, default=64 * 2**20)
+  parser.add_argument('--reps', type=int, default=15)
+  parser.add_argument('--warmup', type=int, default=3)
+  parser.add_argument('--out', default='results/bench_adam.json')
+  args = parser.parse_args()
+  n = args.params
+  host = machine.describe()
+  threads = os.cpu_count() or 1
+  candidates, limit_command = build_candidates(n, threads)
+  times = measure(candidates, args.reps, args.warmup)
+  median = {name: statistics.median(t) for name, t in times.items()}
+  summary = ratios(candidates, median)
+  rows = table_rows(candidates, times, n, median[summary['limit_variant']])
+  print_table(rows, summary, n, args.reps, host)
   result = {
     'benchmark': 'bench_adam',
     'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
-    'machine': {
-      'platform': platform.platform(),
-      'processor': platform.processor() or platform.machine(),
-      'cpus': os.cpu_count(),
-      'jax': jax.__version__,
-      'kernel_isa': kernels.instruction_set(),
-    },
+    'machine': host,
+    'limit': {'compiled': limit_command, 'threads': threads},
     'params': n,
     'reps': args.reps,
     'rows': rows,
-    'ratios': speedups,
+    'ratios': summary,
   }
   os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)
   with open(args.out, 'w') as f:

@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ import numpy as np
 import optax
 
 import jax_superoffload as superoffload
-from jax_superoffload import kernels
+from experiments import machine
 
 
 def leaf_sizes(n: int, leaves: int, multiple: int = 1) -> list[int]:
@@ -151,12 +150,14 @@ def main() -> None:
   # all of them, which would crowd this machine's memory.
   rows = []
   stv_cost = {}
+  host = machine.describe()
   print(
     f'\nWhole AdamW step (update + apply_updates, jit, donated), '
     f'{n / 1e6:.1f}M fp32 params, median of {args.reps} '
-    f'(kernel ISA: {kernels.instruction_set()}; {many} of '
+    f'({many} of '
     f'{sorted(set(leaf_sizes(n, args.leaves, args.leaf_multiple)))} params)'
   )
+  print(f'machine: {machine.headline(host)}')
   print(
     f'{"optimizer":24s} {"1 leaf ms":>10s} {many + " ms":>16s} '
     f'{"many/one":>9s} {"vs optax (1 leaf)":>18s}'
@@ -198,13 +199,7 @@ def main() -> None:
     'benchmark': 'bench_step',
     'stv_over_plain': stv_cost,
     'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
-    'machine': {
-      'platform': platform.platform(),
-      'cpus': os.cpu_count(),
-      'backend': jax.default_backend(),
-      'jax': jax.__version__,
-      'kernel_isa': kernels.instruction_set(),
-    },
+    'machine': {**host, 'backend': jax.default_backend()},
     'params': n,
     'leaves': args.leaves,
     'leaf_sizes': sorted(set(leaf_sizes(n, args.leaves, args.leaf_multiple))),

@@ -7,11 +7,13 @@
 from jax_superoffload._src.adam_reference import adam_step_reference
 from jax_superoffload._src.grace_adam import adam_step
 from jax_superoffload._src.grace_adam import instruction_set
+from jax_superoffload._src.grace_adam import prefetch_policy
 from jax_superoffload._src.grace_adam import stream_roofline
 
 __all__ = [
   'adam_step',
   'adam_step_reference',
   'instruction_set',
+  'prefetch_policy',
   'stream_roofline',
 ]

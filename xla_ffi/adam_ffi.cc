@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -83,6 +84,17 @@ void ParallelChunks(ffi::ThreadPool& pool, int64_t num_chunks, const Fn& fn) {
 ffi::Error InvalidArgument(const std::string& message) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                     "jax_superoffload adam_step: " + message);
+}
+
+// The kernel's prefetch policy, or the one JAX_SUPEROFFLOAD_PREFETCH names
+// (t0, nta or none), for experiments. Read on every call: the environment is
+// the only state, and a getenv costs nothing beside a step.
+ffi::Error ReadPrefetch(Prefetch* out) {
+  const char* name = std::getenv("JAX_SUPEROFFLOAD_PREFETCH");
+  if (ParsePrefetch(name, out)) return ffi::Error::Success();
+  return InvalidArgument(std::string("JAX_SUPEROFFLOAD_PREFETCH must be t0, "
+                                     "nta, none or unset, not '") +
+                         name + "'");
 }
 
 bool ToElementType(ffi::DataType dtype, ElementType* out) {
@@ -179,6 +191,9 @@ ffi::Error AdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
     b.lowp_out = lowp_out;
   }
   if (const char* error = ValidateAdamBuffers(b)) return InvalidArgument(error);
+  if (ffi::Error error = ReadPrefetch(&b.prefetch); error.failure()) {
+    return error;
+  }
   std::vector<AdamConstants> sets;
   int64_t block = 0;
   if (ffi::Error error =
@@ -232,6 +247,20 @@ ffi::Error AdamStepLowpHandler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> maste
                       lowp_out->element_type(), nesterov);
 }
 
+// As AdamStepLowpHandler, with the copy's destination passed in as well:
+// aliased to the copy's output, so a donated destination is written in place
+// instead of a fresh buffer being mapped (and faulted in) on every step.
+ffi::Error AdamStepLowpIntoHandler(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master, ffi::AnyBuffer grad,
+    ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+    ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
+    ffi::AnyBuffer /*destination*/, ffi::ResultBuffer<ffi::F32> master_out,
+    ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+    ffi::Result<ffi::AnyBuffer> lowp_out, bool nesterov) {
+  return AdamStepLowpHandler(pool, master, grad, mu, nu, count, scalars,
+                             master_out, mu_out, nu_out, lowp_out, nesterov);
+}
+
 ffi::Error StreamRooflineHandler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
                           ffi::Buffer<ffi::F32> grad, ffi::Buffer<ffi::F32> mu,
                           ffi::Buffer<ffi::F32> nu,
@@ -253,6 +282,9 @@ ffi::Error StreamRooflineHandler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mas
   b.master_out = master_out->typed_data();
   b.mu_out = mu_out->typed_data();
   b.nu_out = nu_out->typed_data();
+  if (ffi::Error error = ReadPrefetch(&b.prefetch); error.failure()) {
+    return error;
+  }
   const int64_t num_chunks = (size + kChunkElements - 1) / kChunkElements;
   ParallelChunks(pool, num_chunks, [&](int64_t chunk) {
     const int64_t begin = chunk * kChunkElements;
@@ -314,6 +346,11 @@ ffi::Error AdamStepSegmentsHandler(
     return InvalidArgument("leaves hold " + std::to_string(starts.back()) +
                            " elements, the bucket " + std::to_string(size));
   }
+  Prefetch prefetch;
+  if (ffi::Error error = ReadPrefetch(&prefetch); error.failure()) {
+    return error;
+  }
+  for (AdamBuffers& b : segments) b.prefetch = prefetch;
   std::vector<AdamConstants> sets;
   int64_t block = 0;
   if (ffi::Error error = ReadScalarSets(count, scalars, nesterov, size, &sets,
@@ -441,6 +478,11 @@ ffi::Error AdamFixSegmentsHandler(
   if (starts.back() != size) {
     return InvalidArgument("leaves do not add up to the bucket");
   }
+  Prefetch prefetch;
+  if (ffi::Error error = ReadPrefetch(&prefetch); error.failure()) {
+    return error;
+  }
+  for (AdamBuffers& b : segments) b.prefetch = prefetch;
   std::vector<AdamConstants> sets;
   int64_t block = 0;
   if (ffi::Error error = ReadScalarSets(count, scalars, nesterov, size, &sets,
@@ -498,6 +540,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowp, jax_superoffload::AdamStepLowpHan
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("nesterov"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowpInto,
+                              jax_superoffload::AdamStepLowpIntoHandler,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

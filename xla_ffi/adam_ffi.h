@@ -8,6 +8,7 @@
 extern "C" {
 XLA_FFI_Error* JsoAdamStep(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepLowp(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JsoAdamStepLowpInto(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoStreamRoofline(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepSegments(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamFixSegments(XLA_FFI_CallFrame* call_frame);

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 
 #include "xla_ffi/adam_kernel_isa.h"
@@ -78,6 +79,32 @@ const char* IsaName(Isa isa) {
       return "sve";
   }
   return "unknown";
+}
+
+const char* PrefetchName(Prefetch prefetch) {
+  switch (prefetch) {
+    case Prefetch::kNone:
+      return "none";
+    case Prefetch::kT0:
+      return "t0";
+    case Prefetch::kNta:
+      return "nta";
+  }
+  return "unknown";
+}
+
+bool ParsePrefetch(const char* name, Prefetch* out) {
+  if (name == nullptr || *name == '\0') {
+    *out = kDefaultPrefetch;
+    return true;
+  }
+  for (Prefetch p : {Prefetch::kNone, Prefetch::kT0, Prefetch::kNta}) {
+    if (std::strcmp(name, PrefetchName(p)) == 0) {
+      *out = p;
+      return true;
+    }
+  }
+  return false;
 }
 
 bool IsaAvailable(Isa isa) { return Compiled(isa) && CpuSupports(isa); }

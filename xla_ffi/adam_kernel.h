@@ -58,6 +58,28 @@ bool IsaAvailable(Isa isa);
 // The fastest available instruction set.
 Isa BestIsa();
 
+// Software prefetch of the input streams, a few lines ahead of the loop.
+//
+// kT0 (`__builtin_prefetch(p, rw, 3)`, PREFETCHT0 / PRFM PLDL1KEEP) is the
+// default: it matched or beat the others on both x86 vendors measured (see
+// the README's bench_adam tables). kNta (locality 0) is PREFETCHNTA on x86,
+// which on Intel Xeon keeps the lines out of the outer caches and halved the
+// bandwidth; kNone leaves the streams to the hardware prefetchers. Every
+// policy computes the same bits: a prefetch only moves cache lines.
+enum class Prefetch : int {
+  kNone = 0,
+  kT0 = 1,
+  kNta = 2,
+};
+
+inline constexpr Prefetch kDefaultPrefetch = Prefetch::kT0;
+
+const char* PrefetchName(Prefetch prefetch);
+
+// Parses "t0", "nta" or "none" (as PrefetchName spells them); an empty or
+// null name gives kDefaultPrefetch. Returns false for anything else.
+bool ParsePrefetch(const char* name, Prefetch* out);
+
 // Hyperparameters and per-step scalars, as given by the caller.
 struct AdamConfig {
   float learning_rate = 1e-3f;
@@ -116,6 +138,8 @@ struct AdamBuffers {
   void* lowp_out = nullptr;
   ElementType grad_type = ElementType::kF32;
   ElementType lowp_type = ElementType::kNone;
+  // How the loops prefetch master, mu, nu and grad (not the results).
+  Prefetch prefetch = kDefaultPrefetch;
 };
 
 // Returns an error message for invalid buffers or types, nullptr if valid.
@@ -153,9 +177,12 @@ void AdamStep(const AdamConfig& config, const AdamBuffers& buffers);
 void AdamUndoRange(const AdamConstants& constants, const AdamBuffers& buffers,
                    int64_t begin, int64_t end);
 
-// The same-traffic roofline: reads master, grad (f32), mu and nu and writes
-// master, mu and nu with no Adam math (master += grad, mu and nu swapped), so
-// the Adam kernel can be compared with the memory-bandwidth limit.
+// The same-traffic stream: reads master, grad (f32), mu and nu and writes
+// master, mu and nu with no Adam math (master += grad, mu and nu swapped),
+// with the kernel's own loop structure and prefetch. It shows what the
+// kernel's memory access alone costs; it is no independent limit, since it
+// shares whatever the kernel gets wrong (experiments/bench_adam.py compiles
+// its limit apart).
 void StreamRooflineRange(const AdamBuffers& buffers, int64_t begin,
                          int64_t end);
 

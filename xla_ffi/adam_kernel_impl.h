@@ -110,25 +110,40 @@ JSO_INLINE void StoreLowp(void* out, int64_t i, typename Ops::V x) {
 }
 
 // How far ahead of the current element the loops ask for the input
-// streams, in elements (1 KiB of fp32). The hardware prefetchers alone lose
-// track of the seven streams two threads walk at once: on the 2-core CI VM
-// the step went from 0.94-0.96 to 1.00-1.02 of the plain roofline loop
-// (standalone C++ timing, medians of 15); 128 to 512 elements measured alike.
+// streams, in elements (1 KiB of fp32): two threads walk seven streams at
+// once, more than the hardware prefetchers follow. 128 to 512 elements
+// measured alike on AMD Zen 3.
 inline constexpr int64_t kPrefetchElements = 256;
 // fp32 elements per 64-byte cache line.
 inline constexpr int64_t kLineElements = 16;
 
-// Prefetches the line `kPrefetchElements` ahead of i in each input stream.
+// Prefetches the line `kPrefetchElements` ahead of i in each input stream,
+// with locality hint kLocality (a compile-time constant for the builtin).
 // Out-of-range addresses are fine: a prefetch never faults.
-template <ElementType kGrad>
-JSO_INLINE void PrefetchInputs(const AdamBuffers& b, int64_t i) {
+template <ElementType kGrad, int kLocality>
+JSO_INLINE void PrefetchLines(const AdamBuffers& b, int64_t i) {
   const int64_t ahead = i + kPrefetchElements;
   constexpr int64_t kGradBytes = kGrad == ElementType::kF32 ? 4 : 2;
-  __builtin_prefetch(b.master_in + ahead, 1, 0);
-  __builtin_prefetch(b.mu_in + ahead, 1, 0);
-  __builtin_prefetch(b.nu_in + ahead, 1, 0);
+  __builtin_prefetch(b.master_in + ahead, 1, kLocality);
+  __builtin_prefetch(b.mu_in + ahead, 1, kLocality);
+  __builtin_prefetch(b.nu_in + ahead, 1, kLocality);
   __builtin_prefetch(static_cast<const char*>(b.grad) + ahead * kGradBytes, 0,
-                     0);
+                     kLocality);
+}
+
+// The buffers' prefetch policy, once per line; the branch is loop-invariant.
+template <ElementType kGrad>
+JSO_INLINE void PrefetchInputs(const AdamBuffers& b, int64_t i) {
+  switch (b.prefetch) {
+    case Prefetch::kT0:
+      PrefetchLines<kGrad, 3>(b, i);
+      break;
+    case Prefetch::kNta:
+      PrefetchLines<kGrad, 0>(b, i);
+      break;
+    case Prefetch::kNone:
+      break;
+  }
 }
 
 // True for one vector in each line's worth of elements, whatever the
@@ -220,8 +235,8 @@ void RooflineLoop(const AdamBuffers& b, int64_t begin, int64_t end) {
   const float* grad = static_cast<const float*>(b.grad);
   int64_t i = begin;
   for (; i + Ops::kLanes <= end; i += Ops::kLanes) {
-    // Prefetched like the Adam loop, so that the limit stays the best this
-    // memory allows rather than what the hardware prefetchers manage alone.
+    // Prefetched like the Adam loop: this loop measures the kernel's own
+    // access pattern, not an independent limit.
     if (StartsLine(i, Ops::kLanes)) PrefetchInputs<ElementType::kF32>(b, i);
     const typename Ops::V master = Ops::Load(b.master_in + i);
     const typename Ops::V mu = Ops::Load(b.mu_in + i);

@@ -602,7 +602,7 @@ double ReferenceSumSquares(const std::vector<float>& grad, float scale) {
 
 // AdamStepSumSquaresRange steps exactly as AdamStepRange does and returns
 // the sum of the squared scaled gradients within 64 fp32 roundings.
-void TestSumSquares() {
+void TestSumSquares(bool quick) {
   const std::vector<Isa> isas = [] {
     std::vector<Isa> out;
     for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon,
@@ -625,6 +625,7 @@ void TestSumSquares() {
                             Shape{100, false}, Shape{1000, true},
                             Shape{4099, false}, Shape{70001, false}}) {
     const int64_t n = shape.n;
+    if (quick && n > 4099) continue;
     for (Isa isa : isas) {
       bool same_state = true, within = true, repeatable = true;
       double worst = 0.0;
@@ -770,17 +771,86 @@ void TestSumSquares() {
   }
 }
 
+// Every prefetch policy computes the same bits on every instruction set,
+// with and without the fused sum of squares and a low-precision copy; and
+// the policy names parse back to themselves.
+void TestPrefetchPolicies() {
+  const Prefetch kPolicies[] = {Prefetch::kT0, Prefetch::kNta, Prefetch::kNone};
+  for (Prefetch p : kPolicies) {
+    Prefetch parsed = Prefetch::kNone;
+    Check(ParsePrefetch(PrefetchName(p), &parsed) && parsed == p,
+          "prefetch names parse back", PrefetchName(p));
+  }
+  Prefetch parsed = Prefetch::kNone;
+  Check(ParsePrefetch(nullptr, &parsed) && parsed == kDefaultPrefetch &&
+            ParsePrefetch("", &parsed) && parsed == kDefaultPrefetch,
+        "no prefetch name means the default", "null, empty");
+  Check(!ParsePrefetch("T0", &parsed) && !ParsePrefetch("t1", &parsed),
+        "unknown prefetch names are refused", "T0, t1");
+  const int64_t n = 4099;  // Not a whole number of lines or vectors.
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon,
+                  Isa::kSve}) {
+    if (!IsaAvailable(isa)) continue;
+    std::vector<uint32_t> first;
+    bool same = true;
+    for (Prefetch policy : kPolicies) {
+      uint64_t rng = 31;
+      std::vector<float> p(n), m(n), v(n), g(n);
+      std::vector<uint16_t> lowp(n);
+      for (int64_t i = 0; i < n; ++i) {
+        p[i] = static_cast<float>(Uniform(rng));
+        m[i] = static_cast<float>(Uniform(rng) * 0.01);
+        v[i] = static_cast<float>((Uniform(rng) + 1.0) * 1e-4);
+        g[i] = static_cast<float>(Uniform(rng));
+      }
+      AdamConfig config;
+      config.weight_decay = 0.01f;
+      AdamBuffers b;
+      b.size = n;
+      b.master_in = b.master_out = p.data();
+      b.mu_in = b.mu_out = m.data();
+      b.nu_in = b.nu_out = v.data();
+      b.grad = g.data();
+      b.lowp_type = ElementType::kBF16;
+      b.lowp_out = lowp.data();
+      b.prefetch = policy;
+      const AdamConstants k = MakeAdamConstants(config);
+      AdamStepRange(k, b, 0, n / 2, isa);
+      const double sum = AdamStepSumSquaresRange(k, b, n / 2, n, isa);
+      std::vector<uint32_t> bits;
+      for (int64_t i = 0; i < n; ++i) {
+        bits.insert(bits.end(), {Bits(p[i]), Bits(m[i]), Bits(v[i]), lowp[i]});
+      }
+      uint64_t sum_bits;
+      std::memcpy(&sum_bits, &sum, sizeof(sum));
+      bits.insert(bits.end(), {static_cast<uint32_t>(sum_bits),
+                               static_cast<uint32_t>(sum_bits >> 32)});
+      if (first.empty()) {
+        first = bits;
+      } else {
+        same &= bits == first;
+      }
+    }
+    Check(same, "every prefetch policy computes the same bits", IsaName(isa));
+  }
+}
+
 }  // namespace
 }  // namespace jax_superoffload
 
-int main() {
+// With --quick (the qemu runs, 100x slower than native), the large cases
+// shrink from 2^18 + 3 to 2^12 + 3 elements: every path still runs, on every
+// instruction set, over many lines and prefetch distances.
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   using namespace jax_superoffload;
   std::printf("best instruction set: %s\n", IsaName(BestIsa()));
   TestConversionsExhaustively();
   TestNonFiniteGradients();
   TestOutOfPlaceAndRoofline();
   TestUndo();
-  TestSumSquares();
+  TestSumSquares(quick);
+  TestPrefetchPolicies();
   const ElementType kGrads[] = {ElementType::kF32, ElementType::kBF16,
                                 ElementType::kF16};
   const ElementType kLowps[] = {ElementType::kNone, ElementType::kF32,
@@ -793,7 +863,7 @@ int main() {
       }
     }
   }
-  const int64_t big = (1 << 18) + 3;
+  const int64_t big = quick ? (1 << 12) + 3 : (1 << 18) + 3;
   RunCase(big, Case{ElementType::kF32, ElementType::kBF16, false, 0.1f, 0.0f, 1.0f}, 30);
   RunCase(big, Case{ElementType::kBF16, ElementType::kNone, true, 0.0f, 0.0f, 0.25f}, 30);
   RunCase(big, Case{ElementType::kF16, ElementType::kF16, false, 0.01f, 1e-10f, 1.0f}, 30);

@@ -3,6 +3,8 @@
 
 #include <nanobind/nanobind.h>
 
+#include <cstdlib>
+
 #include "xla_ffi/adam_ffi.h"
 #include "xla_ffi/adam_kernel.h"
 
@@ -24,6 +26,8 @@ NB_MODULE(_grace_adam, m) {
     handlers["jax_superoffload_adam_step"] = EncapsulateFfiHandler(JsoAdamStep);
     handlers["jax_superoffload_adam_step_lowp"] =
         EncapsulateFfiHandler(JsoAdamStepLowp);
+    handlers["jax_superoffload_adam_step_lowp_into"] =
+        EncapsulateFfiHandler(JsoAdamStepLowpInto);
     handlers["jax_superoffload_adam_step_segments"] =
         EncapsulateFfiHandler(JsoAdamStepSegments);
     handlers["jax_superoffload_adam_fix_segments"] =
@@ -35,4 +39,16 @@ NB_MODULE(_grace_adam, m) {
   m.def("instruction_set",
         []() { return jax_superoffload::IsaName(jax_superoffload::BestIsa()); },
         "The instruction set the kernel dispatches to on this CPU.");
+  m.def(
+      "prefetch_policy",
+      []() {
+        jax_superoffload::Prefetch prefetch;
+        const char* name = std::getenv("JAX_SUPEROFFLOAD_PREFETCH");
+        if (!jax_superoffload::ParsePrefetch(name, &prefetch)) {
+          throw nb::value_error(
+              "JAX_SUPEROFFLOAD_PREFETCH must be t0, nta, none or unset");
+        }
+        return jax_superoffload::PrefetchName(prefetch);
+      },
+      "The software prefetch the kernel's handlers use now: t0, nta or none.");
 }

@@ -12,6 +12,7 @@ from jax_superoffload._src import adam_args
 _PREFIX = 'jax_superoffload_'
 ADAM_STEP_TARGET = _PREFIX + 'adam_step'
 ADAM_STEP_LOWP_TARGET = _PREFIX + 'adam_step_lowp'
+ADAM_STEP_LOWP_INTO_TARGET = _PREFIX + 'adam_step_lowp_into'
 STREAM_ROOFLINE_TARGET = _PREFIX + 'stream_roofline'
 ADAM_STEP_SEGMENTS_TARGET = _PREFIX + 'adam_step_segments'
 ADAM_FIX_SEGMENTS_TARGET = _PREFIX + 'adam_fix_segments'
@@ -23,6 +24,16 @@ for _name, _capsule in _grace_adam.registrations().items():
 def instruction_set() -> str:
   """Returns the instruction set the kernel uses on this CPU (e.g. 'avx2')."""
   return _grace_adam.instruction_set()
+
+
+def prefetch_policy() -> str:
+  """Returns the kernel's software prefetch now: 't0', 'nta' or 'none'.
+
+  The kernel's default unless the environment variable
+  `JAX_SUPEROFFLOAD_PREFETCH` names another (read on every kernel call, for
+  experiments). Raises ValueError when that variable holds anything else.
+  """
+  return _grace_adam.prefetch_policy()
 
 
 def adam_step(
@@ -41,10 +52,14 @@ def adam_step(
   nesterov: bool = False,
   grad_scale: jax.typing.ArrayLike = 1.0,
   lowp_dtype: jax.typing.DTypeLike | None = None,
+  lowp_out: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
   """One fused Adam/AdamW step by the Grace Adam kernel (CPU).
 
-  See `jax_superoffload.kernels.adam_step` for the full documentation.
+  See `jax_superoffload.kernels.adam_step` for the full documentation. With
+  `lowp_out` (an array of the master's shape in `lowp_dtype`, its old
+  contents ignored), the low-precision copy is written into that buffer when
+  the caller donates it, rather than into a fresh one.
   """
   lowp = adam_args.validate(
     master,
@@ -74,17 +89,24 @@ def adam_step(
   state_type = jax.ShapeDtypeStruct(master.shape, jnp.float32)
   out_types = [state_type, state_type, state_type]
   target = ADAM_STEP_TARGET
+  # master, mu and nu are updated in place when the caller donates them.
+  aliases = {0: 0, 2: 1, 3: 2}
+  extra = []
   if lowp is not None:
     out_types.append(jax.ShapeDtypeStruct(master.shape, lowp))
     target = ADAM_STEP_LOWP_TARGET
+  if lowp_out is not None:
+    _check_lowp_out(lowp_out, master.shape, lowp)
+    target = ADAM_STEP_LOWP_INTO_TARGET
+    aliases[6] = 3
+    extra.append(lowp_out)
   call = jax.ffi.ffi_call(
     target,
     out_types,
     # Elementwise, with per-batch scalars handled by the handler: every
     # operand gains the same leading batch dimensions.
     vmap_method='broadcast_all',
-    # master, mu and nu are updated in place when the caller donates them.
-    input_output_aliases={0: 0, 2: 1, 3: 2},
+    input_output_aliases=aliases,
   )
   return tuple(
     call(
@@ -94,9 +116,23 @@ def adam_step(
       nu,
       jnp.asarray(count, jnp.int32),
       scalars,
+      *extra,
       nesterov=bool(nesterov),
     )
   )
+
+
+def _check_lowp_out(
+  lowp_out: jax.Array, shape: tuple[int, ...], lowp: np.dtype | None
+) -> None:
+  """Checks a donated destination of the low-precision copy."""
+  if lowp is None:
+    raise ValueError('lowp_out needs lowp_dtype (bfloat16 or float16)')
+  if tuple(lowp_out.shape) != tuple(shape) or np.dtype(lowp_out.dtype) != lowp:
+    raise TypeError(
+      f'lowp_out must be {lowp}{list(shape)}, got '
+      f'{lowp_out.dtype}{list(lowp_out.shape)}'
+    )
 
 
 def stream_roofline(
