@@ -96,6 +96,12 @@ def main() -> None:
     help='make every leaf size a multiple of this (default 1: n // leaves '
     'and one more for the first n % leaves; 64M / 640 gives odd sizes)',
   )
+  parser.add_argument(
+    '--only',
+    default='',
+    help='comma-separated optimizers to time (default: all), e.g. '
+    '"superoffload ffi"; each is still timed beside optax.adamw',
+  )
   parser.add_argument('--out', default='results/bench_step.json')
   args = parser.parse_args()
   n = args.params
@@ -162,7 +168,11 @@ def main() -> None:
     f'{"optimizer":24s} {"1 leaf ms":>10s} {many + " ms":>16s} '
     f'{"many/one":>9s} {"vs optax (1 leaf)":>18s}'
   )
-  for name in optimizers:
+  chosen = [x.strip() for x in args.only.split(',') if x.strip()]
+  unknown = sorted(set(chosen) - set(optimizers))
+  if unknown:
+    parser.error(f'unknown {unknown}; choose from {list(optimizers)}')
+  for name in chosen or optimizers:
     group = [name] if name == 'optax.adamw' else ['optax.adamw', name]
     if name == stv:
       group.insert(1, plain)
