@@ -77,10 +77,10 @@ def test_stv_equals_the_serial_recipe(executor, clip_norm, skip_nonfinite):
     for x in (*state.mu, *state.nu, *state.master):
       assert x.sharding.memory_kind == 'pinned_host'
   want = serial(clip_norm, skip_nonfinite, params)
-  # fp32 rounding over 10 steps, 3 of them undone and redone: optax itself
-  # rounds differently (its 1 - b2**t in fp32 loses bits early on, and it
-  # clips as (g / norm) * c rather than g * (c / norm)), so the two sides
-  # may be a few tens of ulps apart; an undo bug would be far off.
+  # fp32 rounding over 10 steps, 2 of them redone: optax itself rounds
+  # differently (its 1 - b2**t in fp32 loses bits early on, and it clips
+  # as (g / norm) * c rather than g * (c / norm)), so the two sides may be
+  # a few tens of ulps apart; a redo bug would be far off.
   jax.tree.map(
     functools.partial(np.testing.assert_allclose, rtol=5e-6, atol=5e-7),
     p,

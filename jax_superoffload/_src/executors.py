@@ -51,7 +51,6 @@ class BucketStep:
   nesterov: bool
   want_delta: bool  # Return new - old master (when params are absent).
   grad_scale: Any = 1.0
-  keep_nonfinite: bool = False  # Speculative steps with skip_nonfinite.
   # Superchip-aware casting: True moves fp32 both ways and casts on the
   # device; False moves gradients as stored and low-precision weights.
   cast_on_device: bool = False
@@ -68,7 +67,6 @@ class BucketStep:
       weight_decay=self.weight_decay,
       nesterov=self.nesterov,
       grad_scale=self.grad_scale,
-      keep_nonfinite=self.keep_nonfinite,
     )
 
 

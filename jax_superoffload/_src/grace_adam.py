@@ -283,7 +283,6 @@ def adam_step_validated(
   weight_decay: jax.typing.ArrayLike,
   nesterov: bool,
   grad_scale: jax.typing.ArrayLike = 1.0,
-  keep_nonfinite: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
   """Finishes `adam_step_speculative` once validation has spoken (internal).
 
@@ -293,7 +292,7 @@ def adam_step_validated(
   returns its inputs (aliased: no copy, no work). A skipped step leaves
   row `row` current, so it needs nothing either.
   """
-  del grad_scale, keep_nonfinite  # The redo scales by redo_scale, keeps none.
+  del grad_scale  # The redo scales by redo_scale.
   scalars = adam_args.pack_scalars(
     learning_rate=learning_rate,
     b1=b1,

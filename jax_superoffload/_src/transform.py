@@ -129,9 +129,7 @@ def _fix_if_needed(buckets, originals, states, weights, redo, skip, scale, zero)
       for (executor, step, grads, dtypes, _), s in zip(
         buckets, originals, strict=True
       ):
-        again = dataclasses.replace(
-          step, grad_scale=scale, keep_nonfinite=False
-        )
+        again = dataclasses.replace(step, grad_scale=scale)
         m, a, v, w = _bucket_step(zero, executor, dtypes)(
           again, None, *s, grads
         )
