@@ -54,7 +54,10 @@ SIZES = {
 OPTIMIZERS = ('superoffload', 'optax', 'device')
 # Candidates beyond the trainer's optimizers: (optimizer, config overrides).
 VARIANTS = {
-  'superoffload_stv': ('superoffload', dict(clip_norm=1e6, skip_nonfinite=True)),
+  'superoffload_stv': (
+    'superoffload',
+    dict(clip_norm=1e6, skip_nonfinite=True),
+  ),
   'superoffload_stv_redo': (
     'superoffload',
     dict(clip_norm=1e-6, skip_nonfinite=True),

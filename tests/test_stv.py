@@ -10,7 +10,6 @@ import optax
 import pytest
 
 import jax_superoffload as superoffload
-from jax_superoffload._src import executors
 
 # Gradient scales per step: below and above the clip norm, NaN and Inf.
 SCALES = [0.05, 3.0, 0.05, np.nan, 1.0, np.inf, 0.02, 8.0, -np.inf, 0.3]
@@ -128,8 +127,7 @@ def _mlp_train_step(tx, width=256):
   """A donated training step of a 3-layer MLP (one bucket per weight)."""
   rng = np.random.default_rng(0)
   params = {
-    f'w{i}': jnp.asarray(rng.standard_normal((width, width)), jnp.float32)
-    / 16
+    f'w{i}': jnp.asarray(rng.standard_normal((width, width)), jnp.float32) / 16
     for i in range(3)
   }
   params = jax.device_put(params, jax.devices()[0])

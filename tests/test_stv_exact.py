@@ -71,7 +71,9 @@ def gradients(scenario: Scenario, p0, dtype) -> list[list[np.ndarray]]:
     if t in NAN_STEPS:
       g[t % len(g)].flat[t] = np.nan
     # Rounded to the gradient dtype once: every side reads these values.
-    out.append([np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in g])
+    out.append(
+      [np.asarray(jnp.asarray(x, dtype).astype(jnp.float32)) for x in g]
+    )
   return out
 
 
@@ -132,8 +134,7 @@ def max_abs(a, b) -> float:
 
 def current_master(state) -> np.ndarray:
   """The fp32 master, flat in leaf order (one group: one dtype, one mask)."""
-  current = getattr(state, 'current', None)
-  master = current().master if current else state.master
+  master = state.current().master
   return np.concatenate([np.asarray(b) for b in master])
 
 
@@ -170,8 +171,10 @@ CONFIGS = {
   ),
   'ffi_bf16': dict(executor='ffi', dtype=jnp.bfloat16),
   'xla_host_bf16': dict(executor='xla_host', dtype=jnp.bfloat16),
+  'device_bf16': dict(executor='device', dtype=jnp.bfloat16),
   'ffi_zero8': dict(executor='ffi', bucket_bytes=16384, zero=True),
   'xla_host_zero8': dict(executor='xla_host', bucket_bytes=16384, zero=True),
+  'device_zero8': dict(executor='device', bucket_bytes=16384, zero=True),
 }
 
 
@@ -205,7 +208,9 @@ def test_stv_within_4x_of_optax_from_float64(scenario, optimizer, config):
   if dtype == jnp.float32:
     ours = max_abs(params, want)
   else:  # bf16 weights: the fp32 master carries the trajectory.
-    ours = max_abs([current_master(state)], [np.concatenate([x.ravel() for x in want])])
+    ours = max_abs(
+      [current_master(state)], [np.concatenate([x.ravel() for x in want])]
+    )
   print(f'{scenario} {optimizer} {config}: ours {ours:.3g} optax {theirs:.3g}')
   assert int(state.skipped) == len(NAN_STEPS)
   assert int(state.count) == STEPS - len(NAN_STEPS)

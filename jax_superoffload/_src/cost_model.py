@@ -44,9 +44,10 @@ Model (N parameters, T = seq_len x batch tokens per step):
   can be taken again from the untouched state after validation: that redo
   is one more 28 B pass over the host buckets, after backward, on the
   clipped steps only (`stv_redo`, not in the step time). With speculation
-  (STV) each bucket's Adam starts when its gradients reach the host; the buckets go through a three-stage
-  pipeline (device-to-host copy, host cast + Adam, host-to-device copy), one
-  bucket at a time per stage, which is what overlaps them with backward.
+  (STV) each bucket's Adam starts when its gradients reach the host; the
+  buckets go through a three-stage pipeline (device-to-host copy, host
+  cast + Adam, host-to-device copy), one bucket at a time per stage, which
+  is what overlaps them with backward.
   The step ends when the device is done and the last bucket is back.
 * **ZeRO-Offload-style baseline**: weight-stationary, bf16 over the link,
   cast on the host, every bucket on the CPU, no STV and no overlap: compute,

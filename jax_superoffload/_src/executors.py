@@ -287,9 +287,7 @@ def speculate(step: BucketStep, row, master, mu, nu, kept, grads, dtypes):
     )
     return m, a, v, k, sumsq, None if fp32 else weights
 
-  return _on_host_with_scalars(
-    fn, step, row, master, mu, nu, kept, flat_grads
-  )
+  return _on_host_with_scalars(fn, step, row, master, mu, nu, kept, flat_grads)
 
 
 def validate_pair(step: BucketStep, out, row, redo, skip, scale):

@@ -303,7 +303,9 @@ def adam_step_validated(
     grad_scale=1.0,
   )
   weights = list(weights or [])
-  out_types = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (master, mu, nu)]
+  out_types = [
+    jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (master, mu, nu)
+  ]
   out_types += [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
   aliases = {0: 0, 1: 1, 2: 2}
   aliases.update({9 + j: 3 + j for j in range(len(weights))})

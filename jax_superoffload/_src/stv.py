@@ -71,9 +71,10 @@ def validate(
   """Returns (redo, skip, scale) for a step whose gradients have `norm`.
 
   `redo`: take the step again from the state before it, with gradients
-  times `scale`; `skip`: keep the state before it and drop the step. As in optax.clip_by_global_norm, gradients are left alone only
-  when norm < clip_norm, so a NaN norm without `skip_nonfinite` redoes the
-  step with a NaN scale, as the serial recipe would.
+  times `scale`; `skip`: keep the state before it and drop the step. As
+  in optax.clip_by_global_norm, gradients are left alone only when
+  norm < clip_norm, so a NaN norm without `skip_nonfinite` redoes the step
+  with a NaN scale, as the serial recipe would.
   """
   finite = jnp.isfinite(norm)
   skip = jnp.logical_and(skip_nonfinite, jnp.logical_not(finite))

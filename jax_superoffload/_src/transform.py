@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 from typing import NamedTuple
 
@@ -109,7 +108,9 @@ def _state_to_host(x: jax.Array) -> jax.Array:
   return host_memory.to_device(x)
 
 
-def _fix_if_needed(buckets, originals, states, weights, redo, skip, scale, zero):
+def _fix_if_needed(
+  buckets, originals, states, weights, redo, skip, scale, zero
+):
   """Redoes the steps from their original state if validation failed.
 
   For buckets whose step wrote new buffers (every executor but "ffi"),
@@ -358,15 +359,17 @@ def superoffload_adam(
         on_host = k not in on_device
         if zero is not None:  # Padded before it is doubled into two rows.
           bucket = zero.pad(bucket)
-        if k in paired:  # Two rows; the spare starts as a copy.
-          kept.append(place(jnp.zeros_like(bucket), on_host))
-          two = functools.partial(stv.two_rows, shards=zero.size if zero else 1)
-        else:
-          kept.append(None)
-          two = lambda x: x  # noqa: E731
-        master.append(place(two(bucket), on_host))
-        mu.append(place(two(jnp.zeros_like(bucket)), on_host))
-        nu.append(place(two(jnp.zeros_like(bucket)), on_host))
+        shards = 0 if k not in paired else zero.size if zero else 1
+        kept.append(place(jnp.zeros_like(bucket), on_host) if shards else None)
+        # A fresh zeros array each for mu and nu: two state leaves must
+        # never share a buffer (both are donated).
+        for out, x in (
+          (master, bucket),
+          (mu, jnp.zeros_like(bucket)),
+          (nu, jnp.zeros_like(bucket)),
+        ):
+          # Double-buffered: two rows, the spare starting as a copy.
+          out.append(place(stv.two_rows(x, shards) if shards else x, on_host))
     fallback = fallback_tx(lay).init([leaves[i] for i in lay.fallback])
     if zero is None:  # With ZeRO, init's out_shardings place the state.
       fallback = jax.tree.map(_state_to_host, fallback)
@@ -490,7 +493,9 @@ def superoffload_adam(
       # Double-buffered buckets summed their squared gradients in the
       # kernel's pass; the rest (device buckets, other executors, optax
       # leaves) here.
-      rest = [g for i, b in enumerate(buckets) if i not in pending for g in b[2]]
+      rest = [
+        g for i, b in enumerate(buckets) if i not in pending for g in b[2]
+      ]
       rest += [grads[i] for i in lay.fallback]
       norm = stv.global_norm(rest, [out[4] for out in pending.values()])
       redo, skip, scale = stv.validate(norm, clip_norm, skip_nonfinite)
@@ -503,10 +508,7 @@ def superoffload_adam(
       if others:
         fixed_states, fixed_weights = _fix_if_needed(
           [buckets[i] for i in others],
-          [
-            (state.master[i], state.mu[i], state.nu[i])
-            for i in others
-          ],
+          [(state.master[i], state.mu[i], state.nu[i]) for i in others],
           [states[i] for i in others],
           [weights[i] for i in others],
           redo,
