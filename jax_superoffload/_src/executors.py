@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -260,13 +261,21 @@ def finish(step: BucketStep, out, master, grads):
   return (*out[:3], [host_memory.to_device(w) for w in out[3]])
 
 
-def speculate(step: BucketStep, row, master, mu, nu, kept, grads, dtypes):
-  """STV's speculative "ffi" step on a double-buffered bucket (see stv.py).
+class Speculated(NamedTuple):
+  """A double-buffered bucket after its speculative step (host memory)."""
 
-  Returns the host-side results: master, mu and nu (each two rows, row
-  `row` untouched), the kept fp32 gradients, the sum of squared gradients
-  (f32[1]) and the per-leaf weights copies, or None for fp32 weights.
-  """
+  master: jax.Array  # Two rows each: row `row` untouched, the other new.
+  mu: jax.Array
+  nu: jax.Array
+  kept: jax.Array  # The gradients the step read, as fp32.
+  sumsq: jax.Array  # f32[1]: their sum of squares (scaled).
+  weights: list[jax.Array] | None  # Per leaf; None for fp32 weights.
+
+
+def speculate(
+  step: BucketStep, row, master, mu, nu, kept, grads, dtypes
+) -> Speculated:
+  """STV's speculative "ffi" step on a double-buffered bucket (see stv.py)."""
   fp32 = (
     step.want_delta
     or step.cast_on_device
@@ -285,12 +294,12 @@ def speculate(step: BucketStep, row, master, mu, nu, kept, grads, dtypes):
       None if fp32 else list(dtypes),
       **bound.kwargs(),
     )
-    return m, a, v, k, sumsq, None if fp32 else weights
+    return Speculated(m, a, v, k, sumsq, None if fp32 else weights)
 
   return _on_host_with_scalars(fn, step, row, master, mu, nu, kept, flat_grads)
 
 
-def validate_pair(step: BucketStep, out, row, redo, skip, scale):
+def validate_pair(step: BucketStep, out: Speculated, row, redo, skip, scale):
   """Redoes a clipped speculative step from its untouched row, in place."""
 
   def fn(bound, master, mu, nu, kept, weights, flags):
@@ -308,14 +317,23 @@ def validate_pair(step: BucketStep, out, row, redo, skip, scale):
       **bound.kwargs(),
     )
 
-  master, mu, nu, kept, _, weights = out
   fixed = _on_host_with_scalars(
-    fn, step, master, mu, nu, kept, weights or [], (row, redo, skip, scale)
+    fn,
+    step,
+    out.master,
+    out.mu,
+    out.nu,
+    out.kept,
+    out.weights or [],
+    (row, redo, skip, scale),
   )
-  return (*fixed[:3], fixed[3] if weights is not None else None)
+  weights = fixed[3] if out.weights is not None else None
+  return out._replace(
+    master=fixed[0], mu=fixed[1], nu=fixed[2], weights=weights
+  )
 
 
-def finish_pair(step: BucketStep, out, row, grads):
+def finish_pair(step: BucketStep, out: Speculated, row, grads):
   """A double-buffered bucket's new weights on the device, per leaf.
 
   The new master is the row the speculative step wrote (after a skipped
@@ -323,9 +341,10 @@ def finish_pair(step: BucketStep, out, row, grads):
   pair is moved whole and cut on the device: on the CPU backend the move
   is free and the cut fuses into the consumer, which reads one row.
   """
-  if out[3] is not None:
-    return (*out[:3], [host_memory.to_device(w) for w in out[3]])
-  pair = host_memory.to_device(out[0])
+  state = (out.master, out.mu, out.nu)
+  if out.weights is not None:
+    return (*state, [host_memory.to_device(w) for w in out.weights])
+  pair = host_memory.to_device(out.master)
   n = pair.size // 2
   row = jnp.asarray(row, jnp.int32)
   new = jax.lax.dynamic_slice(pair, ((1 - row) * n,), (n,))
@@ -334,7 +353,7 @@ def finish_pair(step: BucketStep, out, row, grads):
     old = jax.lax.dynamic_slice(pair, (row * n,), (n,))
     old = _split(old, grads, step.count)
     weights = [a - b for a, b in zip(weights, old, strict=True)]
-  return (*out[:3], weights)
+  return (*state, weights)
 
 
 def _device_weights(step: BucketStep, new_master, old_master, grads):

@@ -475,8 +475,8 @@ def superoffload_adam(
             step, state.row, *args[:3], state.kept_grads[k], bucket_grads
           )
           pending[k] = out
-          m, a, v, w = *out[:3], None
-          kept.append(out[3])
+          m, a, v, w = out.master, out.mu, out.nu, None
+          kept.append(out.kept)
         else:
           m, a, v, w = _bucket_step(zero, bucket_executor, dtypes)(
             step, None, *args
@@ -497,7 +497,7 @@ def superoffload_adam(
         g for i, b in enumerate(buckets) if i not in pending for g in b[2]
       ]
       rest += [grads[i] for i in lay.fallback]
-      norm = stv.global_norm(rest, [out[4] for out in pending.values()])
+      norm = stv.global_norm(rest, [out.sumsq for out in pending.values()])
       redo, skip, scale = stv.validate(norm, clip_norm, skip_nonfinite)
       for i, out in pending.items():
         fixed = _validate_and_finish(zero)(
