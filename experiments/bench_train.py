@@ -6,9 +6,19 @@ size, all in one process, then times them in interleaved rounds (one step
 of each per round), so that the machine's noise hits every candidate
 alike. Reports the median step time per candidate, the ratio optax /
 superoffload (above 1: superoffload is faster), and the bytes per parameter
-each keeps in host and in device memory.
+each keeps in host and in device memory. Beside the times, two
+deterministic proxies that a noisy machine does not blur: the compiled
+step's temporary memory (`memory_analysis()`) and the minor page faults per
+step (`getrusage`), which grow when XLA:CPU maps large temporaries afresh
+every step.
 
   python -m experiments.bench_train [--sizes 5m,19m] [--rounds 15]
+  python -m experiments.bench_train --sizes 19m \
+    --optimizers superoffload,superoffload_stv,superoffload_stv_redo
+
+`superoffload_stv` arms speculation-then-validation (clip_norm 1e6, never
+reached, and skip_nonfinite); `superoffload_stv_redo` clips every step
+(clip_norm 1e-6), so every step pays the redo.
 
 Writes `results/bench_train.json` (or `--out`) beside the printed table.
 """
@@ -21,6 +31,7 @@ import json
 import os
 import pathlib
 import platform
+import resource
 import time
 
 import jax
@@ -41,12 +52,25 @@ SIZES = {
   '50m': dict(d_model=768, num_layers=7, num_heads=12, mlp_dim=3072),
 }
 OPTIMIZERS = ('superoffload', 'optax', 'device')
+# Candidates beyond the trainer's optimizers: (optimizer, config overrides).
+VARIANTS = {
+  'superoffload_stv': (
+    'superoffload',
+    dict(clip_norm=1e6, skip_nonfinite=True),
+  ),
+  'superoffload_stv_redo': (
+    'superoffload',
+    dict(clip_norm=1e-6, skip_nonfinite=True),
+  ),
+}
 
 
-def _build(size, optimizer, batch, seq_len, bucket_mib):
+def _build(size, name, batch, seq_len, bucket_mib):
+  optimizer, overrides = VARIANTS.get(name, (name, {}))
   cfg = config_lib.get_config(
     'small',
     optimizer=optimizer,
+    **overrides,
     bucket_mib=bucket_mib,
     batch_size=batch,
     seq_len=seq_len,
@@ -68,7 +92,9 @@ def _build(size, optimizer, batch, seq_len, bucket_mib):
   targets = jax.device_put(tokens[:, 1:].astype(np.int32), sharding)
   num_params = model_lib.count_params(model)
   by_kind = perf.bytes_by_memory_kind(state, jax.devices()[0])
+  memory = step.lower(state, inputs, targets).compile().memory_analysis()
   return {
+    'temp_mb': memory.temp_size_in_bytes / 2**20,
     'step': step,
     'state': state,
     'batch': (inputs, targets),
@@ -105,12 +131,15 @@ def main() -> int:
         c['state'], loss = c['step'](c['state'], *c['batch'])
         float(loss)
     times = {o: [] for o in optimizers}
+    faults = {o: 0 for o in optimizers}
     for _ in range(args.rounds):
       for o, c in cands.items():
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         c['state'], loss = c['step'](c['state'], *c['batch'])
         float(loss)
         times[o].append(time.perf_counter() - t0)
+        faults[o] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     for o, c in cands.items():
       rows.append(
         {
@@ -121,13 +150,16 @@ def main() -> int:
           'times_ms': [1e3 * t for t in times[o]],
           'host_bytes_per_param': c['host_bytes_per_param'],
           'device_bytes_per_param': c['device_bytes_per_param'],
+          'temp_mb': c['temp_mb'],
+          'page_faults_per_step': faults[o] / args.rounds,
         }
       )
     del cands
 
   print(
-    f'{"size":>5} {"optimizer":>13} {"params":>11} {"median ms":>10} '
-    f'{"optax/this":>10} {"host B/p":>9} {"device B/p":>10}'
+    f'{"size":>5} {"optimizer":>21} {"params":>11} {"median ms":>10} '
+    f'{"optax/this":>10} {"vs so":>6} {"host B/p":>9} {"device B/p":>10} '
+    f'{"temp MB":>8} {"faults/step":>11}'
   )
   for row in rows:
     optax_ms = next(
@@ -138,12 +170,24 @@ def main() -> int:
       ),
       float('nan'),
     )
+    plain_ms = next(
+      (
+        r['median_ms']
+        for r in rows
+        if r['size'] == row['size'] and r['optimizer'] == 'superoffload'
+      ),
+      float('nan'),
+    )
     row['optax_over_this'] = optax_ms / row['median_ms']
+    # Above 1: slower than the plain superoffload step (STV's cost).
+    row['this_over_superoffload'] = row['median_ms'] / plain_ms
     print(
-      f'{row["size"]:>5} {row["optimizer"]:>13} {row["num_params"]:>11,} '
+      f'{row["size"]:>5} {row["optimizer"]:>21} {row["num_params"]:>11,} '
       f'{row["median_ms"]:>10.1f} {row["optax_over_this"]:>10.2f} '
+      f'{row["this_over_superoffload"]:>6.2f} '
       f'{row["host_bytes_per_param"]:>9.1f} '
-      f'{row["device_bytes_per_param"]:>10.1f}'
+      f'{row["device_bytes_per_param"]:>10.1f} '
+      f'{row["temp_mb"]:>8.1f} {row["page_faults_per_step"]:>11.0f}'
     )
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)

@@ -176,13 +176,28 @@ def test_slow_host_keeps_more_buckets_on_device():
 
 
 def test_largest_models_on_gh200_are_ordered():
-  def fits(n, system):
-    p = plan(ModelSpec.from_params(n, seq_len=4096, batch=8), GH200)
+  def fits(n, system, stv=False):
+    spec = ModelSpec.from_params(n, seq_len=4096, batch=8)
+    p = plan(spec, GH200, stv=stv)
     return {'so': p, 'zero': p.zero_offload, 'dev': p.device_adam}[system].fits
 
   assert fits(4e9, 'dev') and not fits(8e9, 'dev')
   assert fits(13e9, 'zero') and not fits(20e9, 'zero')
   assert fits(20e9, 'so') and not fits(40e9, 'so')
+  # Exact STV's spare row (+12 B/param on the host) costs model size.
+  assert fits(13e9, 'so', stv=True) and not fits(20e9, 'so', stv=True)
+
+
+def test_stv_host_bytes_and_redo_in_the_plan():
+  spec = ModelSpec.from_params(13e9, seq_len=4096, batch=8)
+  plain, armed = plan(spec, GH200, stv=False), plan(spec, GH200, stv=True)
+  host_params = spec.params - armed.device_params
+  assert armed.host_bytes - plain.host_bytes == 12 * host_params
+  assert plain.stv_redo_s == 0.0
+  # The redo is one more 28 B/param pass; speculation writes 4 B more.
+  assert armed.stv_redo_s == pytest.approx(plain.host_adam_s)
+  assert armed.host_adam_s == pytest.approx(plain.host_adam_s * 32 / 28)
+  assert 'STV redo' in str(armed)
 
 
 def test_plan_accepts_a_params_pytree():

@@ -21,6 +21,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/adam_ffi.h"
 #include "xla_ffi/adam_kernel.h"
+#include "xla_ffi/stv_kernel.h"
 
 namespace ffi = xla::ffi;
 
@@ -408,93 +409,57 @@ ffi::Error AdamStepSegmentsHandler(
   return ffi::Error::Success();
 }
 
-// Fixes a speculative bucket step in place once validation has spoken:
-// nothing when it passed; otherwise each element is undone and, for a
-// clipped step, redone with `redo_scale` times its gradient (rewriting the
-// weights copies). master/mu/nu and the weights alias their outputs, so a
-// step that validates costs one call that returns at once. RemainingArgs:
-// `num_weights` weights buffers (the speculative copies), then the grads.
-ffi::Error AdamFixSegmentsHandler(
-    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
-    ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
-    ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
-    ffi::Buffer<ffi::S32> flags, ffi::Buffer<ffi::F32> redo_scale,
-    ffi::RemainingArgs args, ffi::ResultBuffer<ffi::F32> master_out,
-    ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
-    ffi::RemainingRets weights, bool nesterov, bool keep_nonfinite,
-    int64_t num_weights) {
-  if (flags.element_count() != 2 || redo_scale.element_count() != 1) {
-    return InvalidArgument("fix needs flags [redo, skip] and one scale");
+// Speculation-then-validation over double-buffered state (stv_kernel.h).
+// master, mu and nu hold two rows each (f32[2n]); `row` (s32[1]) names the
+// current one. Builds one PairBuffers per leaf from the leaves' sizes.
+ffi::Error PairSegments(ffi::Buffer<ffi::F32> master, ffi::Buffer<ffi::F32> mu,
+                        ffi::Buffer<ffi::F32> nu, float* kept_grad,
+                        ffi::Buffer<ffi::S32> row,
+                        const std::vector<int64_t>& sizes,
+                        std::vector<PairBuffers>* segments,
+                        std::vector<int64_t>* starts, int* from) {
+  const int64_t rows = static_cast<int64_t>(master.element_count());
+  if (static_cast<int64_t>(mu.element_count()) != rows ||
+      static_cast<int64_t>(nu.element_count()) != rows || rows % 2 != 0) {
+    return InvalidArgument("master, mu and nu must be two rows of one size");
   }
-  const bool redo = flags.typed_data()[0] != 0;
-  const bool skip = flags.typed_data()[1] != 0;
-  const int64_t size = static_cast<int64_t>(master.element_count());
-  // Outputs hold the speculative step: copy it there if XLA did not alias.
-  auto copy_if_needed = [](const void* from, void* to, size_t bytes) {
-    if (from != to && bytes != 0) std::memcpy(to, from, bytes);
-  };
-  copy_if_needed(master.typed_data(), master_out->typed_data(), size * 4);
-  copy_if_needed(mu.typed_data(), mu_out->typed_data(), size * 4);
-  copy_if_needed(nu.typed_data(), nu_out->typed_data(), size * 4);
-  if (static_cast<int64_t>(weights.size()) != num_weights) {
-    return InvalidArgument("weights outputs do not match num_weights");
+  if (row.element_count() != 1 || (row.typed_data()[0] & ~1) != 0) {
+    return InvalidArgument("row must be one s32 scalar, 0 or 1");
   }
-  for (int64_t j = 0; j < num_weights; ++j) {
-    auto in = args.get<ffi::AnyBuffer>(j);
-    auto out = weights.get<ffi::AnyBuffer>(j);
-    if (in.has_error()) return in.error();
-    if (out.has_error()) return out.error();
-    copy_if_needed(in->untyped_data(), (*out)->untyped_data(),
-                   in->size_bytes());
+  *from = row.typed_data()[0];
+  const int64_t size = rows / 2;
+  segments->assign(sizes.size(), PairBuffers{});
+  starts->assign(sizes.size() + 1, 0);
+  for (size_t j = 0; j < sizes.size(); ++j) {
+    (*starts)[j + 1] = (*starts)[j] + sizes[j];
   }
-  if (!redo && !skip) return ffi::Error::Success();
-  const int64_t num_grads = static_cast<int64_t>(args.size()) - num_weights;
-  if (num_weights != 0 && num_weights != num_grads) {
-    return InvalidArgument("need one weights buffer per gradient, or none");
-  }
-  std::vector<AdamBuffers> segments(num_grads);
-  std::vector<int64_t> starts(num_grads + 1, 0);
-  for (int64_t j = 0; j < num_grads; ++j) {
-    auto grad = args.get<ffi::AnyBuffer>(num_weights + j);
-    if (grad.has_error()) return grad.error();
-    AdamBuffers& b = segments[j];
-    if (!ToElementType(grad->element_type(), &b.grad_type)) {
-      return InvalidArgument("gradient dtype must be f32, bf16 or f16");
-    }
-    if (num_weights != 0) {
-      auto out = weights.get<ffi::AnyBuffer>(j);
-      if (!ToElementType((*out)->element_type(), &b.lowp_type)) {
-        return InvalidArgument("weights dtype must be f32, bf16 or f16");
-      }
-      b.lowp_out = (*out)->untyped_data();
-    }
-    b.size = static_cast<int64_t>(grad->element_count());
-    b.grad = grad->untyped_data();
-    starts[j + 1] = starts[j] + b.size;
-    b.master_in = b.master_out = master_out->typed_data() + starts[j];
-    b.mu_in = b.mu_out = mu_out->typed_data() + starts[j];
-    b.nu_in = b.nu_out = nu_out->typed_data() + starts[j];
-  }
-  if (starts.back() != size) {
-    return InvalidArgument("leaves do not add up to the bucket");
+  if (starts->back() != size) {
+    return InvalidArgument("leaves hold " + std::to_string(starts->back()) +
+                           " elements, the bucket " + std::to_string(size));
   }
   Prefetch prefetch;
   if (ffi::Error error = ReadPrefetch(&prefetch); error.failure()) {
     return error;
   }
-  for (AdamBuffers& b : segments) b.prefetch = prefetch;
-  std::vector<AdamConstants> sets;
-  int64_t block = 0;
-  if (ffi::Error error = ReadScalarSets(count, scalars, nesterov, size, &sets,
-                                       &block, keep_nonfinite);
-      error.failure()) {
-    return error;
+  for (size_t j = 0; j < sizes.size(); ++j) {
+    PairBuffers& p = (*segments)[j];
+    p.prefetch = prefetch;
+    const int64_t at = (*starts)[j];
+    p.size = sizes[j];
+    p.row_stride = size;
+    p.master = master.typed_data() + at;
+    p.mu = mu.typed_data() + at;
+    p.nu = nu.typed_data() + at;
+    p.kept_grad = kept_grad + at;
   }
-  const AdamConstants speculative = sets[0];
-  AdamConstants again = speculative;
-  again.grad_scale = redo_scale.typed_data()[0];
-  again.keep_nonfinite = false;
-  const Isa isa = BestIsa();
+  return ffi::Error::Success();
+}
+
+// Runs fn(segment, begin, end, chunk) over every leaf piece of every chunk.
+template <class Fn>
+void ForEachPiece(ffi::ThreadPool& pool, const std::vector<int64_t>& starts,
+                  const Fn& fn) {
+  const int64_t size = starts.back();
   const int64_t num_chunks = (size + kChunkElements - 1) / kChunkElements;
   ParallelChunks(pool, num_chunks, [&](int64_t chunk) {
     const int64_t begin = chunk * kChunkElements;
@@ -503,13 +468,180 @@ ffi::Error AdamFixSegmentsHandler(
                starts.begin() - 1;
     for (int64_t i = begin; i < end; ++j) {
       const int64_t stop = std::min(end, starts[j + 1]);
-      AdamUndoRange(speculative, segments[j], i - starts[j], stop - starts[j]);
-      if (redo) {
-        AdamStepRange(again, segments[j], i - starts[j], stop - starts[j],
-                      isa);
-      }
+      if (stop > i) fn(j, i - starts[j], stop - starts[j], chunk);
       i = stop;
     }
+  });
+}
+
+ffi::Error LeafWeights(ffi::RemainingRets& weights, size_t j, int64_t n,
+                       PairBuffers* p) {
+  auto weight = weights.get<ffi::AnyBuffer>(j);
+  if (weight.has_error()) return weight.error();
+  if (static_cast<int64_t>((*weight)->element_count()) != n) {
+    return InvalidArgument("leaf " + std::to_string(j) +
+                           ": gradient and weights sizes differ");
+  }
+  if (!ToElementType((*weight)->element_type(), &p->lowp_type)) {
+    return InvalidArgument("leaf " + std::to_string(j) +
+                           ": weights dtype must be f32, bf16 or f16");
+  }
+  p->lowp_out = (*weight)->untyped_data();
+  return ffi::Error::Success();
+}
+
+// The speculative step of a double-buffered bucket: reads row `row`, writes
+// the other, keeps the gradients (fp32) and sums their squares. The state
+// and the kept gradients alias their outputs.
+ffi::Error AdamStepSpeculativeHandler(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
+    ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+    ffi::Buffer<ffi::F32> kept_grad, ffi::Buffer<ffi::S32> count,
+    ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> row,
+    ffi::RemainingArgs grads, ffi::ResultBuffer<ffi::F32> master_out,
+    ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+    ffi::ResultBuffer<ffi::F32> kept_grad_out,
+    ffi::ResultBuffer<ffi::F32> sumsq, ffi::RemainingRets weights,
+    bool nesterov, bool keep_nonfinite) {
+  if (master.typed_data() != master_out->typed_data() ||
+      mu.typed_data() != mu_out->typed_data() ||
+      nu.typed_data() != nu_out->typed_data() ||
+      kept_grad.typed_data() != kept_grad_out->typed_data()) {
+    return InvalidArgument("speculative state must alias its outputs");
+  }
+  if (weights.size() != 0 && grads.size() != weights.size()) {
+    return InvalidArgument("need one weights output per gradient, or none");
+  }
+  std::vector<int64_t> sizes(grads.size());
+  for (size_t j = 0; j < grads.size(); ++j) {
+    auto grad = grads.get<ffi::AnyBuffer>(j);
+    if (grad.has_error()) return grad.error();
+    sizes[j] = static_cast<int64_t>(grad->element_count());
+  }
+  std::vector<PairBuffers> segments;
+  std::vector<int64_t> starts;
+  int from = 0;
+  if (ffi::Error error =
+          PairSegments(master, mu, nu, kept_grad_out->typed_data(), row, sizes,
+                       &segments, &starts, &from);
+      error.failure()) {
+    return error;
+  }
+  if (static_cast<int64_t>(kept_grad.element_count()) != starts.back()) {
+    return InvalidArgument("kept gradients must have the bucket's size");
+  }
+  for (size_t j = 0; j < grads.size(); ++j) {
+    auto grad = grads.get<ffi::AnyBuffer>(j);
+    if (!ToElementType(grad->element_type(), &segments[j].grad_type)) {
+      return InvalidArgument("leaf " + std::to_string(j) +
+                             ": gradient dtype must be f32, bf16 or f16");
+    }
+    segments[j].grad = grad->untyped_data();
+    if (weights.size() != 0) {
+      if (ffi::Error error = LeafWeights(weights, j, sizes[j], &segments[j]);
+          error.failure()) {
+        return error;
+      }
+    }
+  }
+  std::vector<AdamConstants> sets;
+  int64_t block = 0;
+  if (ffi::Error error = ReadScalarSets(count, scalars, nesterov,
+                                       starts.back(), &sets, &block,
+                                       keep_nonfinite);
+      error.failure()) {
+    return error;
+  }
+  if (sets.size() != 1) return InvalidArgument("segments cannot be batched");
+  if (sumsq->element_count() != 1) return InvalidArgument("sumsq is a scalar");
+  const int64_t num_chunks = (starts.back() + kChunkElements - 1) /
+                             kChunkElements;
+  // Per-chunk partial sums, added in chunk order: independent of threads.
+  std::vector<double> partial(num_chunks, 0.0);
+  const Isa isa = BestIsa();
+  ForEachPiece(pool, starts, [&](size_t j, int64_t begin, int64_t end,
+                                 int64_t chunk) {
+    partial[chunk] +=
+        SpeculativeStepRange(sets[0], segments[j], from, begin, end, isa);
+  });
+  double total = 0.0;
+  for (double p : partial) total += p;
+  sumsq->typed_data()[0] = static_cast<float>(total);
+  return ffi::Error::Success();
+}
+
+// After validation: for a clipped step (flags[0]), the step again from the
+// untouched row with `redo_scale` times the kept gradients, over the
+// speculative row and weights copies; otherwise nothing (an accepted step
+// is already in place; a dropped one leaves row `row` current). Everything
+// aliases its output, so a step that validates costs a call that returns.
+// RemainingArgs: the speculative weights copies, one per leaf, or none.
+ffi::Error AdamStepValidatedHandler(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
+    ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+    ffi::Buffer<ffi::F32> kept_grad, ffi::Buffer<ffi::S32> count,
+    ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> row,
+    ffi::Buffer<ffi::S32> flags, ffi::Buffer<ffi::F32> redo_scale,
+    ffi::RemainingArgs weights_in, ffi::ResultBuffer<ffi::F32> master_out,
+    ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+    ffi::RemainingRets weights, bool nesterov) {
+  if (flags.element_count() != 2 || redo_scale.element_count() != 1) {
+    return InvalidArgument("validation needs flags [redo, skip] and a scale");
+  }
+  if (master.typed_data() != master_out->typed_data() ||
+      mu.typed_data() != mu_out->typed_data() ||
+      nu.typed_data() != nu_out->typed_data()) {
+    return InvalidArgument("validated state must alias its outputs");
+  }
+  if (weights_in.size() != weights.size()) {
+    return InvalidArgument("weights inputs and outputs differ in number");
+  }
+  std::vector<int64_t> sizes;
+  for (size_t j = 0; j < weights.size(); ++j) {
+    auto in = weights_in.get<ffi::AnyBuffer>(j);
+    auto out = weights.get<ffi::AnyBuffer>(j);
+    if (in.has_error()) return in.error();
+    if (out.has_error()) return out.error();
+    if (in->untyped_data() != (*out)->untyped_data()) {
+      return InvalidArgument("weights copies must alias their outputs");
+    }
+    sizes.push_back(static_cast<int64_t>(in->element_count()));
+  }
+  if (sizes.empty()) sizes.push_back(master.element_count() / 2);
+  const bool redo = flags.typed_data()[0] != 0;
+  if (!redo) return ffi::Error::Success();
+  std::vector<PairBuffers> segments;
+  std::vector<int64_t> starts;
+  int from = 0;
+  if (ffi::Error error =
+          PairSegments(master, mu, nu, const_cast<float*>(kept_grad.typed_data()),
+                       row, sizes, &segments, &starts, &from);
+      error.failure()) {
+    return error;
+  }
+  if (static_cast<int64_t>(kept_grad.element_count()) != starts.back()) {
+    return InvalidArgument("kept gradients must have the bucket's size");
+  }
+  for (size_t j = 0; j < weights.size(); ++j) {
+    if (ffi::Error error = LeafWeights(weights, j, sizes[j], &segments[j]);
+        error.failure()) {
+      return error;
+    }
+  }
+  std::vector<AdamConstants> sets;
+  int64_t block = 0;
+  if (ffi::Error error = ReadScalarSets(count, scalars, nesterov,
+                                       starts.back(), &sets, &block);
+      error.failure()) {
+    return error;
+  }
+  AdamConstants again = sets[0];
+  again.grad_scale = redo_scale.typed_data()[0];
+  again.keep_nonfinite = false;
+  const Isa isa = BestIsa();
+  ForEachPiece(pool, starts, [&](size_t j, int64_t begin, int64_t end,
+                                 int64_t) {
+    RedoStepRange(again, segments[j], from, begin, end, isa);
   });
   return ffi::Error::Success();
 }
@@ -594,15 +726,38 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSegments,
                                   .Attr<bool>("keep_nonfinite")
                                   .Attr<bool>("compute_sumsq"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamFixSegments,
-                              jax_superoffload::AdamFixSegmentsHandler,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSpeculative,
+                              jax_superoffload::AdamStepSpeculativeHandler,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets()
+                                  .Attr<bool>("nesterov")
+                                  .Attr<bool>("keep_nonfinite"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepValidated,
+                              jax_superoffload::AdamStepValidatedHandler,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
@@ -610,6 +765,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamFixSegments,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .RemainingRets()
-                                  .Attr<bool>("nesterov")
-                                  .Attr<bool>("keep_nonfinite")
-                                  .Attr<int64_t>("num_weights"));
+                                  .Attr<bool>("nesterov"));

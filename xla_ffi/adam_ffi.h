@@ -11,7 +11,8 @@ XLA_FFI_Error* JsoAdamStepLowp(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepLowpInto(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoStreamRoofline(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepSegments(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JsoAdamFixSegments(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JsoAdamStepSpeculative(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JsoAdamStepValidated(XLA_FFI_CallFrame* call_frame);
 }
 
 #endif  // JAX_SUPEROFFLOAD_XLA_FFI_ADAM_FFI_H_

@@ -6,7 +6,6 @@
 #include <initializer_list>
 
 #include "xla_ffi/adam_kernel_isa.h"
-#include "xla_ffi/float_convert.h"
 
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
@@ -199,37 +198,6 @@ double AdamStepSumSquaresRange(const AdamConstants& constants,
 void AdamStep(const AdamConfig& config, const AdamBuffers& buffers) {
   AdamStepRange(MakeAdamConstants(config), buffers, 0, buffers.size,
                 BestIsa());
-}
-
-void AdamUndoRange(const AdamConstants& k, const AdamBuffers& b,
-                   int64_t begin, int64_t end) {
-  const double b1 = k.b1, b2 = k.b2, omb1 = k.one_minus_b1;
-  const double omb2 = k.one_minus_b2, c1 = k.c1, c1_next = k.c1_next;
-  const double c2 = k.c2, lr = k.learning_rate, wd = k.weight_decay;
-  for (int64_t i = begin; i < end; ++i) {
-    double g;
-    switch (b.grad_type) {
-      case ElementType::kBF16:
-        g = Bf16BitsToFloat(static_cast<const uint16_t*>(b.grad)[i]);
-        break;
-      case ElementType::kF16:
-        g = F16BitsToFloat(static_cast<const uint16_t*>(b.grad)[i]);
-        break;
-      default:
-        g = static_cast<const float*>(b.grad)[i];
-    }
-    g = static_cast<float>(static_cast<float>(g) * k.grad_scale);
-    if (!std::isfinite(g)) continue;
-    const double mu = b.mu_out[i], nu = b.nu_out[i], master = b.master_out[i];
-    const double mu_hat =
-        k.nesterov ? b1 * (mu * c1_next) + omb1 * (g * c1) : mu * c1;
-    const double update = mu_hat / (std::sqrt(nu * c2 + k.eps_root) + k.eps);
-    b.master_out[i] = static_cast<float>((master + lr * update) / (1.0 - lr * wd));
-    b.mu_out[i] = b1 == 0.0 ? 0.0f : static_cast<float>((mu - omb1 * g) / b1);
-    b.nu_out[i] = b2 == 0.0
-                      ? 0.0f
-                      : static_cast<float>(std::fabs((nu - omb2 * g * g) / b2));
-  }
 }
 
 void StreamRooflineRange(const AdamBuffers& buffers, int64_t begin,

@@ -96,7 +96,7 @@ struct AdamConfig {
   float grad_scale = 1.0f;
   bool nesterov = false;
   // Leave elements whose (scaled) gradient is NaN or Inf unchanged, so that
-  // a speculative step can later be undone exactly where it is invalid.
+  // a step with some invalid elements leaves them as they were.
   bool keep_nonfinite = false;
   // Steps already taken (optax's `count`); this step uses t = count + 1.
   int64_t count = 0;
@@ -166,16 +166,6 @@ double AdamStepSumSquaresRange(const AdamConstants& constants,
 
 // Convenience: the whole range with the best instruction set.
 void AdamStep(const AdamConfig& config, const AdamBuffers& buffers);
-
-// Undoes a step of `constants` over [begin, end), in place: reads the state
-// after the step from master_out/mu_out/nu_out (and the gradient), writes
-// the state before it back there. Algebraic, in double precision, so each
-// value comes back within an ulp or two of the magnitude of the terms that
-// made it. Elements whose scaled gradient is not finite are left alone
-// (a keep_nonfinite step never changed them). Scalar: this is the rare path
-// of speculation-then-validation.
-void AdamUndoRange(const AdamConstants& constants, const AdamBuffers& buffers,
-                   int64_t begin, int64_t end);
 
 // The same-traffic stream: reads master, grad (f32), mu and nu and writes
 // master, mu and nu with no Adam math (master += grad, mu and nu swapped),

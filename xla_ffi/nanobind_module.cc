@@ -30,8 +30,10 @@ NB_MODULE(_grace_adam, m) {
         EncapsulateFfiHandler(JsoAdamStepLowpInto);
     handlers["jax_superoffload_adam_step_segments"] =
         EncapsulateFfiHandler(JsoAdamStepSegments);
-    handlers["jax_superoffload_adam_fix_segments"] =
-        EncapsulateFfiHandler(JsoAdamFixSegments);
+    handlers["jax_superoffload_adam_step_speculative"] =
+        EncapsulateFfiHandler(JsoAdamStepSpeculative);
+    handlers["jax_superoffload_adam_step_validated"] =
+        EncapsulateFfiHandler(JsoAdamStepValidated);
     handlers["jax_superoffload_stream_roofline"] =
         EncapsulateFfiHandler(JsoStreamRoofline);
     return handlers;

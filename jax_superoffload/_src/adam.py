@@ -82,11 +82,14 @@ def adam(
       by speculation-then-validation: each bucket's step starts without
       waiting for the norm and is redone with scaled gradients only when
       the norm turns out to be at least `clip_norm` (counted in
-      `state.redone`).
+      `state.redone`). The redo starts from the untouched state before the
+      step, so it is exact at any clip ratio.
     skip_nonfinite: If True, a step whose gradients hold a NaN or Inf leaves
       the parameters and the whole state (count included) as they were
-      (counted in `state.skipped`). STV needs no host memory beyond the
-      step's gradient buffers.
+      (counted in `state.skipped`). With either option on the "ffi"
+      executor, each host bucket's state is double-buffered (+12 B/param
+      of host memory) and its gradients are kept in host memory until
+      validation (4 B/param); see `SuperOffloadState`.
     device_buckets: Bucket repartitioning: how many buckets keep their state
       on the accelerator and are updated there, an int, a fraction of the
       buckets, or "auto" (the planner's choice). They are the buckets whose

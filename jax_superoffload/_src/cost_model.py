@@ -23,6 +23,8 @@ Model (N parameters, T = seq_len x batch tokens per step):
   whole gradient tree), fp32 master, m, v and gradient on the host (16 B;
   the gradient is kept so that a failed speculation can be redone), plus
   one bucket in flight each way (fp32, or bf16 when casting on the host).
+  STV adds the spare row of its double-buffered state, fp32 master, m and
+  v (+12 B on the host, 28 B in all).
   Weight-flow keeps two layers' bf16 weights and gradients on the device
   and a bf16 (host cast) copy of the weights on the host (+2 B). A bucket
   kept on the device adds its fp32 master, m and v there (12 B; with
@@ -37,10 +39,15 @@ Model (N parameters, T = seq_len x batch tokens per step):
 * **Casts.** Device: grads up, weights down, 6 B per element per cast at HBM
   bandwidth. Host: the same 12 B per parameter at `host_cast_gbs`.
 * **Host Adam** streams 28 B per parameter at `host_bandwidth_gbs x
-  host_adam_efficiency`. With speculation (STV) each bucket's Adam starts
-  when its gradients reach the host; the buckets go through a three-stage
-  pipeline (device-to-host copy, host cast + Adam, host-to-device copy), one
-  bucket at a time per stage, which is what overlaps them with backward.
+  host_adam_efficiency`; with STV the speculative pass also writes the
+  gradients it read, as fp32 (+4 B, 32 B in all), so that a clipped step
+  can be taken again from the untouched state after validation: that redo
+  is one more 28 B pass over the host buckets, after backward, on the
+  clipped steps only (`stv_redo`, not in the step time). With speculation
+  (STV) each bucket's Adam starts when its gradients reach the host; the
+  buckets go through a three-stage pipeline (device-to-host copy, host
+  cast + Adam, host-to-device copy), one bucket at a time per stage, which
+  is what overlaps them with backward.
   The step ends when the device is done and the last bucket is back.
 * **ZeRO-Offload-style baseline**: weight-stationary, bf16 over the link,
   cast on the host, every bucket on the CPU, no STV and no overlap: compute,
@@ -71,6 +78,10 @@ OFFLOAD_DEVICE_BYTES_PER_PARAM = 4
 OFFLOAD_HOST_BYTES_PER_PARAM = 16
 # fp32 master, m and v of a bucket whose Adam runs on the device.
 DEVICE_BUCKET_STATE_BYTES_PER_PARAM = 12
+# STV's spare row of the host state (fp32 master, m and v): see stv.py.
+STV_SPARE_HOST_BYTES_PER_PARAM = 12
+# STV's speculative pass also writes the gradients it read, as fp32.
+STV_KEPT_GRAD_BYTES_PER_PARAM = 4
 # Weight-flow keeps this many layers of weights and gradients on the device.
 FLOW_WINDOW_LAYERS = 2
 
@@ -195,14 +206,26 @@ def stationary_device_bytes(
   )
 
 
+def offload_host_bytes_per_param(stv: bool) -> int:
+  """Host bytes per parameter of a host bucket (weight-stationary)."""
+  return OFFLOAD_HOST_BYTES_PER_PARAM + (
+    STV_SPARE_HOST_BYTES_PER_PARAM if stv else 0
+  )
+
+
 def _offload_bytes(
-  model: ModelSpec, weights: str, cast: str, bucket: int, n_dev: int
+  model: ModelSpec,
+  weights: str,
+  cast: str,
+  bucket: int,
+  n_dev: int,
+  stv: bool,
 ) -> tuple[float, float]:
   """Device and host bytes of an offloaded configuration."""
   n = model.params
   fixed = activation_bytes(model) + _staging_bytes(bucket, cast)
   state = DEVICE_BUCKET_STATE_BYTES_PER_PARAM * n_dev
-  host = OFFLOAD_HOST_BYTES_PER_PARAM * (n - n_dev)
+  host = offload_host_bytes_per_param(stv) * (n - n_dev)
   if weights == 'flow':
     window = min(n, FLOW_WINDOW_LAYERS * n / model.layers)
     device = OFFLOAD_DEVICE_BYTES_PER_PARAM * (window + n_dev)
@@ -246,6 +269,7 @@ class OffloadStep:
   device_bytes: float
   host_bytes: float
   device_params: int
+  stv_redo: float = 0.0  # A clipped step's redo: on those steps only.
 
   @property
   def busy(self) -> float:
@@ -322,7 +346,10 @@ def offload_step(
   host_cast_pp = (
     CAST_BYTES_PER_PARAM / (hw.host_cast_gbs * 1e9) if cast == 'host' else 0.0
   )
-  adam_pp = ADAM_BYTES_PER_PARAM / hw.host_adam_bytes_per_s
+  adam_bytes = ADAM_BYTES_PER_PARAM + (
+    STV_KEPT_GRAD_BYTES_PER_PARAM if stv else 0
+  )
+  adam_pp = adam_bytes / hw.host_adam_bytes_per_s
   device_adam = n_dev * ADAM_LOWP_BYTES_PER_PARAM / hbm
   host_end = _host_pipeline_end(
     host_sizes,
@@ -333,7 +360,7 @@ def offload_step(
   )
   device_end = fwd + bwd + device_cast + device_adam
   device_bytes, host_bytes = _offload_bytes(
-    model, weights, cast, sizes[-1], n_dev
+    model, weights, cast, sizes[-1], n_dev, stv
   )
   return OffloadStep(
     compute=compute,
@@ -347,6 +374,9 @@ def offload_step(
     device_bytes=device_bytes,
     host_bytes=host_bytes,
     device_params=n_dev,
+    stv_redo=(
+      n_host * ADAM_BYTES_PER_PARAM / hw.host_adam_bytes_per_s if stv else 0.0
+    ),
   )
 
 

@@ -13,14 +13,13 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jax_superoffload._src import adam_args
 from jax_superoffload._src import adam_reference
 from jax_superoffload._src import grace_adam
 from jax_superoffload._src import host_memory
@@ -53,7 +52,6 @@ class BucketStep:
   nesterov: bool
   want_delta: bool  # Return new - old master (when params are absent).
   grad_scale: Any = 1.0
-  keep_nonfinite: bool = False  # Speculative steps with skip_nonfinite.
   # Superchip-aware casting: True moves fp32 both ways and casts on the
   # device; False moves gradients as stored and low-precision weights.
   cast_on_device: bool = False
@@ -70,7 +68,6 @@ class BucketStep:
       weight_decay=self.weight_decay,
       nesterov=self.nesterov,
       grad_scale=self.grad_scale,
-      keep_nonfinite=self.keep_nonfinite,
     )
 
 
@@ -194,69 +191,6 @@ def _on_host_with_scalars(fn, step: BucketStep, *arrays):
   return host_memory.on_host(host_fn, scalars, *arrays)
 
 
-def _undo(step: BucketStep, master, mu, nu, grads):
-  """The state before a speculative step, from the state after it.
-
-  Algebraic, in fp32: each recovered value is within a few ulps of the
-  magnitude of the terms that made it (see the STV tests). Elements whose
-  gradient was not finite were never changed (`keep_nonfinite`) and are
-  returned as they are. Betas of 0 carry no memory: their moment is 0.
-  """
-  g = (
-    jnp.concatenate([x.astype(jnp.float32) for x in grads])
-    if grads
-    else jnp.zeros((0,), jnp.float32)
-  ) * jnp.asarray(step.grad_scale, jnp.float32)
-  f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
-  b1, b2 = f32(step.b1), f32(step.b2)
-  omb1, omb2 = (
-    f32(adam_args.one_minus(step.b1)),
-    f32(adam_args.one_minus(step.b2)),
-  )
-  t = jnp.asarray(step.count, jnp.int32).astype(jnp.float32) + 1
-  c1 = adam_reference.inverse_bias_correction(b1, t)
-  c1_next = adam_reference.inverse_bias_correction(b1, t + 1)
-  c2 = adam_reference.inverse_bias_correction(b2, t)
-  if step.nesterov:
-    mu_hat = b1 * (mu * c1_next) + omb1 * (g * c1)
-  else:
-    mu_hat = mu * c1
-  a = mu_hat / (jnp.sqrt(nu * c2 + f32(step.eps_root)) + f32(step.eps))
-  lr, wd = f32(step.learning_rate), f32(step.weight_decay)
-  old_master = (master + lr * a) / (1 - lr * wd)
-  # Scalar factors rather than jnp.where with constants: inside host compute
-  # a select may not mix host arrays with device-typed constants.
-  keep1 = (b1 != 0).astype(jnp.float32)
-  keep2 = (b2 != 0).astype(jnp.float32)
-  old_mu = (mu - omb1 * g) / (b1 + (1 - keep1)) * keep1
-  old_nu = jnp.abs((nu - omb2 * (g * g)) / (b2 + (1 - keep2)) * keep2)
-  finite = jnp.isfinite(g)
-  return tuple(
-    jnp.where(finite, old, now)
-    for old, now in ((old_master, master), (old_mu, mu), (old_nu, nu))
-  )
-
-
-def undo_bucket(
-  executor: str, step: BucketStep, master, mu, nu, grads: Sequence[jax.Array]
-):
-  """Undoes a speculative bucket step where the state lives."""
-  if executor == 'resident':
-    return _undo(step, master, mu, nu, grads)
-  if executor == 'device':
-    on_device = [host_memory.to_device(x) for x in (master, mu, nu)]
-    return tuple(host_memory.to_host(x) for x in _undo(step, *on_device, grads))
-  flat_grads = [host_memory.to_host(g) for g in grads]
-  return _on_host_with_scalars(
-    lambda bound, m, a, v, gs: _undo(bound, m, a, v, gs),
-    step,
-    master,
-    mu,
-    nu,
-    flat_grads,
-  )
-
-
 def step_bucket(
   executor: str,
   step: BucketStep,
@@ -327,17 +261,56 @@ def finish(step: BucketStep, out, master, grads):
   return (*out[:3], [host_memory.to_device(w) for w in out[3]])
 
 
-def fix_in_place(step: BucketStep, out, flat_grads, redo, skip, scale):
-  """Fixes an "ffi" host step after validation, in place (see stv.py)."""
+class Speculated(NamedTuple):
+  """A double-buffered bucket after its speculative step (host memory)."""
 
-  def fn(bound, master, mu, nu, weights, grads, flags):
-    redo, skip, scale = flags
-    return grace_adam.adam_fix_segments(
+  master: jax.Array  # Two rows each: row `row` untouched, the other new.
+  mu: jax.Array
+  nu: jax.Array
+  kept: jax.Array  # The gradients the step read, as fp32.
+  sumsq: jax.Array  # f32[1]: their sum of squares (scaled).
+  weights: list[jax.Array] | None  # Per leaf; None for fp32 weights.
+
+
+def speculate(
+  step: BucketStep, row, master, mu, nu, kept, grads, dtypes
+) -> Speculated:
+  """STV's speculative "ffi" step on a double-buffered bucket (see stv.py)."""
+  fp32 = (
+    step.want_delta
+    or step.cast_on_device
+    or all(jnp.dtype(d) == jnp.float32 for d in dtypes)
+  )
+  flat_grads = [host_memory.to_host(g) for g in grads]
+
+  def fn(bound, row, master, mu, nu, kept, grads):
+    m, a, v, k, sumsq, weights = grace_adam.adam_step_speculative(
       master,
       mu,
       nu,
+      kept,
+      row,
+      list(grads),
+      None if fp32 else list(dtypes),
+      **bound.kwargs(),
+    )
+    return Speculated(m, a, v, k, sumsq, None if fp32 else weights)
+
+  return _on_host_with_scalars(fn, step, row, master, mu, nu, kept, flat_grads)
+
+
+def validate_pair(step: BucketStep, out: Speculated, row, redo, skip, scale):
+  """Redoes a clipped speculative step from its untouched row, in place."""
+
+  def fn(bound, master, mu, nu, kept, weights, flags):
+    row, redo, skip, scale = flags
+    return grace_adam.adam_step_validated(
+      master,
+      mu,
+      nu,
+      kept,
+      row,
       weights,
-      grads,
       redo=redo,
       skip=skip,
       redo_scale=scale,
@@ -345,9 +318,42 @@ def fix_in_place(step: BucketStep, out, flat_grads, redo, skip, scale):
     )
 
   fixed = _on_host_with_scalars(
-    fn, step, *out[:3], out[3] or [], flat_grads, (redo, skip, scale)
+    fn,
+    step,
+    out.master,
+    out.mu,
+    out.nu,
+    out.kept,
+    out.weights or [],
+    (row, redo, skip, scale),
   )
-  return (*fixed[:3], fixed[3] if out[3] is not None else None)
+  weights = fixed[3] if out.weights is not None else None
+  return out._replace(
+    master=fixed[0], mu=fixed[1], nu=fixed[2], weights=weights
+  )
+
+
+def finish_pair(step: BucketStep, out: Speculated, row, grads):
+  """A double-buffered bucket's new weights on the device, per leaf.
+
+  The new master is the row the speculative step wrote (after a skipped
+  step the weights are discarded, so it does not matter which row). The
+  pair is moved whole and cut on the device: on the CPU backend the move
+  is free and the cut fuses into the consumer, which reads one row.
+  """
+  state = (out.master, out.mu, out.nu)
+  if out.weights is not None:
+    return (*state, [host_memory.to_device(w) for w in out.weights])
+  pair = host_memory.to_device(out.master)
+  n = pair.size // 2
+  row = jnp.asarray(row, jnp.int32)
+  new = jax.lax.dynamic_slice(pair, ((1 - row) * n,), (n,))
+  weights = _split(new, grads, step.count)
+  if step.want_delta:
+    old = jax.lax.dynamic_slice(pair, (row * n,), (n,))
+    old = _split(old, grads, step.count)
+    weights = [a - b for a, b in zip(weights, old, strict=True)]
+  return (*state, weights)
 
 
 def _device_weights(step: BucketStep, new_master, old_master, grads):

@@ -15,7 +15,8 @@ ADAM_STEP_LOWP_TARGET = _PREFIX + 'adam_step_lowp'
 ADAM_STEP_LOWP_INTO_TARGET = _PREFIX + 'adam_step_lowp_into'
 STREAM_ROOFLINE_TARGET = _PREFIX + 'stream_roofline'
 ADAM_STEP_SEGMENTS_TARGET = _PREFIX + 'adam_step_segments'
-ADAM_FIX_SEGMENTS_TARGET = _PREFIX + 'adam_fix_segments'
+ADAM_STEP_SPECULATIVE_TARGET = _PREFIX + 'adam_step_speculative'
+ADAM_STEP_VALIDATED_TARGET = _PREFIX + 'adam_step_validated'
 
 for _name, _capsule in _grace_adam.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform='cpu')
@@ -231,12 +232,80 @@ def adam_step_segments(
   return out[0], out[1], out[2], list(out[4:]), out[3]
 
 
-def adam_fix_segments(
+def adam_step_speculative(
   master: jax.Array,
   mu: jax.Array,
   nu: jax.Array,
-  weights: list[jax.Array] | None,
+  kept_grad: jax.Array,
+  row: jax.Array,
   grads: list[jax.Array],
+  weight_dtypes: list[jax.typing.DTypeLike] | None,
+  *,
+  count: jax.typing.ArrayLike,
+  learning_rate: jax.typing.ArrayLike,
+  b1: jax.typing.ArrayLike,
+  b2: jax.typing.ArrayLike,
+  eps: jax.typing.ArrayLike,
+  eps_root: jax.typing.ArrayLike,
+  weight_decay: jax.typing.ArrayLike,
+  nesterov: bool,
+  grad_scale: jax.typing.ArrayLike = 1.0,
+  keep_nonfinite: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, list]:
+  """STV's speculative step on a double-buffered bucket (internal).
+
+  `master`, `mu` and `nu` are f32[2n]: two rows of the bucket's state, of
+  which `row` (int32 scalar) is the current one. Reads that row and the
+  leaves' gradients, writes the other row, the gradients as fp32 into
+  `kept_grad` (f32[n]) and, per leaf, the new weights in `weight_dtypes`.
+  Every state buffer aliases its output. Returns the four state buffers,
+  the sum of the squared scaled gradients (f32[1]) and the weights.
+  """
+  scalars = adam_args.pack_scalars(
+    learning_rate=learning_rate,
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    eps_root=eps_root,
+    weight_decay=weight_decay,
+    grad_scale=grad_scale,
+  )
+  out_types = [
+    jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    for x in (master, mu, nu, kept_grad)
+  ] + [jax.ShapeDtypeStruct((1,), jnp.float32)]
+  out_types += [
+    jax.ShapeDtypeStruct(g.shape, d)
+    for g, d in zip(grads, weight_dtypes or [], strict=False)
+  ]
+  call = jax.ffi.ffi_call(
+    ADAM_STEP_SPECULATIVE_TARGET,
+    out_types,
+    vmap_method='sequential',
+    input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
+  )
+  out = call(
+    master,
+    mu,
+    nu,
+    kept_grad,
+    jnp.asarray(count, jnp.int32),
+    scalars,
+    jnp.asarray(row, jnp.int32).reshape(1),
+    *grads,
+    nesterov=bool(nesterov),
+    keep_nonfinite=bool(keep_nonfinite),
+  )
+  return out[0], out[1], out[2], out[3], out[4], list(out[5:])
+
+
+def adam_step_validated(
+  master: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  kept_grad: jax.Array,
+  row: jax.Array,
+  weights: list[jax.Array] | None,
   *,
   redo: jax.Array,
   skip: jax.Array,
@@ -250,15 +319,16 @@ def adam_fix_segments(
   weight_decay: jax.typing.ArrayLike,
   nesterov: bool,
   grad_scale: jax.typing.ArrayLike = 1.0,
-  keep_nonfinite: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
-  """Fixes a speculative `adam_step_segments` call in place (internal).
+  """Finishes `adam_step_speculative` once validation has spoken (internal).
 
-  Takes the state and weights copies the speculative call returned, with
-  the same scalars. Unless `redo` or `skip`, returns them untouched (aliased:
-  no copy, no work). Otherwise undoes the step and, with `redo`, redoes it
-  with gradients times `redo_scale`.
+  With `redo`, takes the step again from the untouched row `row` with the
+  kept gradients times `redo_scale`, over the other row and the weights
+  copies (exact: the same kernel step as without speculation). Otherwise
+  returns its inputs (aliased: no copy, no work). A skipped step leaves
+  row `row` current, so it needs nothing either.
   """
+  del grad_scale  # The redo scales by redo_scale.
   scalars = adam_args.pack_scalars(
     learning_rate=learning_rate,
     b1=b1,
@@ -266,17 +336,17 @@ def adam_fix_segments(
     eps=eps,
     eps_root=eps_root,
     weight_decay=weight_decay,
-    grad_scale=grad_scale,
+    grad_scale=1.0,
   )
   weights = list(weights or [])
-  state_type = jax.ShapeDtypeStruct(master.shape, jnp.float32)
-  out_types = [state_type] * 3 + [
-    jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights
+  out_types = [
+    jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (master, mu, nu)
   ]
+  out_types += [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
   aliases = {0: 0, 1: 1, 2: 2}
-  aliases.update({7 + j: 3 + j for j in range(len(weights))})
+  aliases.update({9 + j: 3 + j for j in range(len(weights))})
   call = jax.ffi.ffi_call(
-    ADAM_FIX_SEGMENTS_TARGET,
+    ADAM_STEP_VALIDATED_TARGET,
     out_types,
     vmap_method='sequential',
     input_output_aliases=aliases,
@@ -286,14 +356,13 @@ def adam_fix_segments(
     master,
     mu,
     nu,
+    kept_grad,
     jnp.asarray(count, jnp.int32),
     scalars,
+    jnp.asarray(row, jnp.int32).reshape(1),
     flags,
     jnp.asarray(redo_scale, jnp.float32).reshape(1),
     *weights,
-    *grads,
     nesterov=bool(nesterov),
-    keep_nonfinite=bool(keep_nonfinite),
-    num_weights=np.int64(len(weights)),
   )
   return out[0], out[1], out[2], list(out[3:])

@@ -85,6 +85,8 @@ class Plan:
   device_bucket_fraction: float
   # Parameters in device buckets.
   device_params: int
+  # Speculation-then-validation (its double-buffered host state counted).
+  stv: bool
   # Whether device_bytes and host_bytes fit in the usable memories.
   fits: bool
   # Accelerator bytes needed.
@@ -109,6 +111,9 @@ class Plan:
   host_adam_s: float
   # Copy, cast and host Adam time hidden under accelerator work.
   overlap_s: float
+  # STV: a clipped step's redo of the host buckets' Adam, after backward
+  # (added on the steps that clip only; 0 without STV).
+  stv_redo_s: float
   # Predicted seconds per step.
   step_time_s: float
   # Tokens per second.
@@ -145,6 +150,9 @@ class Plan:
       f'  host cast    {self.host_cast_s * ms:10.1f} ms',
       f'  host Adam    {self.host_adam_s * ms:10.1f} ms',
       f'  overlap     -{self.overlap_s * ms:10.1f} ms',
+      f'  STV redo    +{self.stv_redo_s * ms:10.1f} ms on clipped steps'
+      f' (host state {cost_model.offload_host_bytes_per_param(self.stv)}'
+      ' B/param)',
       f'  step total   {self.step_time_s * ms:10.1f} ms:'
       f' {self.tokens_per_s:,.0f} tokens/s, {self.tflops:.1f} TFLOPS,'
       f' accelerator busy {self.device_busy_fraction:.0%}',
@@ -418,6 +426,8 @@ def _predict(
     host_cast_s=step.host_cast,
     host_adam_s=step.host_adam,
     overlap_s=step.overlap,
+    stv_redo_s=step.stv_redo,
+    stv=stv,
     step_time_s=step.step,
     tokens_per_s=ref.tokens_per_s,
     tflops=ref.tflops,

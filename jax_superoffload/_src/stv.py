@@ -4,37 +4,43 @@ Global-norm clipping and the NaN/Inf check need every gradient before a step
 can be taken, which would make each bucket's host step wait for the whole
 backward pass. Instead each bucket's step runs at once (speculatively, with
 unscaled gradients); the gradients' global norm is computed on the device
-alongside; and only when it says so is the step fixed:
+alongside; and only when it says so is the step fixed. The fix is exact:
+the state before the step is never overwritten before validation, so a
+clipped step is taken again from it, and the result is what
+`optax.clip_by_global_norm` followed by Adam computes, with the same fp32
+operations as a step taken without speculation.
 
-- norm >= clip_norm (or not finite, without `skip_nonfinite`): every bucket
-  is undone algebraically and redone with its gradients scaled by
-  clip_norm / norm (the kernel's `grad_scale`), which is what
-  `optax.clip_by_global_norm` followed by Adam computes;
-- non-finite gradients with `skip_nonfinite`: every bucket is undone and
-  the step dropped (parameters and state as before, count not advanced).
-  The speculative step already left NaN/Inf elements untouched
-  (`keep_nonfinite`), so the undo never has to invert a NaN.
+- "ffi" executor: each host bucket's master, mu and nu hold two rows end to
+  end (`SuperOffloadState.row` names the current one). The speculative
+  kernel reads the current row and writes the other, in place (both rows
+  alias the call's outputs), and keeps the gradients it read as fp32 in
+  `SuperOffloadState.kept_grads`. After validation: accepted, the written
+  row becomes current (nothing runs); clipped (norm >= clip_norm, or not
+  finite without `skip_nonfinite`), the kernel steps again from the
+  untouched row with `grad_scale = clip_norm / norm` over the written one;
+  non-finite with `skip_nonfinite`, the current row stays current.
+- Other executors and device buckets: the step writes new buffers anyway,
+  so the old state is simply still alive at validation; the redo and the
+  drop take it from there (`lax.cond`: nothing runs unless needed).
 
-Cost when nothing triggers: nothing but the global norm, which the kernel
-takes in the same pass as the step (its gradients are in cache), and one
-fix call per bucket that returns at once. Extra host memory: none beyond
-the step's host gradient buffers (4 B/param for fp32 gradients, 2 for
-bf16), which every step has and which STV keeps alive until validation;
-the rare fix path works in place for the "ffi" executor (other executors
-make transient copies of the undone state).
-
-The undo is algebraic: in double precision in the kernel (`AdamUndoRange`)
-and in fp32 for the other executors (`executors._undo`); its error is a
-few ulps of each quantity's magnitude, tested in C++ and in Python, and the
-whole path is checked against the serial recipe.
+Cost when nothing triggers: the global norm, which the kernel takes in the
+same pass as the step, and the kept gradients (4 B/param written by that
+pass, while in cache). The step's memory traffic is otherwise that of an
+in-place step: 16 B/param read, 12 written. Host memory: +12 B/param for
+the spare row and +4 B/param for the kept gradients, which every step has
+(as temporaries) and which STV needs until validation; keeping them in the
+donated state means no step maps fresh memory for them. A redo costs one
+more kernel pass (the same 28 B/param as a step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_superoffload._src import host_memory
 
@@ -52,6 +58,9 @@ def global_norm(
   for s in partial_sums:
     total = total + jnp.sum(host_memory.to_device(s))
   for g in grads:
+    # Squared in at least fp32, as the kernel does: bf16 squares would put
+    # an error of 2^-9 into the clipping factor.
+    g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
     total = total + jnp.sum(jnp.real(g * jnp.conj(g))).astype(jnp.float32)
   return jnp.sqrt(total)
 
@@ -61,10 +70,11 @@ def validate(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Returns (redo, skip, scale) for a step whose gradients have `norm`.
 
-  `redo`: undo and redo with gradients times `scale`; `skip`: undo and drop
-  the step. As in optax.clip_by_global_norm, gradients are left alone only
-  when norm < clip_norm, so a NaN norm without `skip_nonfinite` redoes the
-  step with a NaN scale, as the serial recipe would.
+  `redo`: take the step again from the state before it, with gradients
+  times `scale`; `skip`: keep the state before it and drop the step. As
+  in optax.clip_by_global_norm, gradients are left alone only when
+  norm < clip_norm, so a NaN norm without `skip_nonfinite` redoes the step
+  with a NaN scale, as the serial recipe would.
   """
   finite = jnp.isfinite(norm)
   skip = jnp.logical_and(skip_nonfinite, jnp.logical_not(finite))
@@ -84,3 +94,28 @@ def clip_serially(g: jax.Array, redo, norm, clip_norm) -> jax.Array:
     return g
   clipped = (g / norm.astype(g.dtype)) * clip_norm
   return jnp.where(redo, clipped, g)
+
+
+class HostState(NamedTuple):
+  """The current master, mu and nu of every bucket."""
+
+  master: tuple[jax.Array | np.ndarray, ...]
+  mu: tuple[jax.Array | np.ndarray, ...]
+  nu: tuple[jax.Array | np.ndarray, ...]
+
+
+def two_rows(bucket: jax.Array, shards: int = 1) -> jax.Array:
+  """A bucket doubled into two rows: [row 0 | row 1] on each of `shards`.
+
+  With ZeRO the bucket is sharded along its one axis, so each shard's two
+  rows are laid out together and the kernel sees them as its local pair.
+  """
+  local = bucket.reshape(shards, -1)
+  return jnp.stack([local, local], axis=1).reshape(-1)
+
+
+def current_row(pair: jax.Array, row: int) -> np.ndarray:
+  """Row `row` of a concrete double-buffered bucket, as laid by two_rows."""
+  local = pair.sharding.shard_shape(pair.shape)[0]
+  shards = pair.shape[0] // local
+  return np.asarray(pair).reshape(shards, 2, -1)[:, row].reshape(-1)

@@ -36,6 +36,16 @@ class SuperOffloadState(NamedTuple):
     redone: Steps that speculation-then-validation redid with clipped
       gradients (int32 scalar).
     skipped: Steps dropped for non-finite gradients (int32 scalar).
+    row: With STV on the "ffi" executor, which of the two rows of each
+      double-buffered bucket is current (int32 scalar, 0 or 1); else None.
+    kept_grads: With STV on the "ffi" executor, per bucket, the fp32
+      gradients the speculative step read, kept in host memory for a redo
+      (None for buckets that are not double-buffered); else None.
+
+  With STV on the "ffi" executor, each host bucket of `master`, `mu` and
+  `nu` holds two rows end to end (2n elements): row `row` is the current
+  state, the other the spare the next speculative step writes (see
+  stv.py). `current()` gives the current state either way.
   """
 
   count: jax.Array
@@ -45,6 +55,24 @@ class SuperOffloadState(NamedTuple):
   fallback: optax.OptState
   redone: jax.Array
   skipped: jax.Array
+  row: jax.Array | None = None
+  kept_grads: tuple[jax.Array | None, ...] | None = None
+
+  def current(self) -> stv.HostState:
+    """The current master, mu and nu per bucket (of a concrete state)."""
+    if self.kept_grads is None:
+      return stv.HostState(self.master, self.mu, self.nu)
+    row = int(self.row)
+    pick = [
+      stv.current_row if k is not None else (lambda x, _: x)
+      for k in self.kept_grads
+    ]
+    return stv.HostState(
+      *(
+        tuple(f(x, row) for f, x in zip(pick, xs, strict=True))
+        for xs in (self.master, self.mu, self.nu)
+      )
+    )
 
 
 def _kernel_grad(g: jax.Array, cast_on_device: bool) -> jax.Array:
@@ -80,37 +108,29 @@ def _state_to_host(x: jax.Array) -> jax.Array:
   return host_memory.to_device(x)
 
 
-def _fix_if_needed(buckets, states, weights, redo, skip, scale, zero):
-  """Undoes the speculative steps if validation failed; redoes if clipping.
+def _fix_if_needed(
+  buckets, originals, states, weights, redo, skip, scale, zero
+):
+  """Redoes the steps from their original state if validation failed.
 
-  The redo scales the gradients (the kernel's `grad_scale`); a skip keeps
-  the undone state. Runs only when needed (`lax.cond`), so a step that
-  validates pays nothing. With ZeRO, each bucket's undo and redo run per
-  shard.
+  For buckets whose step wrote new buffers (every executor but "ffi"),
+  the state before the step is still there: a clipped step is taken again
+  from it with the gradients scaled (the kernel's `grad_scale`), exactly
+  as without speculation; a dropped step keeps it. Runs only when needed
+  (`lax.cond`), so a step that validates pays nothing. With ZeRO, each
+  bucket's redo runs per shard.
   """
 
   def keep(states, weights):
     return states, weights
 
   def fix(states, weights):
-    undone = [
-      zero_lib.per_shard(
-        zero,
-        lambda st, _, m, a, v, gs, executor=executor: executors.undo_bucket(
-          executor, st, m, a, v, gs
-        ),
-      )(step, None, *s, grads)
-      for (executor, step, grads, _, _), s in zip(buckets, states, strict=True)
-    ]
-
-    def redo_all(undone):
+    def redo_all(_):
       out_states, out_weights = [], []
       for (executor, step, grads, dtypes, _), s in zip(
-        buckets, undone, strict=True
+        buckets, originals, strict=True
       ):
-        again = dataclasses.replace(
-          step, grad_scale=scale, keep_nonfinite=False
-        )
+        again = dataclasses.replace(step, grad_scale=scale)
         m, a, v, w = _bucket_step(zero, executor, dtypes)(
           again, None, *s, grads
         )
@@ -118,10 +138,10 @@ def _fix_if_needed(buckets, states, weights, redo, skip, scale, zero):
         out_weights.append(w)
       return out_states, out_weights
 
-    def drop(undone):  # The weights do not matter: updates become 0.
-      return [tuple(s) for s in undone], weights
+    def drop(_):  # The weights do not matter: updates become 0.
+      return [tuple(s) for s in originals], weights
 
-    return jax.lax.cond(redo, redo_all, drop, undone)
+    return jax.lax.cond(redo, redo_all, drop, None)
 
   return jax.lax.cond(
     jnp.logical_or(redo, skip), fix, keep, [tuple(s) for s in states], weights
@@ -137,21 +157,22 @@ def _bucket_step(zero, executor, dtypes):
   return zero_lib.per_shard(zero, fn)
 
 
-def _host_step(zero, executor, dtypes):
-  """`executors.host_step` as `fn(step, extra, *arrays)`, per shard."""
+def _speculate(zero, dtypes):
+  """`executors.speculate` as `fn(step, row, *arrays)`, per shard."""
 
-  def fn(step, _, master, mu, nu, grads):
-    return executors.host_step(executor, step, master, mu, nu, grads, dtypes)
+  def fn(step, row, master, mu, nu, kept, grads):
+    return executors.speculate(step, row, master, mu, nu, kept, grads, dtypes)
 
   return zero_lib.per_shard(zero, fn)
 
 
-def _fix_and_finish(zero):
-  """An "ffi" bucket's in-place fix after validation, then its weights."""
+def _validate_and_finish(zero):
+  """A double-buffered bucket's redo if needed, then its new weights."""
 
-  def fn(step, flags, host_out, host_grads, master, grads):
-    fixed = executors.fix_in_place(step, host_out, host_grads, *flags)
-    return executors.finish(step, fixed, master, grads)
+  def fn(step, flags, out, grads):
+    row, redo, skip, scale = flags
+    fixed = executors.validate_pair(step, out, row, redo, skip, scale)
+    return executors.finish_pair(step, fixed, row, grads)
 
   return zero_lib.per_shard(zero, fn)
 
@@ -236,14 +257,22 @@ def superoffload_adam(
     learning_rate, b1, b2, eps, eps_root, weight_decay, bucket_bytes
   )
   executor = executors.resolve(executor)
+  # STV on the kernel double-buffers each host bucket (see stv.py).
+  double_buffered = use_stv and executor == 'ffi'
   use_kernel = mu_dtype is None or np.dtype(mu_dtype) == np.float32
   bucket_elements = max(1, int(bucket_bytes) // 4)
   no_decay = isinstance(weight_decay, (int, float)) and weight_decay == 0.0
 
-  def state_sizes(lay: layout.Layout) -> tuple[int, ...]:
-    if zero is None:
-      return lay.bucket_sizes
-    return tuple(zero.padded(n) for n in lay.bucket_sizes)
+  def state_sizes(lay: layout.Layout, paired: frozenset[int]) -> tuple:
+    sizes = lay.bucket_sizes
+    if zero is not None:
+      sizes = tuple(zero.padded(n) for n in sizes)
+    return tuple(n * (2 if k in paired else 1) for k, n in enumerate(sizes))
+
+  def paired_ids(lay: layout.Layout, on_device: frozenset[int]) -> frozenset:
+    if not double_buffered:
+      return frozenset()
+    return frozenset(range(lay.num_buckets)) - on_device
 
   def place(bucket: jax.Array, on_host: bool) -> jax.Array:
     if zero is not None:  # Placed by init's out_shardings.
@@ -299,6 +328,9 @@ def superoffload_adam(
       fallback_tx(lay).init, [leaves[i] for i in lay.fallback]
     )
     counter = zero.replicated(on_host=False)
+    kept = None
+    if double_buffered:
+      kept = tuple(None if k in on_device else b for k, b in enumerate(buckets))
     return SuperOffloadState(
       count=counter,
       mu=buckets,
@@ -309,6 +341,8 @@ def superoffload_adam(
       ),
       redone=counter,
       skipped=counter,
+      row=counter if double_buffered else None,
+      kept_grads=kept,
     )
 
   def build_state(params: optax.Params) -> SuperOffloadState:
@@ -317,13 +351,25 @@ def superoffload_adam(
     leaves = jax.tree.leaves(params)
     if zero is not None:
       leaves = [zero.unshard(x) for x in leaves]
-    master, mu, nu = [], [], []
+    paired = paired_ids(lay, on_device)
+    master, mu, nu, kept = [], [], [], []
     for group in lay.groups:
       for bucket in layout.pack(group, leaves):
-        on_host = len(master) not in on_device
-        master.append(place(bucket, on_host))
-        mu.append(place(jnp.zeros_like(bucket), on_host))
-        nu.append(place(jnp.zeros_like(bucket), on_host))
+        k = len(master)
+        on_host = k not in on_device
+        if zero is not None:  # Padded before it is doubled into two rows.
+          bucket = zero.pad(bucket)
+        shards = 0 if k not in paired else zero.size if zero else 1
+        kept.append(place(jnp.zeros_like(bucket), on_host) if shards else None)
+        # A fresh zeros array each for mu and nu: two state leaves must
+        # never share a buffer (both are donated).
+        for out, x in (
+          (master, bucket),
+          (mu, jnp.zeros_like(bucket)),
+          (nu, jnp.zeros_like(bucket)),
+        ):
+          # Double-buffered: two rows, the spare starting as a copy.
+          out.append(place(stv.two_rows(x, shards) if shards else x, on_host))
     fallback = fallback_tx(lay).init([leaves[i] for i in lay.fallback])
     if zero is None:  # With ZeRO, init's out_shardings place the state.
       fallback = jax.tree.map(_state_to_host, fallback)
@@ -340,17 +386,22 @@ def superoffload_adam(
       fallback=fallback,
       redone=counter(),
       skipped=counter(),
+      row=counter() if double_buffered else None,
+      kept_grads=tuple(kept) if double_buffered else None,
     )
 
   def check_state(
-    lay: layout.Layout, state: SuperOffloadState, from_grads: bool
+    lay: layout.Layout,
+    state: SuperOffloadState,
+    from_grads: bool,
+    paired: frozenset[int],
   ) -> None:
     if not isinstance(state, SuperOffloadState):
       raise TypeError(
         f'expected a SuperOffloadState, got {type(state).__name__}'
       )
     got = tuple(int(np.prod(np.shape(b))) for b in state.master)
-    want = state_sizes(lay)
+    want = state_sizes(lay, paired)
     if got != want or any(len(x) != len(got) for x in (state.mu, state.nu)):
       hint = (
         ' (without params, the layout comes from the gradients: give them '
@@ -373,7 +424,9 @@ def superoffload_adam(
     del extra_args  # Accepted for optax.GradientTransformationExtraArgs.
     reference = params if params is not None else updates
     lay = make_layout(reference)
-    check_state(lay, state, from_grads=params is None)
+    on_device = resident(lay, reference)
+    paired = paired_ids(lay, on_device)
+    check_state(lay, state, from_grads=params is None, paired=paired)
     grads = layout.check_tree(lay, updates, 'gradients')
     param_leaves = (
       None if params is None else layout.check_tree(lay, params, 'params')
@@ -382,14 +435,13 @@ def superoffload_adam(
     lr = learning_rate(count) if callable(learning_rate) else learning_rate
     wd = weight_decay(count) if callable(weight_decay) else weight_decay
 
-    on_device = resident(lay, reference)
     cast_on_device = placement.resolve_cast(cast, reference, hardware)
     # Leaves that can be flattened as they are (see `Zero.unshard`).
     flat_ready = grads if zero is None else [zero.unshard(g) for g in grads]
     # Speculative pass: every bucket's host step starts at once.
     buckets = []  # (executor, step, grads, dtypes, leaf ids) per bucket.
-    states, weights = [], []
-    pending = []  # "ffi" buckets to fix in place after validation.
+    states, weights, kept = [], [], []
+    pending = {}  # Double-buffered buckets to finish after validation.
     k = 0
     for group in lay.groups:
       step = executors.BucketStep(
@@ -402,7 +454,6 @@ def superoffload_adam(
         weight_decay=wd if group.decay else 0.0,
         nesterov=nesterov,
         want_delta=params is None,
-        keep_nonfinite=skip_nonfinite,
         cast_on_device=cast_on_device,
         want_sumsq=use_stv,
       )
@@ -414,22 +465,23 @@ def superoffload_adam(
         ]
         dtypes = [lay.dtypes[i] for i in leaf_ids]
         if zero is not None:  # One flat gradient, this device's slice.
-          bucket_grads = [zero.scatter(bucket_grads, state.master[k].size)]
+          padded = zero.padded(group.bucket_sizes[b])
+          bucket_grads = [zero.scatter(bucket_grads, padded)]
           dtypes = [group.dtype]
         bucket_executor = 'resident' if k in on_device else executor
         args = (state.master[k], state.mu[k], state.nu[k], bucket_grads)
-        if use_stv and bucket_executor == 'ffi':
-          # Fixed in place after validation; weights move only then.
-          host_out, host_grads = _host_step(zero, bucket_executor, dtypes)(
-            step, None, *args
+        if k in paired:  # Finished after validation; weights move then.
+          out = _speculate(zero, dtypes)(
+            step, state.row, *args[:3], state.kept_grads[k], bucket_grads
           )
-          pending.append((len(states), step, host_out, host_grads, args))
-          m, a, v = host_out[:3]
-          w = None
+          pending[k] = out
+          m, a, v, w = out.master, out.mu, out.nu, None
+          kept.append(out.kept)
         else:
           m, a, v, w = _bucket_step(zero, bucket_executor, dtypes)(
             step, None, *args
           )
+          kept.append(None)
         buckets.append((bucket_executor, step, bucket_grads, dtypes, leaf_ids))
         states.append((m, a, v))
         weights.append(w)
@@ -438,25 +490,25 @@ def superoffload_adam(
     # Validation, on the device, alongside the speculative steps.
     redo = skip = norm = None
     if use_stv:
-      # The ffi buckets summed their squared gradients in the kernel's pass;
-      # the rest (device buckets, other executors, optax leaves) here.
-      in_kernel = {p[0] for p in pending}
+      # Double-buffered buckets summed their squared gradients in the
+      # kernel's pass; the rest (device buckets, other executors, optax
+      # leaves) here.
       rest = [
-        g for i, b in enumerate(buckets) if i not in in_kernel for g in b[2]
+        g for i, b in enumerate(buckets) if i not in pending for g in b[2]
       ]
       rest += [grads[i] for i in lay.fallback]
-      norm = stv.global_norm(rest, [p[2][4] for p in pending])
+      norm = stv.global_norm(rest, [out.sumsq for out in pending.values()])
       redo, skip, scale = stv.validate(norm, clip_norm, skip_nonfinite)
-      for index, step, host_out, host_grads, args in pending:
-        out = _fix_and_finish(zero)(
-          step, (redo, skip, scale), host_out, host_grads, args[0], args[3]
+      for i, out in pending.items():
+        fixed = _validate_and_finish(zero)(
+          buckets[i][1], (state.row, redo, skip, scale), out, buckets[i][2]
         )
-        states[index], weights[index] = tuple(out[:3]), out[3]
-      fixed_in_place = {p[0] for p in pending}
-      others = [i for i in range(len(buckets)) if i not in fixed_in_place]
+        states[i], weights[i] = tuple(fixed[:3]), fixed[3]
+      others = [i for i in range(len(buckets)) if i not in pending]
       if others:
         fixed_states, fixed_weights = _fix_if_needed(
           [buckets[i] for i in others],
+          [(state.master[i], state.mu[i], state.nu[i]) for i in others],
           [states[i] for i in others],
           [weights[i] for i in others],
           redo,
@@ -524,6 +576,9 @@ def superoffload_adam(
       new_count = jnp.where(skip, count, new_count)
       redone = redone + redo.astype(jnp.int32)
       skipped = skipped + skip.astype(jnp.int32)
+    row = state.row
+    if double_buffered:  # The written row is current, unless dropped.
+      row = jnp.where(skip, row, 1 - row)
     new_state = SuperOffloadState(
       count=new_count,
       mu=tuple(s[1] for s in states),
@@ -532,6 +587,8 @@ def superoffload_adam(
       fallback=fallback_state,
       redone=redone,
       skipped=skipped,
+      row=row,
+      kept_grads=tuple(kept) if double_buffered else None,
     )
     return jax.tree.unflatten(lay.treedef, out_leaves), new_state
 
