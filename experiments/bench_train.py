@@ -102,14 +102,14 @@ def main() -> int:
     }
     for c in cands.values():  # Compile and settle.
       for _ in range(args.warmup):
-        c['state'], loss = c['step'](c['state'], *c['batch'])
-        float(loss)
+        c['state'], metrics = c['step'](c['state'], *c['batch'])
+        float(metrics['loss'])
     times = {o: [] for o in optimizers}
     for _ in range(args.rounds):
       for o, c in cands.items():
         t0 = time.perf_counter()
-        c['state'], loss = c['step'](c['state'], *c['batch'])
-        float(loss)
+        c['state'], metrics = c['step'](c['state'], *c['batch'])
+        float(metrics['loss'])
         times[o].append(time.perf_counter() - t0)
     for o, c in cands.items():
       rows.append(
