@@ -1,6 +1,7 @@
 """What the trainer measures and logs: eval split, norms, TensorBoard events,
 profiler traces, gradient accumulation, schedules, and non-finite runs."""
 
+import itertools
 import json
 import math
 import pathlib
@@ -178,7 +179,7 @@ def test_schedules(schedule):
   )
   lr = [float(optim.make_schedule(cfg)(s)) for s in range(101)]
   assert lr[0] == 0 and lr[5] == pytest.approx(0.5) and lr[10] == 1.0
-  assert all(b <= a + 1e-7 for a, b in zip(lr[10:], lr[11:], strict=False))
+  assert all(b <= a + 1e-7 for a, b in itertools.pairwise(lr[10:]))
   end = {'cosine': 0.1, 'linear': 0.1, 'constant': 1.0, 'wsd': 0.1}[schedule]
   assert lr[100] == pytest.approx(end)
   if schedule == 'wsd':  # Stable until the last 20% of the steps.
