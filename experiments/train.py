@@ -245,6 +245,14 @@ def _preflight(cfg: config_lib.Config, log: Callable[[str], None]) -> _Plan:
     ConfigError: For any problem, as one line.
   """
   config_lib.validate(cfg)
+  if cfg.tensorboard:
+    try:
+      import tensorboardX  # noqa: F401 (checked here, used by run_log).
+    except ImportError:
+      raise ConfigError(
+        '--tensorboard needs tensorboardX (pip install tensorboardX); '
+        'or pass --no-tensorboard'
+      ) from None
   mesh = make_mesh(cfg)
   batches, evals, corpus_bytes = _read_data(cfg)
   optim.make_optimizer(cfg, optim.make_schedule(cfg), mesh)
