@@ -22,6 +22,7 @@ import os
 import pathlib
 import platform
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -33,6 +34,8 @@ from experiments import config as config_lib
 from experiments import model as model_lib
 from experiments import perf
 from experiments import train
+from experiments.report import fmt
+from experiments.report import markdown_table
 
 # Model shapes (byte vocabulary, tied embeddings): ~12 * layers * d_model**2.
 SIZES = {
@@ -125,10 +128,6 @@ def main() -> int:
       )
     del cands
 
-  print(
-    f'{"size":>5} {"optimizer":>13} {"params":>11} {"median ms":>10} '
-    f'{"optax/this":>10} {"host B/p":>9} {"device B/p":>10}'
-  )
   for row in rows:
     optax_ms = next(
       (
@@ -139,12 +138,6 @@ def main() -> int:
       float('nan'),
     )
     row['optax_over_this'] = optax_ms / row['median_ms']
-    print(
-      f'{row["size"]:>5} {row["optimizer"]:>13} {row["num_params"]:>11,} '
-      f'{row["median_ms"]:>10.1f} {row["optax_over_this"]:>10.2f} '
-      f'{row["host_bytes_per_param"]:>9.1f} '
-      f'{row["device_bytes_per_param"]:>10.1f}'
-    )
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(
@@ -166,8 +159,48 @@ def main() -> int:
     )
     + '\n'
   )
+  print(report(json.loads(out.read_text()), out.parent))
   print(f'wrote {out}')
   return 0
+
+
+def report(data: dict[str, Any], out_dir: pathlib.Path) -> str:
+  """Markdown table of `results/bench_train.json` (`out_dir` unused)."""
+  del out_dir  # No plot: one table says it all.
+  table = markdown_table(
+    [
+      'model',
+      'optimizer',
+      'params',
+      'median ms',
+      'optax / this',
+      'host B/param',
+      'device B/param',
+    ],
+    [
+      [
+        r['size'],
+        r['optimizer'],
+        fmt(r['num_params']),
+        fmt(r['median_ms'], '.1f'),
+        fmt(r.get('optax_over_this'), '.2f'),
+        fmt(r['host_bytes_per_param'], '.1f'),
+        fmt(r['device_bytes_per_param'], '.1f'),
+      ]
+      for r in data['rows']
+    ],
+  )
+  return '\n'.join(
+    [
+      '## A whole training step (`results/bench_train.json`)',
+      '',
+      f'Batch {data["batch"]} x {data["seq_len"]} tokens, medians of '
+      f'{data["rounds"]} interleaved rounds; {data.get("date", "?")}, '
+      f'{data.get("cpu_count", "?")} CPUs, jax {data.get("jax", "?")}.',
+      '',
+      table,
+    ]
+  )
 
 
 if __name__ == '__main__':

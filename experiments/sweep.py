@@ -104,6 +104,7 @@ TRAINER = (sys.executable, '-m', 'experiments.train')
 # Characters of stderr kept as the error text of a failed run.
 ERROR_TAIL_CHARS = 3000
 
+
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
   """One grid point, resolved to a trainer command line."""

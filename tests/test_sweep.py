@@ -8,6 +8,7 @@ import pytest
 
 from experiments import analyze
 from experiments import sweep
+from experiments import sweep_report
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -192,7 +193,7 @@ def test_sweep_records_failures_and_resumes(tmp_path):
   assert all(_flag(c, 'optimizer') == 'optax' for c in fake2.calls)
   lines = sweep.read_jsonl(tmp_path / 'out' / 'unit.jsonl')
   assert len(lines) == 16  # The failures stay in the file.
-  latest = analyze.load_runs([tmp_path / 'out' / 'unit.jsonl'])
+  latest = sweep_report.load_runs([tmp_path / 'out' / 'unit.jsonl'])
   assert len(latest) == 12 and all(r['status'] == 'ok' for r in latest)
   # Nothing left to do.
   sw3 = sweep.Sweep(cfg, root=tmp_path, runner=fake2, log=lambda _: None)
@@ -374,14 +375,14 @@ def test_analyze_aggregates_repeats(tmp_path):
     extra.append(r2)
   lines = [json.dumps(r) + '\n' for r in records + extra]
   jsonl.write_text(''.join(lines))
-  rows = analyze.run_rows(analyze.load_runs([jsonl]))
-  table, wins = analyze.comparison_table(rows)
+  rows = sweep_report.run_rows(sweep_report.load_runs([jsonl]))
+  table, wins = sweep_report.comparison_table(rows)
   # Median of 10 and 14 ms is 12 ms: level with optax, once in two passes.
   assert '| s | 1,000,000 | 32 | stationary | 12.0 | 12.0 | 20.0 | 1.00x |' in (
     table
   )
   assert '| yes | 1/2 |' in table and wins == 2
-  agg = {(r['model'], r['optimizer']): r for r in analyze.aggregate(rows)}
+  agg = {(r['model'], r['optimizer']): r for r in sweep_report.aggregate(rows)}
   assert agg['s', 'superoffload']['step_ms_max'] == pytest.approx(14.0)
   assert agg['m', 'device']['status'] == 'failed'
   assert agg['m', 'device']['runs'] == 2
