@@ -8,6 +8,7 @@ keeps its placement from step to step and the step compiles once.
 # Tensor names carry their shapes (`x_BxLxD`), NanoDO style.
 # ruff: noqa: N803
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from experiments import config as config_lib
 from experiments import model as model_lib
+from experiments import optim
 
 ConfigError = config_lib.ConfigError
 
@@ -192,3 +194,44 @@ def place_on_mesh(mesh: Mesh, *nodes: nnx.Module | nnx.Optimizer) -> None:
 
   state = nnx.state(nodes)
   nnx.update(nodes, jax.tree.map(place, state))
+
+
+@dataclasses.dataclass
+class Trainable:
+  """The model, its optimizer, their compiled steps and their state."""
+
+  model: model_lib.Transformer
+  optimizer: nnx.Optimizer
+  schedule: Callable[[int], Any]
+  train_step: TrainStep
+  eval_step: EvalStep
+  state: nnx.State
+  num_params: int
+
+
+def build(cfg: config_lib.Config, mesh: Mesh) -> Trainable:
+  """Initializes and places the model and optimizer; defines their steps."""
+  model = model_lib.init_model(cfg)
+  num_params = model_lib.count_params(model)
+  if cfg.mesh_seq > 1:
+    model_lib.set_sequence_parallel(model, mesh, SEQ_AXIS, DATA_AXIS)
+  # Parameters replicated over the mesh before the optimizer state is built
+  # from them (ZeRO shards that state over the mesh the parameters are on).
+  place_on_mesh(mesh, model)
+  schedule = optim.make_schedule(cfg)
+  optimizer = nnx.Optimizer(
+    model, optim.make_optimizer(cfg, schedule, mesh), wrt=nnx.Param
+  )
+  # Weight-flow: the stacked block weights move to host memory now that the
+  # optimizer has been built from device copies.
+  model_lib.offload_weights(model)
+  place_on_mesh(mesh, model, optimizer)
+  return Trainable(
+    model=model,
+    optimizer=optimizer,
+    schedule=schedule,
+    train_step=make_train_step(model, optimizer, mesh),
+    eval_step=make_eval_step(model, optimizer, mesh),
+    state=nnx.state((model, optimizer)),
+    num_params=num_params,
+  )

@@ -44,39 +44,30 @@ goes on instead); 128 + the signal number after SIGINT or SIGTERM.
 """
 
 # Tensor names carry their shapes (`x_BxLxD`), NanoDO style.
-# ruff: noqa: N806
 
-import contextlib
 import dataclasses
-import datetime
 import json
 import math
 import pathlib
 import signal
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-from tqdm import tqdm
 
 from experiments import checkpointing
 from experiments import config as config_lib
-from experiments import data as data_lib
-from experiments import model as model_lib
 from experiments import optim
 from experiments import perf
+from experiments import preflight
 from experiments import run_log
 from experiments import steps as steps_lib
+from experiments import train_loop as loop_lib
 
 ConfigError = config_lib.ConfigError
 
@@ -98,216 +89,10 @@ METRICS_FILE = run_log.METRICS_FILE
 SUMMARY_FILE = 'summary.json'
 PLOT_FILE = 'loss_curve.png'
 CONFIG_FILE = 'config.json'
-PROFILE_DIR = 'profile'
+NonFiniteError = loop_lib.NonFiniteError
 
 # Exit status of a run stopped by a non-finite loss or state.
 NONFINITE_EXIT = 3
-
-
-class NonFiniteError(RuntimeError):
-  """The loss or the parameters became non-finite (message: one line)."""
-
-
-class _StopOnSignal:
-  """Turns SIGINT and SIGTERM into a request to stop after the current step.
-
-  Installed only in the main thread. The first signal is recorded and the
-  previous handlers are put back, so a second one acts as it would have
-  (SIGINT raises KeyboardInterrupt, SIGTERM terminates).
-  """
-
-  SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-  def __init__(self):
-    self.signum: int | None = None
-    self._previous: dict[int, Any] = {}
-
-  def __enter__(self) -> '_StopOnSignal':
-    if threading.current_thread() is threading.main_thread():
-      for sig in self.SIGNALS:
-        self._previous[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def __exit__(self, *exc: Any) -> None:
-    self._restore()
-
-  def _handle(self, signum: int, frame: Any) -> None:
-    del frame
-    self.signum = signum
-    self._restore()
-
-  def _restore(self) -> None:
-    for sig, handler in self._previous.items():
-      signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-    self._previous = {}
-
-
-def _resolve_out_dir(out_dir: str | None) -> pathlib.Path:
-  """Returns `out_dir`, or a fresh ``runs/<timestamp>`` when None."""
-  if out_dir is not None:
-    return pathlib.Path(out_dir)
-  stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
-  return pathlib.Path('runs') / stamp
-
-
-def _has_checkpoints(directory: pathlib.Path) -> bool:
-  """Whether `directory` holds Orbax step folders (cheap; no Orbax import)."""
-  return directory.is_dir() and any(
-    p.is_dir() and p.name.isdigit() for p in directory.iterdir()
-  )
-
-
-def _uses_checkpoints(cfg: config_lib.Config) -> bool:
-  """Whether the run reads or periodically writes a checkpoint folder."""
-  return bool(cfg.resume or cfg.checkpoint_every or cfg.checkpoint_dir)
-
-
-@dataclasses.dataclass
-class _Plan:
-  """What the checks before any compilation found: data and folders."""
-
-  mesh: Mesh
-  checkpoint_dir: pathlib.Path
-  # The run folder; on --resume without --out-dir, the checkpoint names it.
-  out_dir: pathlib.Path | None
-  batches: data_lib.BatchIterator
-  eval_batches: list[tuple[np.ndarray, np.ndarray]]
-  corpus_bytes: int
-  lock: checkpointing.FolderLock | None = None
-  # Folders this run created, deepest first (removed if the start fails).
-  created: list[pathlib.Path] = dataclasses.field(default_factory=list)
-
-  def make_dirs(self, path: pathlib.Path) -> None:
-    """Creates `path` and its missing parents, remembering which."""
-    missing = []
-    for folder in [path, *path.parents]:
-      if folder.exists():
-        break
-      missing.append(folder)
-    path.mkdir(parents=True, exist_ok=True)
-    self.created[:0] = missing
-
-  def undo(self) -> None:
-    """Releases the lock and removes the folders created, if still empty."""
-    if self.lock is not None:
-      self.lock.release()
-    for folder in self.created:
-      with contextlib.suppress(OSError):
-        folder.rmdir()
-
-
-def _read_data(
-  cfg: config_lib.Config,
-) -> tuple[data_lib.BatchIterator, list[Any], int]:
-  """Reads the corpus, holds out its tail and checks both parts fit the run.
-
-  Raises:
-    ConfigError: Unreadable or too small data, or a vocabulary smaller than
-      the data's.
-  """
-  try:
-    tokens_N = data_lib.read_corpus(cfg.data, cfg.data_max_bytes)
-  except (OSError, ValueError) as e:
-    raise ConfigError(f'data: {e}') from None
-  need = int(tokens_N.max()) + 1
-  if cfg.vocab_size < need:
-    raise ConfigError(
-      f'vocab_size ({cfg.vocab_size}) is smaller than the data needs '
-      f'({need}: its largest token id is {need - 1})'
-    )
-  train_N, eval_M = data_lib.split_holdout(tokens_N, cfg.eval_fraction)
-  try:
-    batches = data_lib.BatchIterator(
-      train_N, cfg.batch_size * cfg.grad_accum, cfg.seq_len, seed=cfg.seed
-    )
-  except ValueError as e:
-    raise ConfigError(f'data: {e}') from None
-  evals = data_lib.eval_batches(
-    eval_M, cfg.batch_size, cfg.seq_len, cfg.eval_batches
-  )
-  if cfg.eval_every and not evals:
-    raise ConfigError(
-      f'data: the held-out {len(eval_M):,} bytes (eval_fraction '
-      f'{cfg.eval_fraction}) hold less than one batch of {cfg.batch_size} x '
-      f'{cfg.seq_len + 1}; raise --eval-fraction or pass --eval-every 0'
-    )
-  return batches, evals, len(tokens_N)
-
-
-def _preflight(cfg: config_lib.Config, log: Callable[[str], None]) -> _Plan:
-  """Every check that needs no compilation, in the order a user fixes them.
-
-  Validates the config, builds the mesh, reads the data, builds the
-  optimizer (its own checks), then takes the checkpoint folder's lock and
-  checks the folders. Nothing is left on disk when it raises.
-
-  Raises:
-    ConfigError: For any problem, as one line.
-  """
-  config_lib.validate(cfg)
-  if cfg.tensorboard:
-    try:
-      import tensorboardX  # noqa: F401 (checked here, used by run_log).
-    except ImportError:
-      raise ConfigError(
-        '--tensorboard needs tensorboardX (pip install tensorboardX); '
-        'or pass --no-tensorboard'
-      ) from None
-  mesh = make_mesh(cfg)
-  batches, evals, corpus_bytes = _read_data(cfg)
-  optim.make_optimizer(cfg, optim.make_schedule(cfg), mesh)
-  out_dir = None
-  if not cfg.resume:
-    out_dir = _resolve_out_dir(cfg.out_dir)
-  elif cfg.out_dir is not None:
-    out_dir = pathlib.Path(cfg.out_dir)
-  ckpt_dir = pathlib.Path(
-    cfg.checkpoint_dir or pathlib.Path(cfg.out_dir or out_dir) / 'checkpoints'
-  )
-  plan = _Plan(mesh, ckpt_dir, out_dir, batches, evals, corpus_bytes)
-  try:
-    _check_folders(cfg, plan, log)
-  except BaseException:
-    plan.undo()
-    raise
-  return plan
-
-
-def _check_folders(
-  cfg: config_lib.Config, plan: _Plan, log: Callable[[str], None]
-) -> None:
-  """Locks the checkpoint folder and checks it holds what the run expects."""
-  ckpt_dir = plan.checkpoint_dir
-  if cfg.resume and not _has_checkpoints(ckpt_dir):
-    raise ConfigError(f'--resume: no checkpoint in {ckpt_dir}')
-  if _uses_checkpoints(cfg):
-    try:
-      plan.make_dirs(ckpt_dir)
-    except OSError as e:
-      raise ConfigError(
-        f'checkpoint folder {ckpt_dir} is not writable: {e}'
-      ) from None
-    plan.lock = checkpointing.FolderLock(ckpt_dir)
-    if note := plan.lock.acquire():
-      log(note)
-  if not cfg.resume and _has_checkpoints(ckpt_dir):
-    raise ConfigError(
-      f'{ckpt_dir} already holds checkpoints; pass --resume to continue '
-      'from them, or choose another --checkpoint-dir'
-    )
-  if plan.out_dir is not None:
-    _make_writable(plan, plan.out_dir)
-
-
-def _make_writable(plan: _Plan, out_dir: pathlib.Path) -> None:
-  """Creates the run folder and checks a file can be written there."""
-  try:
-    plan.make_dirs(out_dir)
-    probe = out_dir / f'.write-test-{id(plan)}'
-    probe.write_text('')
-    probe.unlink()
-  except OSError as e:
-    raise ConfigError(f'run folder {out_dir} is not writable: {e}') from None
 
 
 def _changed_fields(old: dict[str, Any], cfg: config_lib.Config) -> list[str]:
@@ -320,62 +105,12 @@ def _changed_fields(old: dict[str, Any], cfg: config_lib.Config) -> list[str]:
   ]
 
 
-@dataclasses.dataclass
-class _Trainable:
-  """The model, its optimizer, their compiled steps and their state."""
-
-  model: model_lib.Transformer
-  optimizer: nnx.Optimizer
-  schedule: Callable[[int], Any]
-  train_step: steps_lib.TrainStep
-  eval_step: steps_lib.EvalStep
-  state: nnx.State
-  num_params: int
-
-
-def _build(cfg: config_lib.Config, mesh: Mesh) -> _Trainable:
-  """Initializes and places the model and optimizer; defines their steps."""
-  model = model_lib.init_model(cfg)
-  num_params = model_lib.count_params(model)
-  if cfg.mesh_seq > 1:
-    model_lib.set_sequence_parallel(model, mesh, SEQ_AXIS, DATA_AXIS)
-  # Parameters replicated over the mesh before the optimizer state is built
-  # from them (ZeRO shards that state over the mesh the parameters are on).
-  place_on_mesh(mesh, model)
-  schedule = make_schedule(cfg)
-  optimizer = nnx.Optimizer(
-    model, make_optimizer(cfg, schedule, mesh), wrt=nnx.Param
-  )
-  # Weight-flow: the stacked block weights move to host memory now that the
-  # optimizer has been built from device copies.
-  model_lib.offload_weights(model)
-  place_on_mesh(mesh, model, optimizer)
-  return _Trainable(
-    model=model,
-    optimizer=optimizer,
-    schedule=schedule,
-    train_step=make_train_step(model, optimizer, mesh),
-    eval_step=make_eval_step(model, optimizer, mesh),
-    state=nnx.state((model, optimizer)),
-    num_params=num_params,
-  )
-
-
-@dataclasses.dataclass
-class _Start:
-  """Where the loop starts: step 0, or a restored checkpoint."""
-
-  step: int = 0
-  meta: dict[str, Any] | None = None
-  checkpointer: checkpointing.RunCheckpointer | None = None
-
-
 def _restore(
   cfg: config_lib.Config,
-  plan: _Plan,
-  trainable: _Trainable,
+  plan: preflight.RunPlan,
+  trainable: steps_lib.Trainable,
   log: Callable[[str], None],
-) -> _Start:
+) -> loop_lib.Start:
   """With --resume, loads the newest intact checkpoint into `trainable`.
 
   Also settles the run folder (the checkpoint's unless --out-dir is given)
@@ -385,7 +120,7 @@ def _restore(
     ConfigError: No intact checkpoint, or one of another model.
   """
   if not cfg.resume:
-    return _Start()
+    return loop_lib.Start()
   fingerprint = checkpointing.model_fingerprint(cfg)
 
   def check_meta(meta: dict[str, Any], step: int) -> None:
@@ -418,232 +153,23 @@ def _restore(
     out_dir = checkpointing.resolve_out_dir(
       found.meta['out_dir'], plan.checkpoint_dir
     )
-    _make_writable(plan, out_dir)
+    preflight.make_writable(plan, out_dir)
     plan.out_dir = out_dir
   if changed := _changed_fields(found.meta['config'], cfg):
     log(f'note: resuming with changed settings: {"; ".join(changed)}')
   # A fresh checkpointer: the damaged steps set aside are gone from it.
-  return _Start(
+  return loop_lib.Start(
     found.step,
     found.meta,
     checkpointing.RunCheckpointer(plan.checkpoint_dir, cfg.checkpoint_keep),
   )
 
 
-class _Profiler:
-  """Traces steps a:b of ``--profile-steps`` with `jax.profiler`."""
-
-  def __init__(self, spec: str | None, out_dir: pathlib.Path):
-    self.window = None if spec is None else config_lib.parse_profile_steps(spec)
-    self.path = out_dir / PROFILE_DIR
-    self.active = False
-
-  def before(self, step: int) -> None:
-    """Starts the trace at step a (or at a resume inside the window)."""
-    window = self.window
-    if window and not self.active and window[0] <= step < window[1]:
-      jax.profiler.start_trace(str(self.path))
-      self.active = True
-
-  def after(self, step: int) -> None:
-    """Stops the trace once step b - 1 is done."""
-    if self.active and step + 1 >= self.window[1]:
-      self.close()
-      self.window = None
-
-  def close(self) -> None:
-    """Stops a trace in progress (at the end of a shorter run too)."""
-    if self.active:
-      jax.profiler.stop_trace()
-      self.active = False
-
-
-class _Loop:
-  """The training loop's state: steps, logs, saves, evaluation, signals."""
-
-  def __init__(
-    self,
-    cfg: config_lib.Config,
-    plan: _Plan,
-    trainable: _Trainable,
-    start: _Start,
-  ):
-    self.cfg, self.plan, self.t, self.start = cfg, plan, trainable, start
-    self.out_dir = plan.out_dir
-    self.done = start.step
-    self.saver = start.checkpointer
-    self.last_saved = start.step if start.meta is not None else None
-    self.step_times: list[float] = []
-    self.log = run_log.RunLog(self.out_dir, start.step, cfg.tensorboard)
-    self.eval_result: dict[str, float] = {}
-    self.stop = _StopOnSignal()
-    self.sharding = NamedSharding(plan.mesh, P(DATA_AXIS, SEQ_AXIS))
-    self.tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
-    devices = list(plan.mesh.devices.flat)
-    self.peak, self.peak_source = perf.peak_flops(devices, cfg.peak_tflops)
-    self.flops_token = perf.flops_per_token(
-      trainable.num_params, cfg.num_layers, cfg.d_model, cfg.seq_len
-    )
-    self.profiler = _Profiler(cfg.profile_steps, self.out_dir)
-    self._fingerprint: dict[str, Any] | None = None
-
-  def save(self, step: int) -> None:
-    """Saves checkpoint `step` (once) and waits for it to be written."""
-    if step == self.last_saved:
-      return
-    if self.saver is None:
-      self.saver = checkpointing.RunCheckpointer(
-        self.plan.checkpoint_dir, self.cfg.checkpoint_keep
-      )
-    if self._fingerprint is None:
-      self._fingerprint = checkpointing.model_fingerprint(self.cfg)
-    meta = {
-      'data_state': self.plan.batches.get_state(),
-      'out_dir': checkpointing.relative_out_dir(
-        self.out_dir, self.plan.checkpoint_dir
-      ),
-      'config': dataclasses.asdict(self.cfg),
-      'fingerprint': self._fingerprint,
-      'time': datetime.datetime.now().isoformat(timespec='seconds'),
-    }
-    self.saver.save(step, self.t.state, meta)
-    # The next step donates the state, whose buffers the save may still read.
-    self.saver.wait()
-    self.last_saved = step
-
-  def train_one(self) -> dict[str, Any]:
-    """Runs one optimizer step (its micro-steps) and returns its record."""
-    step = self.done
-    inputs, targets = next(self.plan.batches)
-    shape = (self.cfg.grad_accum, self.cfg.batch_size, self.cfg.seq_len)
-    inputs_AxBxL, targets_AxBxL = inputs.reshape(shape), targets.reshape(shape)
-    self.profiler.before(step)
-    t0 = time.perf_counter()
-    losses = []
-    for inputs_BxL, targets_BxL in zip(
-      inputs_AxBxL, targets_AxBxL, strict=True
-    ):
-      batch = jax.device_put((inputs_BxL, targets_BxL), self.sharding)
-      self.t.state, metrics = self.t.train_step(self.t.state, *batch)
-      losses.append(metrics['loss'])
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    values['loss'] = float(np.mean(jax.device_get(losses)))
-    dt = time.perf_counter() - t0
-    self.profiler.after(step)
-    self.done = step + 1
-    if step > self.start.step:  # This process's first step compiles.
-      self.step_times.append(dt)
-    record = {
-      'step': step,
-      **values,
-      'lr': float(self.t.schedule(step)),
-      'tokens_per_s': self.tokens_per_step / dt,
-      'step_time_s': dt,
-      'tokens': self.done * self.tokens_per_step,
-      'mfu': perf.mfu(self.tokens_per_step / dt, self.flops_token, self.peak),
-    }
-    if step == self.start.step and self.start.meta is not None:
-      record['resumed'] = True
-    return record
-
-  def evaluate(self) -> dict[str, float]:
-    """Mean loss over the held-out batches, in nats and bits per byte."""
-    losses = [
-      self.t.eval_step(self.t.state, *jax.device_put(b, self.sharding))
-      for b in self.plan.eval_batches
-    ]
-    loss = float(np.mean(jax.device_get(losses)))
-    # Byte-level tokens: nats per token / ln 2 is bits per byte.
-    self.eval_result = {'eval_loss': loss, 'eval_bpb': loss / math.log(2)}
-    return self.eval_result
-
-  def check_finite(self, record: dict[str, Any]) -> None:
-    """Raises `NonFiniteError` on a non-finite loss or new parameters."""
-    if self.cfg.on_nonfinite == 'continue':
-      return
-    bad = {
-      k: record[k]
-      for k in ('loss', 'param_norm')
-      if not math.isfinite(record[k])
-    }
-    if not bad:
-      return
-    kept = (
-      f'the last checkpoint, step {self.last_saved}, in '
-      f'{self.plan.checkpoint_dir} is kept'
-      if self.last_saved
-      else 'no checkpoint was saved'
-    )
-    raise NonFiniteError(
-      f'step {record["step"]}: non-finite '
-      f'{", ".join(f"{k} {v}" for k, v in bad.items())}; stopped without '
-      f'saving ({kept}); --on-nonfinite continue goes on regardless'
-    )
-
-  def run(self, progress: bool) -> None:
-    """Trains until all steps are done or a signal asks to stop."""
-    cfg = self.cfg
-    bar = tqdm(
-      total=cfg.steps,
-      initial=min(self.done, cfg.steps),
-      disable=not progress,
-      unit='step',
-    )
-    with self.stop:
-      while self.done < cfg.steps:
-        record = self.train_one()
-        done = self.done
-        if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-          record.update(self.evaluate())
-        self.log.write(record)
-        self.check_finite(record)
-        bar.update(1)
-        bar.set_postfix(**self._postfix(record), refresh=False)
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-          self.save(done)
-        if self.stop.signum is not None and done < cfg.steps:
-          name = signal.Signals(self.stop.signum).name
-          bar.write(f'{name}: saving a checkpoint at step {done} and stopping')
-          self.save(done)
-          break
-    bar.close()
-    if self.completed and (cfg.checkpoint_every or cfg.checkpoint_dir):
-      self.save(self.done)
-
-  @property
-  def completed(self) -> bool:
-    return self.done >= self.cfg.steps
-
-  def tokens_per_s(self) -> float:
-    """Timed tokens over timed seconds (this process's compiling step out)."""
-    timed_s = sum(self.step_times)
-    return (
-      self.tokens_per_step * len(self.step_times) / timed_s
-      if timed_s
-      else math.nan
-    )
-
-  def _postfix(self, record: dict[str, Any]) -> dict[str, str]:
-    avg_mfu = perf.mfu(self.tokens_per_s(), self.flops_token, self.peak)
-    return {
-      'loss': f'{record["loss"]:.3f}',
-      'tok_s': f'{self.tokens_per_s():,.0f}',
-      'mfu': '?' if math.isnan(avg_mfu) else f'{100 * avg_mfu:.2f}%',
-    }
-
-  def close(self) -> None:
-    """Stops the trace, closes the logs, waits for saves in flight."""
-    self.profiler.close()
-    self.log.close()
-    if self.saver is not None:
-      self.saver.close()
-
-
 def _summarize(
   cfg: config_lib.Config,
-  plan: _Plan,
-  trainable: _Trainable,
-  loop: _Loop,
+  plan: preflight.RunPlan,
+  trainable: steps_lib.Trainable,
+  loop: loop_lib.TrainLoop,
   wall_s: float,
 ) -> dict[str, Any]:
   """The run's summary (see `train`)."""
@@ -688,7 +214,10 @@ def _summarize(
 
 
 def _start_line(
-  cfg: config_lib.Config, plan: _Plan, trainable: _Trainable, loop: _Loop
+  cfg: config_lib.Config,
+  plan: preflight.RunPlan,
+  trainable: steps_lib.Trainable,
+  loop: loop_lib.TrainLoop,
 ) -> str:
   peak_text = f'{loop.peak / 1e12:,.3g}' if loop.peak else '?'
   accum = f'x{cfg.grad_accum}' if cfg.grad_accum > 1 else ''
@@ -730,9 +259,9 @@ def train(
       ``cfg.on_nonfinite`` is "stop".
   """
   wall_start = time.perf_counter()
-  plan = _preflight(cfg, log)
+  plan = preflight.plan_run(cfg, log)
   try:
-    trainable = _build(cfg, plan.mesh)
+    trainable = steps_lib.build(cfg, plan.mesh)
     start = _restore(cfg, plan, trainable, log)
   except BaseException:
     plan.undo()
@@ -746,9 +275,9 @@ def train(
 
 def _train_from(
   cfg: config_lib.Config,
-  plan: _Plan,
-  trainable: _Trainable,
-  start: _Start,
+  plan: preflight.RunPlan,
+  trainable: steps_lib.Trainable,
+  start: loop_lib.Start,
   log: Callable[[str], None],
   wall_start: float,
 ) -> dict[str, Any]:
@@ -758,7 +287,7 @@ def _train_from(
     json.dumps(dataclasses.asdict(cfg), indent=2) + '\n'
   )
   (out_dir / SUMMARY_FILE).unlink(missing_ok=True)  # Stale once resumed.
-  loop = _Loop(cfg, plan, trainable, start)
+  loop = loop_lib.TrainLoop(cfg, plan, trainable, start)
   log(_start_line(cfg, plan, trainable, loop))
   if start.step:
     log(f'resumed from {plan.checkpoint_dir} at step {start.step}')
