@@ -315,6 +315,8 @@ def _verify_checksums(arrays: dict[str, Any], saved: Any) -> None:
 def _one_line(error: BaseException, limit: int = 160) -> str:
   """A short one-line description of an exception."""
   text = ' '.join(str(error).split()) or type(error).__name__
+  # TensorStore appends a multi-line spec dump after this phrase.
+  text = text.split(' See full TensorStore details')[0]
   text = text if len(text) <= limit else text[: limit - 3] + '...'
   return f'{type(error).__name__}: {text}'
 

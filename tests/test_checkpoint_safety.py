@@ -188,7 +188,8 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, capsys):
 def test_second_writer_is_refused_while_the_first_finishes_intact(
   tmp_path, capsys
 ):
-  first_args = _args(tmp_path, 'first', steps=40, every=10)
+  # Long enough (100 steps, 4 saves) to still run when the second starts.
+  first_args = _args(tmp_path, 'first', steps=100, every=25)
   log = tmp_path / 'first.log'
   with open(log, 'w') as out:
     first = subprocess.Popen(
@@ -207,7 +208,7 @@ def test_second_writer_is_refused_while_the_first_finishes_intact(
   first.send_signal(signal.SIGSTOP)
   try:
     second_args = [
-      *_args(tmp_path, 'second', steps=40, every=10),
+      *_args(tmp_path, 'second', steps=100, every=25),
       f'--checkpoint-dir={tmp_path / "first" / "checkpoints"}',
     ]
     assert train.main(second_args) == 2
@@ -218,8 +219,13 @@ def test_second_writer_is_refused_while_the_first_finishes_intact(
     first.send_signal(signal.SIGCONT)
   assert first.wait(_TIMEOUT_S) == 0, log.read_text()
   assert not (tmp_path / 'second').exists()
-  assert [r['step'] for r in _metrics(tmp_path / 'first')] == list(range(40))
+  assert [r['step'] for r in _metrics(tmp_path / 'first')] == list(range(100))
   ckpt = checkpointing.RunCheckpointer(tmp_path / 'first' / 'checkpoints')
-  assert ckpt.all_steps() == [40, 30, 20]
+  assert ckpt.all_steps() == [100, 75, 50]
   summary = json.loads((tmp_path / 'first' / 'summary.json').read_text())
   assert summary['checkpoint_dir'] == str(tmp_path / 'first' / 'checkpoints')
+  # Every array of its newest checkpoint passes its checksum.
+  capsys.readouterr()
+  assert train.main([*first_args, '--resume']) == 0
+  out = capsys.readouterr().out
+  assert 'at step 100' in out and 'damaged' not in out
