@@ -1,7 +1,9 @@
 """Configuration for the byte-level decoder-only LM trainer.
 
 One flat dataclass holds every knob, in groups (model, data, optimizer,
-offload, checkpoint, logging) that ``--help`` lists the flags under. The
+offload, checkpoint, logging) that ``--help`` lists the flags under and
+``config.json`` nests them in (`grouped`); code reads them flat
+(``cfg.d_model``), and a flag is named after its field alone. The
 defaults are the ``small`` preset, which trains in a few minutes on two CPU
 cores. Other presets override a subset of the fields; every field can also be
 overridden from the command line (``--batch-size 8``, ``--no-tie-embeddings``).
@@ -302,6 +304,19 @@ def field_groups() -> dict[str, list[str]]:
     elif (m := re.match(r'(\w+):', line)) and current is not None:
       current.append(m.group(1))
   return groups
+
+
+def grouped(cfg: Config) -> dict[str, Any]:
+  """`cfg` as ``{"preset": ..., "model": {...}, "data": {...}, ...}``.
+
+  The form the trainer writes to ``config.json``, grouped as `field_groups`
+  (and ``--help``) group the fields.
+  """
+  values = dataclasses.asdict(cfg)
+  out: dict[str, Any] = {'preset': values['preset']}
+  for group, names in field_groups().items():
+    out[group] = {name: values[name] for name in names}
+  return out
 
 
 def _base_type(tp: Any) -> Any:

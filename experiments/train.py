@@ -12,9 +12,10 @@ Usage (from the repository root)::
     python -m experiments.train --preset tiny --mesh-data 2 --mesh-seq 2
 
 Writes to the run folder (``--out-dir``, default ``runs/<timestamp>``):
-``config.json``; ``metrics.jsonl`` (one strict-JSON line per step: step,
-loss, lr, gradient, update and parameter norms, tokens/s, step time, MFU,
-and every ``--eval-every`` steps the held-out loss and bits per byte;
+``config.json`` (grouped as ``--help`` groups the flags);
+``metrics.jsonl`` (one strict-JSON line per step: step, loss, lr,
+gradient, update and parameter norms, tokens/s, step time, MFU, and every
+``--eval-every`` steps the held-out loss and bits per byte;
 non-finite values are ``null``); TensorBoard event files beside it;
 ``loss_curve.png``; with ``--profile-steps a:b`` a ``jax.profiler`` trace
 in ``profile/``; and, once all ``--steps`` are done, ``summary.json``.
@@ -284,7 +285,7 @@ def _train_from(
   """Opens the run folder's logs, trains, and writes the summary."""
   out_dir = plan.out_dir
   (out_dir / CONFIG_FILE).write_text(
-    json.dumps(dataclasses.asdict(cfg), indent=2) + '\n'
+    json.dumps(config_lib.grouped(cfg), indent=2) + '\n'
   )
   (out_dir / SUMMARY_FILE).unlink(missing_ok=True)  # Stale once resumed.
   loop = loop_lib.TrainLoop(cfg, plan, trainable, start)

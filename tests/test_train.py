@@ -59,7 +59,27 @@ def test_metrics_jsonl_written(optax_run):
   lrs = [r['lr'] for r in records]
   assert max(lrs) == pytest.approx(cfg.learning_rate, rel=1e-5)
   saved = json.loads((out_dir / 'config.json').read_text())
-  assert saved['optimizer'] == 'optax'
+  # Grouped as the config's sections (and --help) group the fields.
+  assert set(saved) == {
+    'preset',
+    'model',
+    'data',
+    'optimizer',
+    'offload',
+    'checkpoint',
+    'logging',
+  }
+  assert saved['optimizer']['optimizer'] == 'optax'
+  assert saved['model']['d_model'] == cfg.d_model
+  flat = {
+    k: v
+    for group in saved.values()
+    if isinstance(group, dict)
+    for k, v in group.items()
+  }
+  assert flat == {
+    k: v for k, v in dataclasses.asdict(cfg).items() if k != 'preset'
+  }
 
 
 def _losses(summary):
