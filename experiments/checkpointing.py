@@ -502,5 +502,15 @@ def _alive_elsewhere(owner: dict[str, Any]) -> bool:
   except ProcessLookupError:
     return False
   except PermissionError:  # Exists, owned by another user.
-    return True
-  return True
+    pass
+  return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+  """Whether `pid` has exited but not been reaped (Linux; else False)."""
+  try:
+    stat = pathlib.Path(f'/proc/{pid}/stat').read_text()
+  except OSError:
+    return False
+  # The state follows the parenthesised command name, which may hold spaces.
+  return stat.rsplit(')', 1)[-1].split()[:1] == ['Z']

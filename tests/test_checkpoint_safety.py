@@ -185,6 +185,44 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, capsys):
   assert not (ckpt / '.lock').exists()  # Released at the end.
 
 
+def test_lock_of_a_killed_unreaped_process_is_taken_over(tmp_path):
+  # A trainer killed by SIGKILL whose parent has not waited for it yet (a
+  # zombie): the kernel dropped its flock, and its PID still answers.
+  ckpt = tmp_path / 'ckpt'
+  holder = subprocess.Popen(
+    [
+      sys.executable,
+      '-c',
+      'import sys; from experiments import checkpointing; '
+      f'checkpointing.FolderLock({str(ckpt)!r}).acquire(); '
+      'print("locked", flush=True); sys.stdin.read()',
+    ],
+    cwd=_ROOT,
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    text=True,
+  )
+  assert holder.stdout.readline() == 'locked\n'
+  with pytest.raises(ValueError, match=f'PID {holder.pid}'):
+    checkpointing.FolderLock(ckpt).acquire()
+  holder.kill()
+  # Not waited for: a zombie once all its threads are gone (the kernel
+  # drops the flock with the last one).
+  lock = checkpointing.FolderLock(ckpt)
+  deadline = time.monotonic() + 30
+  while True:
+    try:
+      note = lock.acquire()
+      break
+    except ValueError:
+      assert time.monotonic() < deadline
+      time.sleep(0.05)
+  assert checkpointing._is_zombie(holder.pid)
+  assert f'process {holder.pid}' in note
+  lock.release()
+  holder.wait()
+
+
 def test_second_writer_is_refused_while_the_first_finishes_intact(
   tmp_path, capsys
 ):
