@@ -114,7 +114,8 @@ class Config:
   # --- Offload ---
   # superoffload: where its step runs: "auto", "ffi", "xla_host", "device".
   executor: str = 'auto'
-  # superoffload: drop steps whose gradients hold NaN or Inf.
+  # Drop steps whose gradients hold NaN or Inf (superoffload: by STV;
+  # optax: apply_if_finite).
   skip_nonfinite: bool = False
   # superoffload: casting side, "host", "device" or "auto".
   cast: str = 'host'

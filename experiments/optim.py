@@ -108,8 +108,9 @@ def make_optimizer(
 
   Returns:
     ``jax_superoffload.adamw`` (host or ``executor="device"``) or
-    ``optax.adamw`` (after ``clip_by_global_norm`` when `clip_norm` is set),
-    all with the same arguments, inside ``optax.MultiSteps`` when
+    ``optax.adamw`` (after ``clip_by_global_norm`` when `clip_norm` is set,
+    inside ``apply_if_finite`` with `skip_nonfinite`), all with the same
+    arguments, inside ``optax.MultiSteps`` when
     ``grad_accum > 1``.
 
   Raises:
@@ -146,6 +147,9 @@ def _adamw(
     tx = optax.adamw(learning_rate, **kwargs)
     if cfg.clip_norm is not None:
       tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
+    if cfg.skip_nonfinite:
+      # Never gives up: every non-finite step is dropped, as superoffload's.
+      tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)
     return tx
   if cfg.optimizer in ('superoffload', 'device'):
     import jax_superoffload as superoffload

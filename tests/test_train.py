@@ -6,6 +6,7 @@ import pathlib
 
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -158,6 +159,18 @@ def test_library_value_errors_become_config_errors():
   cfg = config.get_config('tiny', device_buckets=5.0)
   with pytest.raises(config.ConfigError, match='optimizer: device_buckets'):
     train.make_optimizer(cfg, 0.1)
+
+
+@pytest.mark.parametrize('optimizer', ['optax', 'superoffload'])
+def test_skip_nonfinite_drops_a_nan_step(optimizer):
+  cfg = config.get_config('tiny', optimizer=optimizer, skip_nonfinite=True)
+  tx = train.make_optimizer(cfg, 0.1)
+  params = {'w': jax.numpy.ones((4, 4))}
+  state = tx.init(params)
+  nan_grads = {'w': jax.numpy.full((4, 4), jax.numpy.nan)}
+  updates, state = tx.update(nan_grads, state, params)
+  new_params = optax.apply_updates(params, updates)
+  assert np.array_equal(new_params['w'], params['w'])
 
 
 def test_help_shows_every_line_of_a_field_comment():
