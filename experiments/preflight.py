@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from experiments import checkpointing
 from experiments import config as config_lib
 from experiments import data as data_lib
+from experiments import folder_lock
 from experiments import optim
 from experiments import steps as steps_lib
 
@@ -59,7 +59,7 @@ class RunPlan:
   batches: data_lib.BatchIterator
   eval_batches: list[tuple[np.ndarray, np.ndarray]]
   corpus_bytes: int
-  lock: checkpointing.FolderLock | None = None
+  lock: folder_lock.FolderLock | None = None
   # Folders this run created, deepest first (removed if the start fails).
   created: list[pathlib.Path] = dataclasses.field(default_factory=list)
 
@@ -173,7 +173,7 @@ def _check_folders(
       raise ConfigError(
         f'checkpoint folder {ckpt_dir} is not writable: {e}'
       ) from None
-    plan.lock = checkpointing.FolderLock(ckpt_dir)
+    plan.lock = folder_lock.FolderLock(ckpt_dir)
     if note := plan.lock.acquire():
       log(note)
   if not cfg.resume and _has_checkpoints(ckpt_dir):

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from experiments import checkpointing
+from experiments import folder_lock
 from experiments import train
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -194,7 +195,7 @@ def test_lock_of_a_killed_unreaped_process_is_taken_over(tmp_path):
       sys.executable,
       '-c',
       'import sys; from experiments import checkpointing; '
-      f'checkpointing.FolderLock({str(ckpt)!r}).acquire(); '
+      f'folder_lock.FolderLock({str(ckpt)!r}).acquire(); '
       'print("locked", flush=True); sys.stdin.read()',
     ],
     cwd=_ROOT,
@@ -204,11 +205,11 @@ def test_lock_of_a_killed_unreaped_process_is_taken_over(tmp_path):
   )
   assert holder.stdout.readline() == 'locked\n'
   with pytest.raises(ValueError, match=f'PID {holder.pid}'):
-    checkpointing.FolderLock(ckpt).acquire()
+    folder_lock.FolderLock(ckpt).acquire()
   holder.kill()
   # Not waited for: a zombie once all its threads are gone (the kernel
   # drops the flock with the last one).
-  lock = checkpointing.FolderLock(ckpt)
+  lock = folder_lock.FolderLock(ckpt)
   deadline = time.monotonic() + 30
   while True:
     try:
@@ -217,7 +218,7 @@ def test_lock_of_a_killed_unreaped_process_is_taken_over(tmp_path):
     except ValueError:
       assert time.monotonic() < deadline
       time.sleep(0.05)
-  assert checkpointing._is_zombie(holder.pid)
+  assert folder_lock._is_zombie(holder.pid)
   assert f'process {holder.pid}' in note
   lock.release()
   holder.wait()
