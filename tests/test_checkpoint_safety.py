@@ -194,7 +194,7 @@ def test_lock_of_a_killed_unreaped_process_is_taken_over(tmp_path):
     [
       sys.executable,
       '-c',
-      'import sys; from experiments import checkpointing; '
+      'import sys; from experiments import folder_lock; '
       f'folder_lock.FolderLock({str(ckpt)!r}).acquire(); '
       'print("locked", flush=True); sys.stdin.read()',
     ],
