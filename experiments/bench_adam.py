@@ -22,9 +22,11 @@ import dataclasses
 import datetime
 import json
 import os
+import pathlib
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,9 @@ import optax
 
 from experiments import machine
 from experiments import stream_limit
+from experiments.report import fmt
+from experiments.report import markdown_table
+from experiments.report import plt
 from jax_superoffload import kernels
 from jax_superoffload._src import grace_adam as grace_adam_ffi
 
@@ -497,6 +502,67 @@ def main() -> None:
   with open(args.out, 'w') as f:
     json.dump(result, f, indent=1)
   print(f'wrote {args.out}')
+
+
+def report(data: dict[str, Any], out_dir: pathlib.Path) -> str:
+  """Table and bar chart of `results/bench_adam.json`."""
+  rows = data['rows']
+  table = markdown_table(
+    ['candidate', 'median ms', 'Mparam/s', 'vs limit'],
+    [
+      [
+        r['name'],
+        fmt(1e3 * r['median_s'], '.1f'),
+        fmt(r['mparam_per_s']),
+        # Older runs judged against the kernel's own loop ('vs_roofline').
+        fmt(r.get('vs_limit', r.get('vs_roofline')), '.2f'),
+      ]
+      for r in rows
+    ],
+  )
+  ratios = data.get('ratios', {})
+  fig, ax = plt.subplots(figsize=(9, 4.2))
+  names = [r['name'] for r in rows]
+  values = [r['mparam_per_s'] for r in rows]
+  colors = [
+    'tab:gray'
+    if 'roofline' in n or n.startswith('limit')
+    else 'tab:blue'
+    if n.startswith('grace')
+    else 'tab:orange'
+    for n in names
+  ]
+  bars = ax.barh(names[::-1], values[::-1], color=colors[::-1])
+  ax.bar_label(bars, fmt='%.0f', fontsize=8)
+  ax.set_xlabel('Mparam/s (higher is better)')
+  ax.set_title(
+    f'One AdamW step over {data["params"] / 1e6:.0f}M fp32 params '
+    f'(median of {data["reps"]})'
+  )
+  ax.grid(True, axis='x', alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(out_dir / 'bench_adam.png', dpi=110)
+  plt.close(fig)
+  host = data.get('machine', {})
+  lines = [
+    '## Grace Adam vs its peers (`results/bench_adam.json`)',
+    '',
+    f'One AdamW step over {data["params"]:,} fp32 parameters, median of '
+    f'{data["reps"]}; {data.get("date", "?")}, '
+    f'{host.get("cpu_model", "?")}, {host.get("cpus", "?")} CPUs, kernel '
+    f'ISA {host.get("kernel_isa", "?")}, prefetch '
+    f'{host.get("kernel_prefetch", "?")}, jax {host.get("jax", "?")}.',
+    '',
+    table,
+    '',
+    f'Grace Adam / optax.adamw: {fmt(ratios.get("ours_vs_optax"), ".2f")}x; '
+    f'Grace Adam / fastest peer ({ratios.get("fastest_peer", "?")}): '
+    f'{fmt(ratios.get("ours_vs_fastest_peer"), ".2f")}x; Grace Adam / '
+    f'independent limit: {fmt(ratios.get("ours_vs_limit"), ".2f")}.',
+    '',
+    '![bench_adam](bench_adam.png)',
+  ]
+  return '\n'.join(lines)
 
 
 if __name__ == '__main__':

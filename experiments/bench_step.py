@@ -24,9 +24,11 @@ import argparse
 import datetime
 import json
 import os
+import pathlib
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,6 +36,9 @@ import optax
 
 import jax_superoffload as superoffload
 from experiments import machine
+from experiments.report import fmt
+from experiments.report import markdown_table
+from experiments.report import plt
 
 
 def leaf_sizes(n: int, leaves: int, multiple: int = 1) -> list[int]:
@@ -220,6 +225,71 @@ def main() -> None:
   with open(args.out, 'w') as f:
     json.dump(result, f, indent=1)
   print(f'wrote {args.out}')
+
+
+def report(data: dict[str, Any], out_dir: pathlib.Path) -> str:
+  """Table and grouped bars of `results/bench_step.json` (STV ablation)."""
+  rows = data['rows']
+  leaves = data.get('leaves', 'many')
+  table = markdown_table(
+    [
+      'optimizer',
+      '1 leaf ms',
+      f'{leaves} leaves ms',
+      f'{leaves} / 1',
+      'vs optax (1 leaf)',
+    ],
+    [
+      [
+        r['optimizer'],
+        fmt(1e3 * r['one_leaf_s'], '.1f'),
+        fmt(1e3 * r['many_leaves_s'], '.1f'),
+        fmt(r['many_over_one'], '.2f'),
+        fmt(r['speedup_vs_optax_one_leaf'], '.2f'),
+      ]
+      for r in rows
+    ],
+  )
+  stv = data.get('stv_over_plain', {})
+  stv_text = ', '.join(f'{k}: {v:.2f}' for k, v in stv.items())
+  fig, ax = plt.subplots(figsize=(10, 4.2))
+  width = 0.38
+  xs = range(len(rows))
+  for k, (key, label) in enumerate(
+    (('one_leaf_s', '1 leaf'), ('many_leaves_s', f'{leaves} leaves'))
+  ):
+    bars = ax.bar(
+      [x + (k - 0.5) * width for x in xs],
+      [1e3 * r[key] for r in rows],
+      width,
+      label=label,
+    )
+    ax.bar_label(bars, fmt='%.0f', fontsize=8)
+  ax.set_xticks(list(xs), [r['optimizer'].replace(' + ', '\n+ ') for r in rows])
+  ax.set_ylabel('median step ms (lower is better)')
+  ax.set_title(
+    f'update + apply_updates, {data["params"] / 1e6:.0f}M params, donated '
+    f'(STV time / plain: {stv_text})'
+  )
+  ax.legend()
+  ax.grid(True, axis='y', alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(out_dir / 'bench_step.png', dpi=110)
+  plt.close(fig)
+  lines = [
+    '## STV on/off and leaf count (`results/bench_step.json`)',
+    '',
+    f'`update` + `optax.apply_updates`, jitted and donated, '
+    f'{data["params"]:,} fp32 parameters as 1 leaf and as {leaves} leaves, '
+    f'median of {data["reps"]}; {data.get("date", "?")}. STV armed '
+    f'(clip_norm set, never triggering) over plain ffi, time ratio: '
+    f'{stv_text} (below 1: STV faster).',
+    '',
+    table,
+    '',
+    '![bench_step](bench_step.png)',
+  ]
+  return '\n'.join(lines)
 
 
 if __name__ == '__main__':

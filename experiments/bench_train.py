@@ -33,6 +33,7 @@ import pathlib
 import platform
 import resource
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -44,6 +45,8 @@ from experiments import config as config_lib
 from experiments import model as model_lib
 from experiments import perf
 from experiments import train
+from experiments.report import fmt
+from experiments.report import markdown_table
 
 # Model shapes (byte vocabulary, tied embeddings): ~12 * layers * d_model**2.
 SIZES = {
@@ -128,16 +131,16 @@ def main() -> int:
     }
     for c in cands.values():  # Compile and settle.
       for _ in range(args.warmup):
-        c['state'], loss = c['step'](c['state'], *c['batch'])
-        float(loss)
+        c['state'], metrics = c['step'](c['state'], *c['batch'])
+        float(metrics['loss'])
     times = {o: [] for o in optimizers}
     faults = {o: 0 for o in optimizers}
     for _ in range(args.rounds):
       for o, c in cands.items():
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
-        c['state'], loss = c['step'](c['state'], *c['batch'])
-        float(loss)
+        c['state'], metrics = c['step'](c['state'], *c['batch'])
+        float(metrics['loss'])
         times[o].append(time.perf_counter() - t0)
         faults[o] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     for o, c in cands.items():
@@ -156,11 +159,6 @@ def main() -> int:
       )
     del cands
 
-  print(
-    f'{"size":>5} {"optimizer":>21} {"params":>11} {"median ms":>10} '
-    f'{"optax/this":>10} {"vs so":>6} {"host B/p":>9} {"device B/p":>10} '
-    f'{"temp MB":>8} {"faults/step":>11}'
-  )
   for row in rows:
     optax_ms = next(
       (
@@ -181,14 +179,6 @@ def main() -> int:
     row['optax_over_this'] = optax_ms / row['median_ms']
     # Above 1: slower than the plain superoffload step (STV's cost).
     row['this_over_superoffload'] = row['median_ms'] / plain_ms
-    print(
-      f'{row["size"]:>5} {row["optimizer"]:>21} {row["num_params"]:>11,} '
-      f'{row["median_ms"]:>10.1f} {row["optax_over_this"]:>10.2f} '
-      f'{row["this_over_superoffload"]:>6.2f} '
-      f'{row["host_bytes_per_param"]:>9.1f} '
-      f'{row["device_bytes_per_param"]:>10.1f} '
-      f'{row["temp_mb"]:>8.1f} {row["page_faults_per_step"]:>11.0f}'
-    )
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(
@@ -210,8 +200,54 @@ def main() -> int:
     )
     + '\n'
   )
+  print(report(json.loads(out.read_text()), out.parent))
   print(f'wrote {out}')
   return 0
+
+
+def report(data: dict[str, Any], out_dir: pathlib.Path) -> str:
+  """Markdown table of `results/bench_train.json` (`out_dir` unused)."""
+  del out_dir  # No plot: one table says it all.
+  table = markdown_table(
+    [
+      'model',
+      'optimizer',
+      'params',
+      'median ms',
+      'optax / this',
+      'this / superoffload',
+      'host B/param',
+      'device B/param',
+      'temp MB',
+      'page faults / step',
+    ],
+    [
+      [
+        r['size'],
+        r['optimizer'],
+        fmt(r['num_params']),
+        fmt(r['median_ms'], '.1f'),
+        fmt(r.get('optax_over_this'), '.2f'),
+        fmt(r.get('this_over_superoffload'), '.2f'),
+        fmt(r['host_bytes_per_param'], '.1f'),
+        fmt(r['device_bytes_per_param'], '.1f'),
+        fmt(r.get('temp_mb'), '.1f'),
+        fmt(r.get('page_faults_per_step'), ',.0f'),
+      ]
+      for r in data['rows']
+    ],
+  )
+  return '\n'.join(
+    [
+      '## A whole training step (`results/bench_train.json`)',
+      '',
+      f'Batch {data["batch"]} x {data["seq_len"]} tokens, medians of '
+      f'{data["rounds"]} interleaved rounds; {data.get("date", "?")}, '
+      f'{data.get("cpu_count", "?")} CPUs, jax {data.get("jax", "?")}.',
+      '',
+      table,
+    ]
+  )
 
 
 if __name__ == '__main__':

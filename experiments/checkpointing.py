@@ -7,8 +7,17 @@ A checkpoint is one Orbax step directory with two items:
   and taken from the freshly initialized state on restore; typed PRNG keys
   are stored as their raw key data.
 * ``meta``: JSON with the step (steps completed), the data iterator's
-  position, the run directory, the whole config, a fingerprint of the model
-  and the path, shape and dtype of every leaf of ``state``.
+  position, the run directory (relative to the checkpoint folder, so a
+  copied run folder resumes in place), the whole config, a fingerprint of
+  the model, the path, shape and dtype of every leaf of ``state`` and a
+  CRC-32 of every stored array's bytes.
+
+Restoring verifies a checkpoint twice: Orbax's own reads (a missing or
+truncated file fails there) and the CRC-32 of every restored array against
+the one written at save (bytes changed in place). `restore_newest_intact`
+falls back to older checkpoints past damaged ones.
+
+One trainer writes a checkpoint folder at a time (`folder_lock.FolderLock`).
 
 The trainer's only random stream after initialization is the data order,
 whose generator is re-derived from the iterator's position (seed, epoch,
@@ -21,9 +30,13 @@ optimizer state comes back in ``pinned_host`` memory, sharded as before.
 """
 
 import dataclasses
+import datetime
 import hashlib
 import json
+import os
 import pathlib
+import zlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -162,6 +175,10 @@ class RunCheckpointer:
     """The step of the newest complete checkpoint, or None."""
     return self._manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    """The steps of all complete checkpoints, newest first."""
+    return sorted(self._manager.all_steps(), reverse=True)
+
   def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
     """Starts saving `state` as checkpoint `step`.
 
@@ -177,7 +194,12 @@ class RunCheckpointer:
       for i, x in enumerate(leaves)
       if _stored(x)
     }
-    meta = {**meta, 'step': step, 'leaves': leaf_specs(state)}
+    meta = {
+      **meta,
+      'step': step,
+      'leaves': leaf_specs(state),
+      'checksums': {k: _crc32(x) for k, x in arrays.items()},
+    }
     ocp = self._ocp
     self._manager.save(
       step,
@@ -210,6 +232,8 @@ class RunCheckpointer:
     Raises:
       config_lib.ConfigError: If the checkpoint's leaves differ in path,
         shape or dtype from `like`'s.
+      DamagedCheckpointError: If an array's bytes differ from those saved.
+      Exception: Whatever Orbax raises for missing or unreadable files.
     """
     meta = self.read_meta(step)
     saved, now = meta['leaves'], leaf_specs(like)
@@ -233,6 +257,7 @@ class RunCheckpointer:
       step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
     )
     arrays = out['state']
+    _verify_checksums(arrays, meta.get('checksums'))
     restored = []
     for i, x in enumerate(leaves):
       if not _stored(x):
@@ -263,3 +288,112 @@ def _first_diff(saved: list[Any], now: list[Any]) -> str:
     f'saved {len(saved)} arrays, now {len(now)} (was the optimizer or one of '
     'its options changed?)'
   )
+
+
+class DamagedCheckpointError(Exception):
+  """A checkpoint whose content differs from what was saved."""
+
+
+def _crc32(x: Any) -> int:
+  """CRC-32 of an array's bytes (brought to host memory)."""
+  data = np.ascontiguousarray(np.asarray(x))
+  return zlib.crc32(data.reshape(-1).view(np.uint8))
+
+
+def _verify_checksums(arrays: dict[str, Any], saved: Any) -> None:
+  """Raises `DamagedCheckpointError` on the first array whose CRC differs."""
+  if saved is None:  # Written before checksums existed.
+    return
+  for key, x in arrays.items():
+    if saved.get(key) != _crc32(x):
+      raise DamagedCheckpointError(f'array {key} fails its checksum')
+
+
+def _one_line(error: BaseException, limit: int = 160) -> str:
+  """A short one-line description of an exception."""
+  text = ' '.join(str(error).split()) or type(error).__name__
+  # TensorStore appends a multi-line spec dump after this phrase.
+  text = text.split(' See full TensorStore details')[0]
+  text = text if len(text) <= limit else text[: limit - 3] + '...'
+  return f'{type(error).__name__}: {text}'
+
+
+@dataclasses.dataclass
+class Resumed:
+  """What `restore_newest_intact` returns."""
+
+  step: int
+  state: Any
+  meta: dict[str, Any]
+  # One line per damaged newer checkpoint that was set aside.
+  damaged: list[str]
+
+
+def restore_newest_intact(
+  checkpointer: RunCheckpointer,
+  like: Any,
+  check_meta: Callable[[dict[str, Any], int], None] = lambda meta, step: None,
+) -> Resumed:
+  """Restores the newest checkpoint that reads back intact.
+
+  A damaged checkpoint (Orbax fails to read it, or an array fails its
+  checksum) is moved aside to ``.damaged-<step>`` so that the run can save
+  that step again, and the next older one is tried.
+
+  Args:
+    checkpointer: The run's checkpointer.
+    like: The state to restore into (see `RunCheckpointer.restore`).
+    check_meta: Called with each readable checkpoint's metadata and step
+      before its arrays are read; raises `ConfigError` for a checkpoint of
+      another model (which is not damage, so it stops the search).
+
+  Returns:
+    The step, state and metadata of the newest intact checkpoint, and a note
+    per damaged one.
+
+  Raises:
+    config_lib.ConfigError: If no checkpoint is intact, or `check_meta` or
+      the restore refuse one.
+  """
+  damaged, reasons = [], []
+  for step in checkpointer.all_steps():
+    try:
+      meta = checkpointer.read_meta(step)
+      check_meta(meta, step)
+      restored = checkpointer.restore(step, like)
+    except config_lib.ConfigError:
+      raise
+    except Exception as e:
+      reasons.append(f'step {step}: {_one_line(e)}')
+      damaged.append(step)
+      continue
+    for bad in damaged:
+      _set_aside(checkpointer.directory, bad)
+    return Resumed(step, restored.state, restored.meta, reasons)
+  raise config_lib.ConfigError(
+    f'--resume: no intact checkpoint in {checkpointer.directory} '
+    f'({"; ".join(reasons) or "none complete"})'
+  )
+
+
+def _set_aside(directory: pathlib.Path, step: int) -> None:
+  """Renames step folder `step` to a hidden name Orbax does not list."""
+  stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
+  source = directory / str(step)
+  if source.exists():
+    os.replace(source, directory / f'.damaged-{step}-{stamp}')
+
+
+def relative_out_dir(
+  out_dir: pathlib.Path, checkpoint_dir: pathlib.Path
+) -> str:
+  """`out_dir` relative to `checkpoint_dir`, as a checkpoint stores it."""
+  return os.path.relpath(out_dir.resolve(), checkpoint_dir.resolve())
+
+
+def resolve_out_dir(stored: str, checkpoint_dir: pathlib.Path) -> pathlib.Path:
+  """The run folder a checkpoint names (relative paths from its folder)."""
+  path = pathlib.Path(stored)
+  if path.is_absolute():  # Checkpoints written before relative paths.
+    return path
+  return pathlib.Path(os.path.normpath(checkpoint_dir / path))

@@ -172,3 +172,46 @@ class BatchIterator:
     chunk_BxW = self.tokens_N[idx_BxW].astype(np.int32)
     self.index += self.batch_size
     return chunk_BxW[:, :-1], chunk_BxW[:, 1:]
+
+
+def split_holdout(
+  tokens_N: np.ndarray, fraction: float
+) -> tuple[np.ndarray, np.ndarray]:
+  """Cuts the corpus into a training head and a held-out tail.
+
+  Args:
+    tokens_N: The corpus.
+    fraction: Share of the tokens, at the end, held out (0 holds none).
+
+  Returns:
+    ``(train_N, eval_M)``, which together are `tokens_N`.
+  """
+  held_out = int(len(tokens_N) * fraction)
+  cut = len(tokens_N) - held_out
+  return tokens_N[:cut], tokens_N[cut:]
+
+
+def eval_batches(
+  tokens_M: np.ndarray, batch_size: int, seq_len: int, max_batches: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+  """The fixed evaluation batches: consecutive windows of the held-out tail.
+
+  Args:
+    tokens_M: The held-out tokens.
+    batch_size: Sequences per batch.
+    seq_len: Tokens per input sequence.
+    max_batches: At most this many batches.
+
+  Returns:
+    Up to `max_batches` pairs ``(inputs_BxL, targets_BxL)`` of int32, the
+    same at every evaluation; [] when the tail holds less than one batch.
+  """
+  window = seq_len + 1
+  num_batches = min(max_batches, len(tokens_M) // window // batch_size)
+  batches = []
+  for b in range(num_batches):
+    start = b * batch_size * window
+    chunk = tokens_M[start : start + batch_size * window]
+    chunk_BxW = chunk.reshape(batch_size, window).astype(np.int32)
+    batches.append((chunk_BxW[:, :-1], chunk_BxW[:, 1:]))
+  return batches

@@ -24,6 +24,7 @@ K head width, F MLP width, V vocabulary.
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -330,7 +331,7 @@ def set_sequence_parallel(
 
 def apply_gradients(
   model: Transformer, optimizer: nnx.Optimizer, grads: nnx.State
-) -> None:
+) -> tuple[Any, Any]:
   """`optimizer.update(model, grads)` that keeps offloaded weights offloaded.
 
   Weight-flow gradients arrive in host memory, and optimizers compute with
@@ -342,15 +343,29 @@ def apply_gradients(
     model: The model, updated in place.
     optimizer: An `nnx.Optimizer` of `model`, updated in place.
     grads: Gradients of `model`'s parameters.
+
+  Returns:
+    ``(updates, params)``: the updates applied and the new parameters, as
+    pure arrays in device memory (for norms; the model holds the same
+    values where they live).
   """
   if model.weights_policy != 'flow':
-    optimizer.update(model, grads)
-    return
+    updates = optimizer.update(model, grads)
+    return updates, nnx.as_pure(nnx.state(model, nnx.Param))
   state = nnx.state(model)
   spaces = weight_flow.memory_spaces(state)  # `state` changes in place.
   nnx.update(model, weight_flow.fetch_stacked(state))
-  optimizer.update(model, weight_flow.fetch_stacked(grads))
+  updates = optimizer.update(model, weight_flow.fetch_stacked(grads))
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
   nnx.update(model, weight_flow.match_placement(nnx.state(model), spaces))
+  return updates, params
+
+
+def device_copy(model: Transformer, grads: nnx.State) -> nnx.State:
+  """`grads` in device memory (weight-flow gradients arrive in host memory)."""
+  if model.weights_policy != 'flow':
+    return grads
+  return weight_flow.fetch_stacked(grads)
 
 
 def loss_fn(

@@ -18,9 +18,15 @@ import dataclasses
 import datetime
 import json
 import pathlib
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from experiments.report import fmt
+from experiments.report import markdown_table
+from experiments.report import plt
+from experiments.report import ticker
 from jax_superoffload._src import hardware
 from jax_superoffload._src import planner
 
@@ -343,6 +349,185 @@ def main() -> None:
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1) + '\n')
   print(f'wrote {args.md} and {out}')
+
+
+def _fits(entry: dict[str, Any]) -> str:
+  if not entry.get('fits', True):
+    return 'does not fit'
+  return fmt(entry.get('tokens_per_s'))
+
+
+def _value_span(values: Sequence[float]) -> str:
+  """'1.86x' or '1.43x-5.55x'."""
+  lo, hi = f'{min(values):.2f}x', f'{max(values):.2f}x'
+  return lo if lo == hi else f'{lo}-{hi}'
+
+
+def report(data: dict[str, Any], out_dir: pathlib.Path) -> str:
+  """Predictions of the cost model beside the paper's figures."""
+  paper = data['paper']
+  key = f'{data["seq_len"]}x{data["batch"]}'
+  fits = data['largest_fits'].get(key, {})
+  throughput = data['throughput']
+  sensitivity = data.get('sensitivity', [])
+  speedups = [r['speedup_vs_zero_offload'] for r in sensitivity]
+  fitting = [r for r in throughput if r['zero_offload'].get('fits', True)]
+  batch_speedups = [r['speedup_vs_zero_offload'] for r in fitting]
+  hw_tflops = max(r['superoffload']['hardware_tflops'] for r in throughput)
+  model_tflops = max(r['superoffload']['model_tflops'] for r in throughput)
+  claims = [
+    [
+      'largest model, SuperOffload (B params)',
+      fmt(paper['largest_superoffload_b'], 'g'),
+      fmt(fits.get('superoffload'), '.1f'),
+    ],
+    [
+      'largest model, ZeRO-Offload (B params)',
+      fmt(paper['largest_zero_offload_b'], 'g'),
+      fmt(fits.get('zero_offload'), '.1f'),
+    ],
+    [
+      'speedup over ZeRO-Offload',
+      f'up to {paper["max_speedup_vs_zero_offload"]}x',
+      f'{_value_span(batch_speedups)} at batch {data["batch"]} '
+      f'({fmt(fitting[0]["params_b"], "g")}B-'
+      f'{fmt(fitting[-1]["params_b"], "g")}B); '
+      + (
+        f'{_value_span(speedups)} over batches '
+        f'{sensitivity[0]["batch"]}-{sensitivity[-1]["batch"]} '
+        f'({sensitivity[0]["params_b"]}B)'
+        if speedups
+        else ''
+      ),
+    ],
+    [
+      'TFLOPS, one GH200',
+      f'~{paper["tflops_one_gh200"]}',
+      f'{hw_tflops:.0f} hardware / {model_tflops:.0f} model',
+    ],
+  ]
+  for row in data.get('graceadam_check', []):
+    claims.append(
+      [
+        f'GraceAdam step, {row["params"]} params (s)',
+        f'{row["graceadam_s"]} (DeepSpeed CPU-Adam '
+        f'{row["deepspeed_cpu_adam_s"]})',
+        fmt(row['predicted_s'], '.3f'),
+      ]
+    )
+  claims_table = markdown_table(
+    ['claim', 'paper / blog', 'model prediction'], claims
+  )
+  tput_table = markdown_table(
+    [
+      'params (B)',
+      'policy',
+      'device Adam tok/s',
+      'ZeRO-Offload tok/s',
+      'SuperOffload tok/s',
+      'speedup vs ZeRO',
+    ],
+    [
+      [
+        fmt(r['params_b'], 'g'),
+        r['weights'],
+        _fits(r['device_adam']),
+        _fits(r['zero_offload']),
+        _fits(r['superoffload']),
+        f'{r["speedup_vs_zero_offload"]:.2f}x'
+        if r['zero_offload'].get('fits', True)
+        else '(n/a)',
+      ]
+      for r in throughput
+    ],
+  )
+
+  fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+  ax = axes[0]
+  labels = ['SuperOffload', 'ZeRO-Offload']
+  paper_v = [paper['largest_superoffload_b'], paper['largest_zero_offload_b']]
+  model_v = [fits.get('superoffload', 0), fits.get('zero_offload', 0)]
+  for k, (vals, name) in enumerate(
+    ((paper_v, 'paper'), (model_v, 'model prediction'))
+  ):
+    bars = ax.bar(
+      [i + (k - 0.5) * 0.38 for i in range(2)], vals, 0.38, label=name
+    )
+    ax.bar_label(bars, fmt='%.1f', fontsize=8)
+  ax.set_xticks(range(2), labels)
+  ax.set_ylabel('largest trainable model (B params)')
+  ax.set_title(f'Largest model on one GH200\n(seq x batch {key})')
+  ax.legend()
+
+  ax = axes[1]
+  checks = data.get('graceadam_check', [])
+  series = (
+    ('GraceAdam (paper)', 'graceadam_s'),
+    ('DeepSpeed CPU-Adam (paper)', 'deepspeed_cpu_adam_s'),
+    ('model prediction', 'predicted_s'),
+  )
+  for k, (name, field) in enumerate(series):
+    bars = ax.bar(
+      [i + (k - 1) * 0.27 for i in range(len(checks))],
+      [c[field] for c in checks],
+      0.27,
+      label=name,
+    )
+    ax.bar_label(bars, fmt='%.3f', fontsize=7)
+  ax.set_xticks(range(len(checks)), [c['params'] for c in checks])
+  ax.set_ylabel('host Adam step (s)')
+  ax.set_title('Host Adam step\npublished vs predicted')
+  ax.legend(fontsize=8)
+
+  ax = axes[2]
+  if sensitivity:
+    ax.plot(
+      [r['batch'] for r in sensitivity],
+      speedups,
+      'o-',
+      label='model prediction',
+    )
+    batches = [r['batch'] for r in sensitivity]
+    ax.set_xscale('log', base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.set_title(
+      f'Speedup over ZeRO-Offload\n({sensitivity[0]["params_b"]}B params, '
+      f'seq {sensitivity[0]["seq_len"]})'
+    )
+  ax.axhline(
+    paper['max_speedup_vs_zero_offload'],
+    color='tab:red',
+    ls='--',
+    label=f'paper: up to {paper["max_speedup_vs_zero_offload"]}x',
+  )
+  ax.set_xlabel('batch')
+  ax.set_ylabel('speedup (x)')
+  ax.legend()
+  for a in axes:
+    a.grid(True, axis='y', alpha=0.3)
+  fig.suptitle(
+    'MODEL PREDICTIONS of the cost model (no GH200 used) beside the paper'
+  )
+  fig.tight_layout()
+  fig.savefig(out_dir / 'paper_predictions.png', dpi=110)
+  plt.close(fig)
+  hw = data.get('hardware', {})
+  lines = [
+    "## The planner's GH200 predictions vs the paper "
+    '(`results/paper_predictions.json`)',
+    '',
+    f'**{data.get("kind", "model predictions")}**, {data.get("date", "?")}; '
+    f'profile {hw.get("name", "?")}, sequence {data["seq_len"]}, batch '
+    f'{data["batch"]}.',
+    '',
+    claims_table,
+    '',
+    tput_table,
+    '',
+    '![paper_predictions](paper_predictions.png)',
+  ]
+  return '\n'.join(lines)
 
 
 if __name__ == '__main__':

@@ -15,12 +15,10 @@ hash of its full command line, so re-running the sweep skips the runs that
 already finished ``ok``; failed and timed-out runs are tried again (their old
 lines stay in the file) unless ``--no-retry``.
 
-The summary comes from the trainer's ``summary.json`` when it writes one.
-Otherwise it is rebuilt from ``metrics.jsonl``, ``config.json`` and the
-trainer's stdout, and the resident bytes per parameter in host and device
-memory are measured by a separate probe subprocess that builds the same model
-and optimizer (``python -m experiments.sweep --probe-memory RUN_DIR``). Keys
-that neither source gives (e.g. ``mfu``) are null.
+The summary is the trainer's own ``summary.json`` (which it writes once all
+steps are done, resident bytes per parameter by memory kind included); a run
+that exits 0 without one is recorded ``failed``. Step-time statistics come
+from its ``metrics.jsonl``.
 
 Config file format (TOML; JSON with the same structure also works)::
 
@@ -89,6 +87,8 @@ SUMMARY_KEYS = (
   'steps',
   'first_loss',
   'final_loss',
+  'eval_loss',
+  'eval_bpb',
   'tokens_per_s',
   'step_time_s_median',
   'mfu',
@@ -103,21 +103,6 @@ TRAINER = (sys.executable, '-m', 'experiments.train')
 
 # Characters of stderr kept as the error text of a failed run.
 ERROR_TAIL_CHARS = 3000
-
-# `config.json` fields that do not change the resident memory of the model
-# and optimizer, so runs differing only in them share one memory probe.
-_PROBE_IGNORED_FIELDS = (
-  'out_dir',
-  'steps',
-  'batch_size',
-  'progress',
-  'data',
-  'data_max_bytes',
-  'warmup_steps',
-  'final_loss_window',
-  'learning_rate',
-  'min_lr_ratio',
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,66 +379,16 @@ def finished_ids(records: Iterable[dict[str, Any]], retry: bool) -> set[str]:
   }
 
 
-def _number(text: str) -> float:
-  return float(text.replace(',', ''))
-
-
-def summary_from_metrics(
-  out_dir: pathlib.Path, stdout: str
-) -> dict[str, Any] | None:
-  """Rebuilds the trainer's summary from ``metrics.jsonl`` and its stdout.
-
-  The median step time and the tokens/s leave out step 0 (compilation), as
-  the trainer does.
-
-  Args:
-    out_dir: The run's output folder.
-    stdout: The trainer's standard output (for the parameter count and the
-      wall time).
-
-  Returns:
-    A dict with the `SUMMARY_KEYS` it can fill (the rest None), or None when
-    there is no metrics file.
-  """
-  metrics_path = out_dir / 'metrics.jsonl'
-  rows = read_jsonl(metrics_path)
-  if not rows:
+def read_summary(out_dir: pathlib.Path) -> dict[str, Any] | None:
+  """The run's ``summary.json`` with every `SUMMARY_KEYS` key, or None."""
+  path = out_dir / 'summary.json'
+  try:
+    given = json.loads(path.read_text())
+  except (OSError, json.JSONDecodeError):
     return None
-  cfg_path = out_dir / 'config.json'
-  cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-  timed = [r for r in rows if r.get('step', 0) > 0 and 'step_time_s' in r]
-  times = [r['step_time_s'] for r in timed]
-  tokens_per_step = None
-  if cfg.get('batch_size') and cfg.get('seq_len'):
-    tokens_per_step = cfg['batch_size'] * cfg['seq_len']
-  tokens_per_s = None
-  if times and tokens_per_step:
-    tokens_per_s = tokens_per_step * len(times) / sum(times)
-  window = max(1, int(cfg.get('final_loss_window', 10)))
-  losses = [r['loss'] for r in rows if 'loss' in r]
-  optimizer = cfg.get('optimizer')
-  executor = None
-  if optimizer == 'superoffload':
-    executor = cfg.get('executor')
-  elif optimizer == 'device':
-    executor = 'device'
-  summary = dict.fromkeys(SUMMARY_KEYS)
-  summary.update(
-    preset=cfg.get('preset'),
-    optimizer=optimizer,
-    executor=executor,
-    steps=len(rows),
-    first_loss=losses[0] if losses else None,
-    final_loss=statistics.fmean(losses[-window:]) if losses else None,
-    tokens_per_s=tokens_per_s,
-    step_time_s_median=statistics.median(times) if times else None,
-    out_dir=str(out_dir),
-  )
-  if m := re.search(r'\bparams=([\d,]+)', stdout):
-    summary['num_params'] = int(_number(m.group(1)))
-  if m := re.search(r'\|\s*([\d.]+)s\s*\|', stdout):
-    summary['wall_time_s'] = _number(m.group(1))
-  return summary
+  if not isinstance(given, dict):
+    return None
+  return {**dict.fromkeys(SUMMARY_KEYS), **given}
 
 
 def step_time_stats(out_dir: pathlib.Path) -> dict[str, Any]:
@@ -469,57 +404,6 @@ def step_time_stats(out_dir: pathlib.Path) -> dict[str, Any]:
     'step_time_s_min': min(times),
     'step_time_s_max': max(times),
     'first_step_s': rows[0].get('step_time_s'),
-  }
-
-
-def _probe_key(cfg: dict[str, Any]) -> str:
-  kept = {k: v for k, v in cfg.items() if k not in _PROBE_IGNORED_FIELDS}
-  return json.dumps(kept, sort_keys=True)
-
-
-def probe_memory(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-  """Measures resident bytes per parameter by memory kind for a run's config.
-
-  Builds the model and optimizer exactly as the trainer does (same config,
-  same `make_optimizer`, weight-flow offloading and commit), then sums the
-  bytes of every array of both by memory kind. Transient buffers of a step
-  (gradients, activations) are not counted.
-
-  Args:
-    run_dir: A run folder holding the trainer's ``config.json``.
-
-  Returns:
-    ``num_params``, ``bytes_by_kind`` and ``host_bytes_per_param`` (pinned
-    and unpinned host) and ``device_bytes_per_param``.
-  """
-  # Imported here: the sweep itself does not need JAX.
-  import jax
-  from flax import nnx
-
-  from experiments import config as config_lib
-  from experiments import model as model_lib
-  from experiments import train as train_lib
-
-  raw = json.loads((pathlib.Path(run_dir) / 'config.json').read_text())
-  fields = {f.name for f in dataclasses.fields(config_lib.Config)}
-  cfg = config_lib.Config(**{k: v for k, v in raw.items() if k in fields})
-  model = model_lib.init_model(cfg)
-  num_params = model_lib.count_params(model)
-  tx = train_lib.make_optimizer(cfg, train_lib.make_schedule(cfg))
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  model_lib.offload_weights(model)
-  train_lib.commit_placement(model, optimizer)
-  by_kind: dict[str, int] = {}
-  for x in jax.tree.leaves(nnx.state((model, optimizer))):
-    kind = str(getattr(getattr(x, 'sharding', None), 'memory_kind', None))
-    by_kind[kind] = by_kind.get(kind, 0) + x.nbytes
-  host = sum(v for k, v in by_kind.items() if 'host' in k)
-  device = sum(v for k, v in by_kind.items() if 'host' not in k)
-  return {
-    'num_params': num_params,
-    'bytes_by_kind': by_kind,
-    'host_bytes_per_param': host / num_params,
-    'device_bytes_per_param': device / num_params,
   }
 
 
@@ -573,7 +457,6 @@ class Sweep:
     config: The sweep.
     root: Working directory of the runs (the repository root).
     runner: Runs one command line; `run_subprocess` unless a test fakes it.
-    probe: Whether to measure bytes per parameter when the summary has none.
     log: Receives one progress line per run.
   """
 
@@ -582,15 +465,12 @@ class Sweep:
     config: SweepConfig,
     root: str | os.PathLike[str] = '.',
     runner: Runner = run_subprocess,
-    probe: bool = True,
     log: Callable[[str], None] = print,
   ):
     self.config = config
     self.root = pathlib.Path(root)
     self.runner = runner
-    self.probe = probe
     self.log = log
-    self._probe_cache: dict[str, dict[str, Any]] = {}
 
   @property
   def results_path(self) -> pathlib.Path:
@@ -660,7 +540,7 @@ class Sweep:
       'source': source,
       'machine': machine(),
     }
-    summary, source = self._summary(abs_out, result.stdout)
+    summary = read_summary(abs_out)
     if result.timed_out:
       status = 'timeout'
       error = f'timed out after {self.config.timeout_s:g} s'
@@ -672,80 +552,20 @@ class Sweep:
       error = error or f'exit status {result.returncode}'
     elif summary is None:
       status = 'failed'
-      error = 'the trainer exited 0 but wrote no metrics.jsonl/summary.json'
+      error = 'the trainer exited 0 but wrote no summary.json'
     else:
       status, error = 'ok', None
-    if status == 'ok' and self.probe:
-      summary = self._fill_memory(summary, abs_out, record)
     record.update(
       status=status,
       error=error,
       summary=summary,
-      summary_source=source,
+      summary_source='summary.json' if summary is not None else None,
       step_times=step_time_stats(abs_out),
     )
     self.results_path.parent.mkdir(parents=True, exist_ok=True)
     with open(self.results_path, 'a') as f:
       f.write(json.dumps(record, default=_json_default) + '\n')
     return record
-
-  def _summary(
-    self, out_dir: pathlib.Path, stdout: str
-  ) -> tuple[dict[str, Any] | None, str | None]:
-    """The run's summary and where it came from, filling missing keys."""
-    fallback = summary_from_metrics(out_dir, stdout)
-    path = out_dir / 'summary.json'
-    if path.exists():
-      try:
-        given = json.loads(path.read_text())
-      except json.JSONDecodeError:
-        given = None
-      if isinstance(given, dict):
-        summary = dict.fromkeys(SUMMARY_KEYS)
-        summary.update(given)
-        for key, value in (fallback or {}).items():
-          if summary.get(key) is None and value is not None:
-            summary[key] = value
-        return summary, 'summary.json'
-    if fallback is None:
-      return None, None
-    return fallback, 'metrics.jsonl'
-
-  def _fill_memory(
-    self,
-    summary: dict[str, Any],
-    out_dir: pathlib.Path,
-    record: dict[str, Any],
-  ) -> dict[str, Any]:
-    """Adds bytes/param from a memory probe when the summary has none."""
-    keys = ('host_bytes_per_param', 'device_bytes_per_param')
-    if all(summary.get(k) is not None for k in keys):
-      return summary
-    cfg_path = out_dir / 'config.json'
-    if not cfg_path.exists():
-      return summary
-    key = _probe_key(json.loads(cfg_path.read_text()))
-    if key not in self._probe_cache:
-      argv = [sys.executable, '-m', 'experiments.sweep', '--probe-memory']
-      result = self.runner(
-        [*argv, str(out_dir)], self.config.timeout_s, self.root
-      )
-      try:
-        self._probe_cache[key] = json.loads(
-          result.stdout.strip().splitlines()[-1]
-        )
-      except (json.JSONDecodeError, IndexError):
-        record['probe_error'] = _tail(result.stderr) or 'no probe output'
-        return summary
-    probe = self._probe_cache[key]
-    record['memory_probe'] = probe
-    summary = dict(summary)
-    for k in keys:
-      if summary.get(k) is None:
-        summary[k] = probe.get(k)
-    if summary.get('num_params') is None:
-      summary['num_params'] = probe.get('num_params')
-    return summary
 
 
 def _json_default(value: Any) -> Any:
@@ -773,16 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument('--only', help='run only run ids containing this')
   parser.add_argument('--results', help='override the JSONL results file')
   parser.add_argument('--timeout-s', type=float, help='override timeout_s')
-  parser.add_argument(
-    '--no-probe', action='store_true', help='skip the memory probe'
-  )
-  parser.add_argument(
-    '--probe-memory', metavar='RUN_DIR', help=argparse.SUPPRESS
-  )
   args = parser.parse_args(argv)
-  if args.probe_memory:
-    print(json.dumps(probe_memory(args.probe_memory)))
-    return 0
   if not args.config:
     parser.error('a sweep config is required')
   config = load_config(args.config)
@@ -790,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = dataclasses.replace(config, results=pathlib.Path(args.results))
   if args.timeout_s:
     config = dataclasses.replace(config, timeout_s=args.timeout_s)
-  sweep = Sweep(config, probe=not args.no_probe)
+  sweep = Sweep(config)
   if args.dry_run:
     pending = {r.run_id for r in sweep.pending(retry=not args.no_retry)}
     for spec in config.runs:

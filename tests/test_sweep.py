@@ -8,6 +8,7 @@ import pytest
 
 from experiments import analyze
 from experiments import sweep
+from experiments import sweep_report
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -60,22 +61,13 @@ def _flag(argv, name):
 class FakeTrainer:
   """Writes what the trainer would; fails or skips files on request."""
 
-  def __init__(self, root, fail=(), summary_json=False):
+  def __init__(self, root, fail=(), summary_json=True):
     self.root = pathlib.Path(root)
     self.fail = fail
     self.summary_json = summary_json
     self.calls = []
-    self.probes = []
 
   def __call__(self, argv, timeout_s, cwd):
-    if '--probe-memory' in argv:
-      self.probes.append(list(argv))
-      probe = {
-        'num_params': 1234,
-        'host_bytes_per_param': 12.0,
-        'device_bytes_per_param': 4.0,
-      }
-      return sweep.ProcessResult(0, json.dumps(probe) + '\n', '', False, 0.1)
     self.calls.append(list(argv))
     optimizer = _flag(argv, 'optimizer')
     if optimizer in self.fail:
@@ -100,10 +92,19 @@ class FakeTrainer:
         row = {'step': step, 'loss': 5.0 - step, 'step_time_s': t}
         f.write(json.dumps(row) + '\n')
     if self.summary_json:
-      (out / 'summary.json').write_text(
-        json.dumps({'num_params': 1234, 'mfu': 0.5, 'tokens_per_s': 99.0})
-      )
-    stdout = 'preset=tiny params=1,234 corpus=...\ndone: ... | 1.5s | x\n'
+      summary = {
+        'optimizer': optimizer,
+        'num_params': 1234,
+        'mfu': 0.5,
+        'tokens_per_s': 99.0,
+        'step_time_s_median': 0.15,
+        'host_bytes_per_param': 12.0,
+        'device_bytes_per_param': 4.0,
+        'wall_time_s': 1.5,
+      }
+      (out / 'summary.json').write_text(json.dumps(summary))
+    # What a real trainer prints; the sweep must not need to parse it.
+    stdout = 'preset=tiny params=9,999 corpus=...\ndone: ... | 7.5s | x\n'
     return sweep.ProcessResult(0, stdout, '', False, 0.2)
 
 
@@ -166,22 +167,18 @@ def test_sweep_records_failures_and_resumes(tmp_path):
   ok = [r for r in lines if r['status'] == 'ok']
   assert len(ok) == 8
   first = ok[0]
-  assert first['summary_source'] == 'metrics.jsonl'
+  assert first['summary_source'] == 'summary.json'
   summary = first['summary']
   assert set(sweep.SUMMARY_KEYS) <= set(summary)
+  # The trainer's summary.json as written, not its stdout.
   assert summary['num_params'] == 1234
-  assert summary['step_time_s_median'] == pytest.approx(0.15)  # Not step 0.
-  assert summary['tokens_per_s'] == pytest.approx(2 * 16 * 2 / 0.3)
-  assert summary['final_loss'] == pytest.approx(3.5)
-  assert summary['wall_time_s'] == pytest.approx(1.5)
-  assert summary['mfu'] is None
-  # Bytes/param from the memory probe, one probe per distinct config.
+  assert summary['wall_time_s'] == 1.5
+  assert summary['tokens_per_s'] == 99.0
   assert summary['host_bytes_per_param'] == 12.0
   assert summary['device_bytes_per_param'] == 4.0
-  assert first['memory_probe']['num_params'] == 1234
-  # The fake's config.json differs only in seq_len among host-Adam runs.
-  assert len(fake.probes) == 2
+  assert summary['final_loss'] is None  # Keys it lacks are null.
   assert first['step_times']['timed_steps'] == 2
+  assert first['step_times']['step_time_s_median'] == pytest.approx(0.15)
   assert first['argv'][-2:] == [
     f'--out-dir=runs/{first["run_id"]}',
     '--no-progress',
@@ -196,7 +193,7 @@ def test_sweep_records_failures_and_resumes(tmp_path):
   assert all(_flag(c, 'optimizer') == 'optax' for c in fake2.calls)
   lines = sweep.read_jsonl(tmp_path / 'out' / 'unit.jsonl')
   assert len(lines) == 16  # The failures stay in the file.
-  latest = analyze.load_runs([tmp_path / 'out' / 'unit.jsonl'])
+  latest = sweep_report.load_runs([tmp_path / 'out' / 'unit.jsonl'])
   assert len(latest) == 12 and all(r['status'] == 'ok' for r in latest)
   # Nothing left to do.
   sw3 = sweep.Sweep(cfg, root=tmp_path, runner=fake2, log=lambda _: None)
@@ -216,20 +213,15 @@ def test_no_retry_skips_failed(tmp_path):
   assert len(sw.pending()) == 6  # so-xla and b-superoffload still failed.
 
 
-def test_summary_json_preferred_and_completed(tmp_path):
+def test_run_without_summary_json_fails(tmp_path):
   cfg = _write_config(tmp_path)
-  fake = FakeTrainer(tmp_path, summary_json=True)
-  sw = sweep.Sweep(
-    cfg, root=tmp_path, runner=fake, probe=False, log=lambda _: None
-  )
+  fake = FakeTrainer(tmp_path, summary_json=False)
+  sw = sweep.Sweep(cfg, root=tmp_path, runner=fake, log=lambda _: None)
   record = sw.run_one(cfg.runs[0])
-  assert record['status'] == 'ok'
-  assert record['summary_source'] == 'summary.json'
-  summary = record['summary']
-  assert summary['mfu'] == 0.5
-  assert summary['tokens_per_s'] == 99.0  # summary.json wins.
-  assert summary['step_time_s_median'] == pytest.approx(0.15)  # Filled in.
-  assert summary['host_bytes_per_param'] is None  # Nobody gave it.
+  assert record['status'] == 'failed'
+  assert 'wrote no summary.json' in record['error']
+  assert record['summary'] is None
+  assert fake.calls == [fake.calls[0]]  # No second (probe) process.
 
 
 def test_timeout_is_recorded(tmp_path):
@@ -260,7 +252,7 @@ def test_crash_without_stderr_and_no_metrics(tmp_path):
   cfg = _write_config(tmp_path)
   for code, expected in (
     ('raise SystemExit(3)', 'exit status 3'),
-    ('', 'wrote no metrics'),
+    ('', 'wrote no summary.json'),
   ):
     c = sweep.SweepConfig(
       name='c',
@@ -294,7 +286,7 @@ name = 'tiny'
 preset = 'tiny'
 """
   cfg = _write_config(tmp_path, text)
-  sw = sweep.Sweep(cfg, root=_REPO, probe=False, log=lambda _: None)
+  sw = sweep.Sweep(cfg, root=_REPO, log=lambda _: None)
   record = sw.run()[0]
   assert record['status'] == 'ok', record['error']
   summary = record['summary']
@@ -302,11 +294,9 @@ preset = 'tiny'
   assert summary['steps'] == 3
   assert summary['num_params'] > 10_000
   assert summary['step_time_s_median'] > 0
-  # The memory probe, in process, on the run's own config.
-  probe = sweep.probe_memory(record['out_dir'])
-  assert probe['num_params'] == summary['num_params']
-  assert probe['host_bytes_per_param'] == pytest.approx(12.0, abs=0.1)
-  assert probe['device_bytes_per_param'] == pytest.approx(4.0, abs=0.1)
+  # The trainer's own count: fp32 master, mu and nu on the host.
+  assert summary['host_bytes_per_param'] == pytest.approx(12.0, abs=0.1)
+  assert summary['device_bytes_per_param'] == pytest.approx(4.0, abs=0.1)
 
 
 def _synthetic_jsonl(path):
@@ -385,14 +375,14 @@ def test_analyze_aggregates_repeats(tmp_path):
     extra.append(r2)
   lines = [json.dumps(r) + '\n' for r in records + extra]
   jsonl.write_text(''.join(lines))
-  rows = analyze.run_rows(analyze.load_runs([jsonl]))
-  table, wins = analyze.comparison_table(rows)
+  rows = sweep_report.run_rows(sweep_report.load_runs([jsonl]))
+  table, wins = sweep_report.comparison_table(rows)
   # Median of 10 and 14 ms is 12 ms: level with optax, once in two passes.
   assert '| s | 1,000,000 | 32 | stationary | 12.0 | 12.0 | 20.0 | 1.00x |' in (
     table
   )
   assert '| yes | 1/2 |' in table and wins == 2
-  agg = {(r['model'], r['optimizer']): r for r in analyze.aggregate(rows)}
+  agg = {(r['model'], r['optimizer']): r for r in sweep_report.aggregate(rows)}
   assert agg['s', 'superoffload']['step_ms_max'] == pytest.approx(14.0)
   assert agg['m', 'device']['status'] == 'failed'
   assert agg['m', 'device']['runs'] == 2

@@ -6,6 +6,7 @@ import pathlib
 
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -59,7 +60,27 @@ def test_metrics_jsonl_written(optax_run):
   lrs = [r['lr'] for r in records]
   assert max(lrs) == pytest.approx(cfg.learning_rate, rel=1e-5)
   saved = json.loads((out_dir / 'config.json').read_text())
-  assert saved['optimizer'] == 'optax'
+  # Grouped as the config's sections (and --help) group the fields.
+  assert set(saved) == {
+    'preset',
+    'model',
+    'data',
+    'optimizer',
+    'offload',
+    'checkpoint',
+    'logging',
+  }
+  assert saved['optimizer']['optimizer'] == 'optax'
+  assert saved['model']['d_model'] == cfg.d_model
+  flat = {
+    k: v
+    for group in saved.values()
+    if isinstance(group, dict)
+    for k, v in group.items()
+  }
+  assert flat == {
+    k: v for k, v in dataclasses.asdict(cfg).items() if k != 'preset'
+  }
 
 
 def _losses(summary):
@@ -131,6 +152,35 @@ def test_every_field_has_a_flag_and_a_comment():
   for field in dataclasses.fields(config.Config):
     assert field.name in flags
     assert comments[field.name], field.name
+
+
+def test_library_value_errors_become_config_errors():
+  # Past `validate` (a config built in code): the library's own check.
+  cfg = config.get_config('tiny', device_buckets=5.0)
+  with pytest.raises(config.ConfigError, match='optimizer: device_buckets'):
+    train.make_optimizer(cfg, 0.1)
+
+
+@pytest.mark.parametrize('optimizer', ['optax', 'superoffload'])
+def test_skip_nonfinite_drops_a_nan_step(optimizer):
+  cfg = config.get_config('tiny', optimizer=optimizer, skip_nonfinite=True)
+  tx = train.make_optimizer(cfg, 0.1)
+  params = {'w': jax.numpy.ones((4, 4))}
+  state = tx.init(params)
+  nan_grads = {'w': jax.numpy.full((4, 4), jax.numpy.nan)}
+  updates, state = tx.update(nan_grads, state, params)
+  new_params = optax.apply_updates(params, updates)
+  assert np.array_equal(new_params['w'], params['w'])
+
+
+def test_help_shows_every_line_of_a_field_comment():
+  help_text = ' '.join(config.build_parser().format_help().split())
+  assert (
+    "superoffload: bucket size in MiB (None: the library's 256). Small "
+    'buckets start their host step while the backward pass still runs.'
+  ) in help_text
+  for group in ('model', 'data', 'optimizer', 'offload', 'checkpoint'):
+    assert f'{group}:' in help_text
 
 
 def test_unknown_optimizer_and_preset_raise():
@@ -225,13 +275,36 @@ def test_mesh_data_sequence_parallel_and_zero_match_one_device(
     (['--steps=0'], 'steps must be at least 1'),
     (['--optimizer=optax', '--zero'], '--zero needs --optimizer'),
     (['--batch-size=many'], "invalid int value: 'many'"),
+    # Values that cannot train, or that the library would refuse late.
+    (['--learning-rate=nan'], 'learning_rate must be finite'),
+    (['--learning-rate=-1'], 'learning_rate must be positive'),
+    (['--learning-rate=inf'], 'learning_rate must be finite'),
+    (['--vocab-size=10'], 'vocab_size (10) is smaller than the data needs'),
+    (['--clip-norm=-1'], 'clip_norm must be positive'),
+    (['--clip-norm=0'], 'clip_norm must be positive'),
+    (['--b1=1.5'], 'b1 must be in [0, 1)'),
+    (['--b2=nan'], 'b2 must be in [0, 1)'),
+    (['--eps=-1'], 'eps must be >= 0'),
+    (['--weight-decay=nan'], 'weight_decay must be finite'),
+    (['--device-buckets=5'], 'device_buckets must be in [0, 1]'),
+    (['--dtype=float99'], "invalid choice: 'float99'"),
+    (['--param-dtype=int8'], "invalid choice: 'int8'"),
+    (['--schedule=exp'], "invalid choice: 'exp'"),
+    (['--grad-accum=0'], 'grad_accum must be at least 1'),
+    (['--profile-steps=5:2'], 'profile_steps must be "a:b"'),
+    (['--eval-every=5', '--eval-fraction=0'], 'needs --eval-fraction'),
+    (['--eval-every=5', '--eval-fraction=1e-6'], 'held-out'),
   ],
 )
-def test_bad_configs_are_one_line_errors(flags, message, capsys):
-  assert train.main(['--preset=tiny', *flags]) == 2
+def test_bad_configs_are_one_line_errors(flags, message, capsys, tmp_path):
+  data = tmp_path / 'corpus.txt'
+  data.write_text(_CORPUS)
+  argv = ['--preset=tiny', f'--data={data}', f'--out-dir={tmp_path / "run"}']
+  assert train.main([*argv, *flags]) == 2
   err = capsys.readouterr().err
   assert err.startswith('error: ') and err.count('\n') == 1, err
   assert message in err
+  assert not (tmp_path / 'run').exists()
 
 
 def test_flops_and_peak_helpers():
