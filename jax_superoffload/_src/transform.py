@@ -498,7 +498,12 @@ def superoffload_adam(
       ]
       rest += [grads[i] for i in lay.fallback]
       norm = stv.global_norm(rest, [out.sumsq for out in pending.values()])
-      redo, skip, scale = stv.validate(norm, clip_norm, skip_nonfinite)
+      finite = jnp.isfinite(norm)
+      if skip_nonfinite:  # Double-buffered buckets kept their gradients.
+        finite = stv.all_finite(
+          norm, rest + [out.kept for out in pending.values()]
+        )
+      redo, skip, scale = stv.validate(norm, finite, clip_norm, skip_nonfinite)
       for i, out in pending.items():
         fixed = _validate_and_finish(zero)(
           buckets[i][1], (state.row, redo, skip, scale), out, buckets[i][2]
