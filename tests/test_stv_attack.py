@@ -37,6 +37,36 @@ def serial(params, grads, clip_norm=CLIP, learning_rate=LR):
   return params
 
 
+def float64_serial(params, grads, clip_norms, learning_rates, b1=0.9, b2=0.999):
+  """The serial recipe in float64 from its definition (AdamW, eps 1e-8),
+  with per-step clip norms (None: no clipping) and learning rates."""
+  p = {k: np.asarray(x, np.float64) for k, x in params.items()}
+  mu = {k: np.zeros_like(x) for k, x in p.items()}
+  nu = {k: np.zeros_like(x) for k, x in p.items()}
+  t = 0
+  for g, c, lr in zip(grads, clip_norms, learning_rates, strict=True):
+    g = {k: np.asarray(x, np.float64) for k, x in g.items()}
+    norm = np.sqrt(sum(np.sum(x * x) for x in g.values()))
+    if not np.isfinite(norm):
+      continue
+    if c is not None and norm >= c:
+      g = {k: x * (c / norm) for k, x in g.items()}
+    t += 1
+    for k, x in g.items():
+      mu[k] = b1 * mu[k] + (1 - b1) * x
+      nu[k] = b2 * nu[k] + (1 - b2) * x * x
+      m_hat, v_hat = mu[k] / (1 - b1**t), nu[k] / (1 - b2**t)
+      p[k] = p[k] - lr * (m_hat / (np.sqrt(v_hat) + 1e-8) + WD * p[k])
+  return p
+
+
+def deviation(got, want) -> float:
+  return max(
+    float(np.max(np.abs(np.asarray(got[k], np.float64) - want[k]), initial=0))
+    for k in want
+  )
+
+
 def run(tx, params, grads, donate=False):
   """Jitted steps of `tx`; returns the params, the state and the step."""
   state = tx.init(params)
@@ -267,3 +297,102 @@ def test_edge_leaves_donated_match_optax_without_recompiling(
   if state.row is not None:  # Flips on every step that is not dropped.
     assert int(state.row) == (len(EDGE_SCALES) - dropped) % 2
   assert step._cache_size() == 1
+
+
+WRAP_SCALES = [0.02, 3.0, np.nan, 0.05, 40.0, 0.01, np.inf, 0.3, 0.03, 2.0]
+
+
+def final_params(tx, params, grads):
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for g in grads:
+    updates, state = step(g, state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+def optax_dropping(clip_norm, learning_rate, weight_decay=WD):
+  """The serial recipe as one transformation: optax's chain, with steps
+  whose updates are not finite dropped (its state kept)."""
+  return optax.apply_if_finite(
+    optax.chain(
+      optax.clip_by_global_norm(clip_norm),
+      optax.adamw(learning_rate, weight_decay=weight_decay),
+    ),
+    max_consecutive_errors=10**6,
+  )
+
+
+@pytest.mark.parametrize('executor', EXECUTORS)
+def test_inject_hyperparams_schedules_the_learning_rate(executor):
+  params = random_tree([(40,), (6, 7), ()])
+  grads = random_grads(params, WRAP_SCALES)
+  lr = optax.linear_schedule(1e-2, 1e-3, 6)
+  ours = optax.inject_hyperparams(
+    superoffload.adamw, static_args=('clip_norm', 'bucket_bytes')
+  )(
+    learning_rate=lr,
+    weight_decay=WD,
+    clip_norm=CLIP,
+    skip_nonfinite=True,
+    executor=executor,
+    bucket_bytes=64,
+  )
+  theirs = optax.inject_hyperparams(
+    lambda learning_rate: optax_dropping(CLIP, learning_rate)
+  )(learning_rate=lr)
+  assert_close(
+    final_params(ours, params, grads), final_params(theirs, params, grads)
+  )
+
+
+# optax.inject_hyperparams turns every numeric argument into an array; optax's
+# own clip_by_global_norm takes one, so a clip norm can be injected (and
+# changed between steps without recompiling).
+@pytest.mark.parametrize('executor', EXECUTORS)
+def test_inject_hyperparams_can_change_the_clip_norm(executor):
+  params = random_tree([(40,), (6, 7), ()])
+  grads = random_grads(params, WRAP_SCALES)
+  ours = optax.inject_hyperparams(superoffload.adamw, 'bucket_bytes')(
+    learning_rate=LR,
+    weight_decay=WD,
+    clip_norm=CLIP,
+    skip_nonfinite=True,
+    executor=executor,
+    bucket_bytes=64,
+  )
+  theirs = optax.inject_hyperparams(optax_dropping)(
+    clip_norm=CLIP, learning_rate=LR
+  )
+  results = []
+  for tx in (ours, theirs):
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    p = params
+    compiled = []
+    for t, g in enumerate(grads):
+      state.hyperparams['clip_norm'] = jnp.asarray(0.5 + 0.25 * (t % 3))
+      updates, state = step(g, state, p)
+      p = optax.apply_updates(p, updates)
+      compiled.append(step._cache_size())
+    results.append(p)
+    # The state out of init is placed otherwise than out of a step: one
+    # more compile, then none as the clip norm changes.
+    assert compiled[-1] == compiled[1], compiled
+  want = float64_serial(
+    params,
+    grads,
+    [0.5 + 0.25 * (t % 3) for t in range(len(grads))],
+    [LR] * len(grads),
+  )
+  ours, theirs = (deviation(r, want) for r in results)
+  print(f'ours {ours:.3g} optax {theirs:.3g}')
+  assert ours <= 4 * theirs, (ours, theirs)
+
+
+@pytest.mark.parametrize(
+  'clip_norm', [0.0, -1.0, True, '1.0', np.ones(2), jnp.asarray(-1.0)]
+)
+def test_bad_clip_norm_is_refused(clip_norm):
+  with pytest.raises(ValueError, match='clip_norm must be'):
+    superoffload.adamw(LR, clip_norm=clip_norm)
