@@ -37,9 +37,10 @@ def serial(params, grads, clip_norm=CLIP, learning_rate=LR):
   return params
 
 
-def float64_serial(params, grads, clip_norms, learning_rates, b1=0.9, b2=0.999):
+def float64_serial(params, grads, clip_norms, learning_rates, wd=WD):
   """The serial recipe in float64 from its definition (AdamW, eps 1e-8),
   with per-step clip norms (None: no clipping) and learning rates."""
+  b1, b2 = 0.9, 0.999
   p = {k: np.asarray(x, np.float64) for k, x in params.items()}
   mu = {k: np.zeros_like(x) for k, x in p.items()}
   nu = {k: np.zeros_like(x) for k, x in p.items()}
@@ -56,7 +57,7 @@ def float64_serial(params, grads, clip_norms, learning_rates, b1=0.9, b2=0.999):
       mu[k] = b1 * mu[k] + (1 - b1) * x
       nu[k] = b2 * nu[k] + (1 - b2) * x * x
       m_hat, v_hat = mu[k] / (1 - b1**t), nu[k] / (1 - b2**t)
-      p[k] = p[k] - lr * (m_hat / (np.sqrt(v_hat) + 1e-8) + WD * p[k])
+      p[k] = p[k] - lr * (m_hat / (np.sqrt(v_hat) + 1e-8) + wd * p[k])
   return p
 
 
@@ -469,3 +470,91 @@ def test_checkpoint_mid_run_resumes_bit_for_bit(executor):
   ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert step._cache_size() == 1
+
+
+# A non-fp32 mu_dtype puts every leaf on the optax path, clipped serially
+# with STV's norm: bf16 moments turn any difference in the norm's last bit
+# into a bf16 rounding step, so only bit equality says the norm and the
+# clip are optax's own.
+@pytest.mark.parametrize('executor', EXECUTORS)
+def test_optax_path_under_stv_is_optax_bit_for_bit(executor):
+  params = random_tree([(40,), (6, 7), ()])
+  grads = random_grads(params, [0.02, 5.0, np.nan, 0.03, 40.0, -np.inf])
+  theirs = optax.apply_if_finite(
+    optax.chain(
+      optax.clip_by_global_norm(CLIP),
+      optax.adamw(LR, weight_decay=WD, mu_dtype=jnp.bfloat16),
+    ),
+    max_consecutive_errors=10**6,
+  )
+  ours = superoffload.adamw(
+    LR,
+    weight_decay=WD,
+    mu_dtype=jnp.bfloat16,
+    clip_norm=CLIP,
+    skip_nonfinite=True,
+    executor=executor,
+  )
+  for a, b in zip(
+    jax.tree.leaves(final_params(ours, params, grads)),
+    jax.tree.leaves(final_params(theirs, params, grads)),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# clip_by_global_norm leaves gradients alone only when norm < max_norm: a
+# norm of exactly the clip norm is a (trivial) clip, scale 1.
+@pytest.mark.parametrize('executor', EXECUTORS)
+def test_norm_exactly_at_the_clip_norm(executor):
+  params = random_tree([(40,), (6, 7)])
+  one_hot = {k: np.zeros(x.shape, np.float32) for k, x in params.items()}
+  one_hot['p01'][2, 3] = -CLIP  # Norm CLIP, exactly, in any precision.
+  grads = [committed(jax.tree.map(jnp.asarray, one_hot))] * 2
+  tx = superoffload.adamw(
+    LR,
+    weight_decay=WD,
+    clip_norm=CLIP,
+    skip_nonfinite=True,
+    executor=executor,
+    bucket_bytes=64,
+  )
+  got, state, _ = run(tx, params, grads)
+  assert int(state.redone) == 2
+  for a, b in zip(
+    jax.tree.leaves(got),
+    jax.tree.leaves(serial(params, grads)),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize('executor', EXECUTORS)
+def test_updates_without_params_under_stv(executor):
+  # Without params the update is the change of the fp32 master, taken from
+  # the current and the written row (or the kept old state).
+  params = random_tree([(40,), (6, 7), ()])
+  grads = random_grads(params, [0.02, 5.0, np.nan, 0.03, 40.0, np.inf, 0.1])
+  tx = superoffload.adam(
+    LR,
+    clip_norm=CLIP,
+    skip_nonfinite=True,
+    executor=executor,
+    bucket_bytes=64,
+  )
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  p = params
+  for g in grads:
+    updates, state = step(g, state)
+    p = optax.apply_updates(p, updates)
+  want = float64_serial(params, grads, [CLIP] * 7, [LR] * 7, wd=0.0)
+  theirs = optax.apply_if_finite(
+    optax.chain(optax.clip_by_global_norm(CLIP), optax.adam(LR)),
+    max_consecutive_errors=10**6,
+  )
+  ours_dev = deviation(p, want)
+  theirs_dev = deviation(final_params(theirs, params, grads), want)
+  print(f'ours {ours_dev:.3g} optax {theirs_dev:.3g}')
+  assert (int(state.count), int(state.skipped)) == (5, 2)
+  assert ours_dev <= 4 * theirs_dev, (ours_dev, theirs_dev)
