@@ -127,7 +127,9 @@ def random_grads(params, scales, seed=1, bad_leaf=None):
 # Finite gradients whose squares overflow fp32: the global norm is inf in
 # fp32 (optax's too), yet there is no NaN or Inf to drop the step for.
 # optax then clips every gradient to g / inf * c = 0 and takes the step.
-@pytest.mark.parametrize('executor', EXECUTORS)
+@pytest.mark.parametrize(
+  'executor', [*EXECUTORS, 'ffi_device_buckets', 'xla_host_device_buckets']
+)
 @pytest.mark.parametrize('value', [1e18, 3e19])
 def test_finite_gradients_whose_norm_overflows_are_not_dropped(executor, value):
   params = random_tree([(1000,), (3,)])
@@ -136,12 +138,15 @@ def test_finite_gradients_whose_norm_overflows_are_not_dropped(executor, value):
     committed(jax.tree.map(lambda x: jnp.full_like(x, value), params)),
     random_grads(params, [0.2], seed=7)[0],
   ]
+  # Device buckets: a host bucket per leaf, the last one on the device.
+  executor, split, _ = executor.partition('_device_buckets')
   tx = superoffload.adamw(
     LR,
     weight_decay=WD,
     clip_norm=CLIP,
     skip_nonfinite=True,
     executor=executor,
+    **(dict(bucket_bytes=64, device_buckets=1) if split else {}),
   )
   got, state, _ = run(tx, params, grads)
   assert (int(state.skipped), int(state.count)) == (0, 3)
@@ -261,8 +266,11 @@ def as_f32(tree):
 
 
 @pytest.mark.parametrize('executor', EXECUTORS)
-@pytest.mark.parametrize('bucket_bytes', [4, 48, None])
-@pytest.mark.parametrize('bad_leaf', ['b_scalar', 'e_mat'])
+@pytest.mark.parametrize(
+  ('bad_leaf', 'bucket_bytes'),
+  # One bucket per leaf, a few leaves per bucket, one per dtype.
+  [('b_scalar', 4), ('e_mat', 48), ('c_one', None)],
+)
 def test_edge_leaves_donated_match_optax_without_recompiling(
   executor, bucket_bytes, bad_leaf
 ):
