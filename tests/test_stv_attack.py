@@ -37,9 +37,13 @@ def serial(params, grads, clip_norm=CLIP, learning_rate=LR):
   return params
 
 
-def float64_serial(params, grads, clip_norms, learning_rates, wd=WD):
-  """The serial recipe in float64 from its definition (AdamW, eps 1e-8),
-  with per-step clip norms (None: no clipping) and learning rates."""
+def float64_serial(params, grads, clip_norms, learning_rates, wd=WD, mask=None):
+  """The serial recipe in float64 from its definition (AdamW, eps 1e-8).
+
+  Per step: a clip norm (None: no clipping) and a learning rate, either a
+  number or a function of the steps taken (not counting dropped ones).
+  `mask`: which leaves are decayed (default: all).
+  """
   b1, b2 = 0.9, 0.999
   p = {k: np.asarray(x, np.float64) for k, x in params.items()}
   mu = {k: np.zeros_like(x) for k, x in p.items()}
@@ -52,12 +56,14 @@ def float64_serial(params, grads, clip_norms, learning_rates, wd=WD):
       continue
     if c is not None and norm >= c:
       g = {k: x * (c / norm) for k, x in g.items()}
+    lr = lr(t) if callable(lr) else lr
     t += 1
     for k, x in g.items():
       mu[k] = b1 * mu[k] + (1 - b1) * x
       nu[k] = b2 * nu[k] + (1 - b2) * x * x
       m_hat, v_hat = mu[k] / (1 - b1**t), nu[k] / (1 - b2**t)
-      p[k] = p[k] - lr * (m_hat / (np.sqrt(v_hat) + 1e-8) + wd * p[k])
+      decay = wd if mask is None or mask[k] else 0.0
+      p[k] = p[k] - lr * (m_hat / (np.sqrt(v_hat) + 1e-8) + decay * p[k])
   return p
 
 
@@ -579,4 +585,43 @@ def test_updates_without_params_under_stv(executor):
   theirs_dev = deviation(final_params(theirs, params, grads), want)
   print(f'ours {ours_dev:.3g} optax {theirs_dev:.3g}')
   assert (int(state.count), int(state.skipped)) == (5, 2)
+  assert ours_dev <= 4 * theirs_dev, (ours_dev, theirs_dev)
+
+
+@pytest.mark.parametrize('executor', EXECUTORS)
+def test_schedule_and_mask_follow_the_steps_taken(executor):
+  # A schedule is a function of the steps taken: a dropped step must not
+  # advance it (optax's inner count does not advance either).
+  params = random_tree([(40,), (6, 7), (), (5,)])
+  scales = [np.nan, 0.02, 5.0, np.nan, 0.03, 40.0, np.inf, 0.1]
+  grads = random_grads(params, scales)
+  lr = optax.linear_schedule(1e-2, 1e-4, 5)
+  mask = {'p00': False, 'p01': True, 'p02': False, 'p03': True}
+  ours = superoffload.adamw(
+    lr,
+    weight_decay=0.1,
+    mask=mask,
+    clip_norm=CLIP,
+    skip_nonfinite=True,
+    executor=executor,
+    bucket_bytes=64,
+  )
+  theirs = optax.apply_if_finite(
+    optax.chain(
+      optax.clip_by_global_norm(CLIP),
+      optax.adamw(lr, weight_decay=0.1, mask=mask),
+    ),
+    max_consecutive_errors=10**6,
+  )
+  want = float64_serial(
+    params,
+    grads,
+    [CLIP] * len(scales),
+    [lambda t: float(lr(t))] * len(scales),
+    wd=0.1,
+    mask=mask,
+  )
+  ours_dev = deviation(final_params(ours, params, grads), want)
+  theirs_dev = deviation(final_params(theirs, params, grads), want)
+  print(f'ours {ours_dev:.3g} optax {theirs_dev:.3g}')
   assert ours_dev <= 4 * theirs_dev, (ours_dev, theirs_dev)
