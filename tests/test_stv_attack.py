@@ -625,3 +625,20 @@ def test_schedule_and_mask_follow_the_steps_taken(executor):
   theirs_dev = deviation(final_params(theirs, params, grads), want)
   print(f'ours {ours_dev:.3g} optax {theirs_dev:.3g}')
   assert ours_dev <= 4 * theirs_dev, (ours_dev, theirs_dev)
+
+
+@pytest.mark.parametrize('executor', EXECUTORS)
+def test_overflowing_norm_clipping_only_is_optax(executor):
+  # Without skip_nonfinite nothing is dropped: the step is clipped by
+  # clip_norm / inf = 0, as optax's (g / inf) * c.
+  params = random_tree([(1000,), (3,)])
+  grads = [
+    random_grads(params, [0.01])[0],
+    committed(jax.tree.map(lambda x: jnp.full_like(x, -3e19), params)),
+  ]
+  tx = superoffload.adamw(
+    LR, weight_decay=WD, clip_norm=CLIP, executor=executor
+  )
+  got, state, _ = run(tx, params, grads)
+  assert (int(state.redone), int(state.count)) == (1, 2)
+  assert_close(got, serial(params, grads))
