@@ -427,6 +427,13 @@ def test_bad_clip_norm_is_refused(clip_norm):
     superoffload.adamw(LR, clip_norm=clip_norm)
 
 
+@pytest.mark.parametrize(
+  'clip_norm', [1, 0.5, np.float32(0.5), np.asarray(0.5), jnp.asarray(0.5)]
+)
+def test_good_clip_norm_is_taken(clip_norm):
+  superoffload.adamw(LR, clip_norm=clip_norm)
+
+
 @pytest.mark.parametrize('executor', EXECUTORS)
 def test_multisteps_around_stv(executor):
   params = random_tree([(40,), (6, 7), ()])

@@ -205,7 +205,7 @@ def _check_clip_norm(clip_norm: Any) -> None:
   number = isinstance(clip_norm, (int, float)) and not isinstance(
     clip_norm, bool
   )
-  array = isinstance(clip_norm, (jax.Array, np.ndarray)) and (
+  array = isinstance(clip_norm, (jax.Array, np.ndarray, np.generic)) and (
     np.ndim(clip_norm) == 0 and jnp.issubdtype(clip_norm.dtype, jnp.floating)
   )
   if (number or array) and (
