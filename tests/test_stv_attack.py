@@ -649,3 +649,30 @@ def test_overflowing_norm_clipping_only_is_optax(executor):
   got, state, _ = run(tx, params, grads)
   assert (int(state.redone), int(state.count)) == (1, 2)
   assert_close(got, serial(params, grads))
+
+
+@pytest.mark.parametrize('executor', EXECUTORS)
+def test_f16_subnormal_gradients_survive_the_kept_copy(executor):
+  # f16 gradients below 6.1e-5 are subnormal; the redo reads the kernel's
+  # fp32 copy of them, so a conversion that flushed them would redo the
+  # clipped steps with zero gradients.
+  rng = np.random.default_rng(0)
+  params = committed(
+    {
+      'a': jnp.asarray(rng.standard_normal(300), jnp.float16),
+      'b': jnp.asarray(rng.standard_normal((5, 7)), jnp.float16),
+    }
+  )
+  grads = random_grads(params, [3e-5, 1e-6, np.nan, 2e-5, 5e-7])
+  clip = 1e-4
+  as32 = [as_f32(g) for g in grads]
+  want = float64_serial(as_f32(params), as32, [clip] * 5, [LR] * 5)
+  tx = superoffload.adamw(
+    LR, weight_decay=WD, clip_norm=clip, skip_nonfinite=True, executor=executor
+  )
+  _, state, _ = run(tx, params, grads)
+  assert (int(state.redone), int(state.skipped)) == (2, 1)
+  master = np.concatenate([np.asarray(b) for b in state.current().master])
+  ours = np.max(np.abs(master - np.concatenate([want['a'], want['b'].ravel()])))
+  theirs = deviation(serial(as_f32(params), as32, clip_norm=clip), want)
+  assert ours <= 4 * theirs, (ours, theirs)
