@@ -83,7 +83,8 @@ def adam(
       waiting for the norm and is redone with scaled gradients only when
       the norm turns out to be at least `clip_norm` (counted in
       `state.redone`). The redo starts from the untouched state before the
-      step, so it is exact at any clip ratio.
+      step, so it is exact at any clip ratio. A number, or a scalar float
+      array (`optax.inject_hyperparams` may change it between steps).
     skip_nonfinite: If True, a step whose gradients hold a NaN or Inf leaves
       the parameters and the whole state (count included) as they were
       (counted in `state.skipped`). With either option on the "ffi"

@@ -65,18 +65,42 @@ def global_norm(
   return jnp.sqrt(total)
 
 
+def all_finite(norm: jax.Array, grads: Sequence[jax.Array]) -> jax.Array:
+  """Whether `grads`, whose global norm is `norm`, hold no NaN and no Inf.
+
+  The norm tells, except when it is +inf: finite gradients whose squares
+  overflow fp32 (|g| from about 1.8e19, or a sum from 3.4e38) give that
+  too, and such a step is clipped (to zero gradients, as optax does), not
+  dropped. Only then are the gradients read (`lax.cond`), wherever they
+  are (the kept host copies of double-buffered buckets included).
+  """
+
+  def look(grads):
+    ok = jnp.ones([], bool)
+    for g in grads:
+      ok = jnp.logical_and(ok, jnp.all(jnp.isfinite(host_memory.to_device(g))))
+    return ok
+
+  return jax.lax.cond(
+    jnp.isposinf(norm), look, lambda _: jnp.isfinite(norm), list(grads)
+  )
+
+
 def validate(
-  norm: jax.Array, clip_norm: float | None, skip_nonfinite: bool
+  norm: jax.Array,
+  finite: jax.Array,
+  clip_norm: float | None,
+  skip_nonfinite: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Returns (redo, skip, scale) for a step whose gradients have `norm`.
 
-  `redo`: take the step again from the state before it, with gradients
-  times `scale`; `skip`: keep the state before it and drop the step. As
-  in optax.clip_by_global_norm, gradients are left alone only when
+  `finite`: whether the gradients are all finite (`all_finite`). `redo`:
+  take the step again from the state before it, with gradients times
+  `scale`; `skip`: keep the state before it and drop the step. As in
+  optax.clip_by_global_norm, gradients are left alone only when
   norm < clip_norm, so a NaN norm without `skip_nonfinite` redoes the step
   with a NaN scale, as the serial recipe would.
   """
-  finite = jnp.isfinite(norm)
   skip = jnp.logical_and(skip_nonfinite, jnp.logical_not(finite))
   if clip_norm is None:
     redo = jnp.zeros([], bool)

@@ -199,6 +199,25 @@ def _validate_options(
     )
 
 
+def _check_clip_norm(clip_norm: Any) -> None:
+  # A number, or a scalar array as optax.inject_hyperparams makes of one
+  # (its value is checked unless traced: inject rebuilds us inside update).
+  number = isinstance(clip_norm, (int, float)) and not isinstance(
+    clip_norm, bool
+  )
+  array = isinstance(clip_norm, (jax.Array, np.ndarray, np.generic)) and (
+    np.ndim(clip_norm) == 0 and jnp.issubdtype(clip_norm.dtype, jnp.floating)
+  )
+  if (number or array) and (
+    isinstance(clip_norm, jax.core.Tracer) or clip_norm > 0
+  ):
+    return
+  raise ValueError(
+    f'clip_norm must be a positive number or a scalar float array, got '
+    f'{clip_norm!r}'
+  )
+
+
 def _fallback_tx(
   learning_rate,
   b1,
@@ -246,10 +265,8 @@ def superoffload_adam(
   placement.check_device_buckets(device_buckets)
   if cast not in placement.CASTS:
     raise ValueError(f'cast must be one of {placement.CASTS}, got {cast!r}')
-  if clip_norm is not None and not (
-    isinstance(clip_norm, (int, float)) and clip_norm > 0
-  ):
-    raise ValueError(f'clip_norm must be a positive number, got {clip_norm!r}')
+  if clip_norm is not None:
+    _check_clip_norm(clip_norm)
   use_stv = clip_norm is not None or skip_nonfinite
   if bucket_bytes is None:
     bucket_bytes = DEFAULT_BUCKET_BYTES
@@ -498,7 +515,12 @@ def superoffload_adam(
       ]
       rest += [grads[i] for i in lay.fallback]
       norm = stv.global_norm(rest, [out.sumsq for out in pending.values()])
-      redo, skip, scale = stv.validate(norm, clip_norm, skip_nonfinite)
+      finite = jnp.isfinite(norm)
+      if skip_nonfinite:  # Double-buffered buckets kept their gradients.
+        finite = stv.all_finite(
+          norm, rest + [out.kept for out in pending.values()]
+        )
+      redo, skip, scale = stv.validate(norm, finite, clip_norm, skip_nonfinite)
       for i, out in pending.items():
         fixed = _validate_and_finish(zero)(
           buckets[i][1], (state.row, redo, skip, scale), out, buckets[i][2]
