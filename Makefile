@@ -4,9 +4,14 @@
 
 PYTHON ?= python3
 VENV ?= .venv
+# A pip constraints file that pins a JAX line, e.g. .ci/jax-0.10.txt (CI
+# pins the oldest supported line with it); empty: the newest JAX the Python
+# can install.
+CONSTRAINTS ?=
+PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-SOURCES := pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*.cc xla_ffi/*.h xla_ffi/CMakeLists.txt)
+SOURCES := pyproject.toml CMakeLists.txt $(CONSTRAINTS) $(wildcard xla_ffi/*.cc xla_ffi/*.h xla_ffi/CMakeLists.txt)
 
 .PHONY: demo test lint bench clean
 
@@ -15,8 +20,8 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install -q --upgrade pip
 	# Build tools first: the extension builds without isolation, against
 	# the jaxlib it will run with (whose XLA FFI headers it compiles with).
-	$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" cmake ninja "jax>=0.10" "jaxlib>=0.10"
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,experiments]"
+	$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" cmake ninja "jax>=0.10" "jaxlib>=0.10" $(PIP_C)
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,experiments]" $(PIP_C)
 	touch $(STAMP)
 
 demo: $(STAMP)
