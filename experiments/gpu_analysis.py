@@ -1,4 +1,4 @@
-"""Pure helpers of `gpu_bench`: compiled-memory bytes, HLO copies, bisection.
+"""Pure helpers of `gpu_bench`: sizes, memory bytes, HLO copies, bisection.
 
 Nothing here needs a GPU, so every piece is tested on CPU
 (`tests/test_gpu_bench.py`).
@@ -6,11 +6,79 @@ Nothing here needs a GPU, so every piece is tested on CPU
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
 from collections.abc import Callable
 from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+  """Everything the parts size; one instance for a GPU, one for dry runs."""
+
+  exec_shapes: tuple[tuple[int, ...], ...]  # Leaves of the executor check.
+  exec_steps: int
+  model: dict[str, Any]  # Decoder fields of the train step.
+  batch: int
+  seq_len: int
+  warmup: int
+  steps: int  # Timed steps.
+  bucket_mib: float  # superoffload bucket size.
+  capacity_limit: int  # Device bytes the capacity search fits into.
+  capacity_probes: int
+
+
+def gpu_sizes(bytes_limit: int) -> Sizes:
+  """About 1B parameters (12 * layers * 2048**2) where the device allows."""
+  target = min(1.0e9, bytes_limit / 48)  # optax: 16 B/param + activations.
+  width = 2048 if target >= 2e8 else 1024
+  layers = max(1, round(target / (12 * width * width)))
+  return Sizes(
+    exec_shapes=((4096, 4096), (4096,), (1000, 1001), (3,)),
+    exec_steps=5,
+    model=dict(
+      d_model=width,
+      num_heads=width // 128,
+      mlp_dim=4 * width,
+      num_layers=layers,
+      dtype='bfloat16',
+    ),
+    batch=4,
+    seq_len=2048,
+    warmup=2,
+    steps=5,
+    bucket_mib=256.0,
+    capacity_limit=int(0.95 * bytes_limit),
+    capacity_probes=7,
+  )
+
+
+DRY_SIZES = Sizes(
+  exec_shapes=((48, 64), (64,), (1001,), (3,)),
+  exec_steps=3,
+  model=dict(d_model=32, num_heads=2, mlp_dim=64, num_layers=2),
+  batch=2,
+  seq_len=16,
+  warmup=1,
+  steps=2,
+  bucket_mib=0.01,
+  capacity_limit=4 * 2**20,
+  capacity_probes=4,
+)
+
+
+def superoffload_case(ffi_check: dict[str, Any]) -> str:
+  """The decoder parts' superoffload case, after the "ffi" executor check.
+
+  Where Grace Adam did not run (or not right) in this host compute, the
+  decoder parts measure superoffload with "xla_host" rather than not at all.
+  """
+  if ffi_check.get('status') == 'ran' and ffi_check.get('match'):
+    return 'superoffload'
+  return 'superoffload:xla_host'
+
 
 _DTYPE_BYTES = {
   'pred': 1,

@@ -126,3 +126,17 @@ def test_dry_run_exercises_every_part(tmp_path):
     assert train['donated_copies']['parameters'] > 0
     assert results[f'capacity/{o}']['largest'] >= 2
   assert results['train/superoffload']['executor'] == 'ffi'
+
+
+@pytest.mark.parametrize(
+  ('ffi_check', 'case', 'executor'),
+  [
+    ({'status': 'ran', 'match': True}, 'superoffload', 'auto'),
+    ({'status': 'ran', 'match': False}, 'superoffload:xla_host', 'xla_host'),
+    ({'status': 'failed rc=-6'}, 'superoffload:xla_host', 'xla_host'),
+  ],
+)
+def test_decoder_parts_fall_back_to_xla_host(ffi_check, case, executor):
+  assert gpu_analysis.superoffload_case(ffi_check) == case
+  cfg = gpu_bench._decoder_config(gpu_analysis.DRY_SIZES, case)
+  assert (cfg.optimizer, cfg.executor) == ('superoffload', executor)
