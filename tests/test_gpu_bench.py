@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -140,3 +141,14 @@ def test_decoder_parts_fall_back_to_xla_host(ffi_check, case, executor):
   assert gpu_analysis.superoffload_case(ffi_check) == case
   cfg = gpu_bench._decoder_config(gpu_analysis.DRY_SIZES, case)
   assert (cfg.optimizer, cfg.executor) == ('superoffload', executor)
+
+
+def test_a_failing_case_is_a_finding_and_a_late_one_is_skipped():
+  args = types.SimpleNamespace(dry_run=True)
+  results = {}
+  gpu_bench._run_case(results, 'train', 'nonsense', args, time.time() + 300)
+  failed = results['train/nonsense']
+  assert failed['status'].startswith('failed rc='), failed
+  assert any('nonsense' in line for line in failed['stderr_tail'])
+  gpu_bench._run_case(results, 'capacity', 'optax', args, time.time() - 1)
+  assert results['capacity/optax']['status'] == 'skipped: budget spent'
