@@ -16,6 +16,7 @@ script itself breaks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import importlib.metadata
@@ -33,17 +34,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax._src.lib import xla_client
 
 import jax_superoffload as superoffload
-from jax_superoffload import _grace_adam
 from jax_superoffload import kernels
+from jax_superoffload._src import plugin_ffi
 
 MARK = 'GPU_CHECK_RESULT '
 # Attempt name -> superoffload executor (None: the optax.adamw baseline).
 ATTEMPTS = {
-  'ffi': 'ffi',  # (a) The handler as registered, for platform "cpu".
-  'ffi_register_host': 'ffi',  # (b) Also registered for platform "Host".
+  'ffi': 'ffi',  # (a) As superoffload sets it up (plugin_ffi on a GPU).
+  'ffi_register_host': 'ffi',  # (b) Registration reported, then (a).
   'xla_host': 'xla_host',  # (c) The same math in jax.numpy, host compute.
   'device': 'device',  # (d) State on the host, update on the device.
   'optax': None,  # The baseline: optax.adamw on the device.
@@ -279,17 +279,9 @@ def guarded(fn: Callable[[], dict]) -> dict:
 
 
 def register_for_host() -> dict:
-  """(b): registers the kernel's capsules for platform "Host" as well."""
-  jax.devices()  # Initialises the backends, which installs the handlers.
-  handlers = getattr(xla_client, '_custom_callback_handler', {})
-  out = {'handlers': sorted(handlers)}
-  for name, capsule in _grace_adam.registrations().items():
-    try:
-      jax.ffi.register_ffi_target(name, capsule, platform='Host')
-      out[name] = 'registered'
-    except Exception as e:
-      out[name] = describe(e)
-  return out
+  """(b): files the kernel's handlers for "Host" in the CUDA plugin."""
+  jax.devices()  # Initialises the backends, which loads the plugin.
+  return dataclasses.asdict(plugin_ffi.host_registration())
 
 
 def summarize_check(c: dict) -> str:

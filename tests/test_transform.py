@@ -398,22 +398,26 @@ def test_float64_complex_and_mu_dtype_take_the_optax_path():
       'c64': jnp.ones(4, jnp.complex64) * (1 + 2j),
       'f32': jnp.ones(5, jnp.float32),
     }
-    for ours, theirs in [
-      (superoffload.adamw(1e-2), optax.adamw(1e-2)),
+    # No complex leaf with a bfloat16 mu: optax would cast a complex moment
+    # to a real dtype, which JAX deprecates (and will refuse).
+    real = {k: v for k, v in params.items() if k != 'c64'}
+    for ours, theirs, start in [
+      (superoffload.adamw(1e-2), optax.adamw(1e-2), params),
       (
         superoffload.adam(1e-2, mu_dtype=jnp.bfloat16),
         optax.adam(1e-2, mu_dtype=jnp.bfloat16),
+        real,
       ),
     ]:
-      s, r = ours.init(params), theirs.init(params)
-      p = q = params
+      s, r = ours.init(start), theirs.init(start)
+      p = q = start
       for _ in range(3):
         g = jax.tree.map(lambda x: jnp.cos(x) + 0.1, p)
         u, s = ours.update(g, s, p)
         v, r = theirs.update(g, r, q)
         p, q = optax.apply_updates(p, u), optax.apply_updates(q, v)
-      for key in params:
-        assert p[key].dtype == params[key].dtype
+      for key in start:
+        assert p[key].dtype == start[key].dtype
         np.testing.assert_allclose(p[key], q[key], rtol=1e-6)
 
 

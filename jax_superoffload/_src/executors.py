@@ -3,8 +3,8 @@
 - "ffi": the Grace Adam kernel as XLA host compute, on the state where it
   lives (pinned host memory), updated in place.
 - "xla_host": the same math in `jax.numpy`, also as host compute; the
-  fallback where a CPU FFI call cannot run inside host compute (expected on
-  pip-installed GPU jaxlib).
+  fallback where the kernel is not registered with the accelerator's PJRT
+  plugin ("auto" picks "ffi" on a GPU only where that registration works).
 - "device": the MaxText-style baseline: the state lives in host memory
   between steps but is copied to the accelerator, updated there and copied
   back.
@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from jax_superoffload._src import adam_reference
 from jax_superoffload._src import grace_adam
 from jax_superoffload._src import host_memory
+from jax_superoffload._src import plugin_ffi
 
 EXECUTORS = ('auto', 'ffi', 'xla_host', 'device')
 
@@ -31,11 +33,20 @@ def resolve(executor: str) -> str:
   """Validates an executor name and resolves "auto" for the backend."""
   if executor not in EXECUTORS:
     raise ValueError(f'executor must be one of {EXECUTORS}, got {executor!r}')
-  if executor != 'auto':
-    return executor
-  # A CPU FFI call inside host compute is expected to fail on pip GPU
-  # jaxlib (JAX skips its own test of it there), so GPUs get "xla_host".
-  return 'ffi' if jax.default_backend() == 'cpu' else 'xla_host'
+  if executor in ('xla_host', 'device') or jax.default_backend() == 'cpu':
+    return 'ffi' if executor == 'auto' else executor
+  # Elsewhere host compute is compiled inside the accelerator's PJRT plugin,
+  # which finds the kernel only in its own registry (plugin_ffi.py).
+  registration = plugin_ffi.host_registration()
+  if executor == 'ffi' and not registration.ok:
+    warnings.warn(
+      f'executor="ffi": Grace Adam is not in the PJRT plugin\'s registry '
+      f'({registration.reason}); XLA may not find it in host compute',
+      stacklevel=2,
+    )
+  if executor == 'ffi' or registration.ok:
+    return 'ffi'
+  return 'xla_host'
 
 
 @dataclasses.dataclass(frozen=True)

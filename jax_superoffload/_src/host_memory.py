@@ -1,13 +1,16 @@
 """Where state lives and where the update runs: memory spaces and host compute.
 
-One small shim over the `compute_on` API, which JAX changed between 0.10
-(`compute_on` context manager plus `compute_on2(f, ...)`) and 0.11 (only the
-function form, renamed `compute_on`).
+One small shim over the host-compute API, whose function form JAX has
+spelt `compute_on2(f, *, compute_type, out_memory_spaces)` (0.10.1 to 0.11,
+beside the `compute_on(compute_type)` context manager) and
+`compute_on(f, *, compute_type, out_memory_spaces)` (0.12, where the context
+manager is gone). CI runs the suite on 0.10 and on the newest release.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -45,12 +48,18 @@ def memory_kind(x: jax.Array) -> str | None:
   return getattr(sharding, 'memory_kind', None)
 
 
-def _function_form() -> Callable[..., Any] | None:
-  # 0.10: compute_on2(f, compute_type=..., out_memory_spaces=...).
-  # 0.11+: compute_on(f, compute_type=..., out_memory_spaces=...).
+@functools.cache
+def function_form() -> Callable[..., Any] | None:
+  """This JAX's `f(fn, *, compute_type, out_memory_spaces)`, or None."""
   if hasattr(_compute_on, 'compute_on2'):
     return _compute_on.compute_on2
-  return None
+  try:
+    params = inspect.signature(_compute_on.compute_on).parameters
+  except (TypeError, ValueError):
+    return None
+  if 'out_memory_spaces' in params:
+    return _compute_on.compute_on
+  return None  # Only the context manager (before 0.10.1).
 
 
 def on_host(fn: Callable[..., Any], *args: Any) -> Any:
@@ -67,20 +76,12 @@ def on_host(fn: Callable[..., Any], *args: Any) -> Any:
   host_spaces = jax.tree.unflatten(
     out_tree, [jax.memory.Space.Host] * out_tree.num_leaves
   )
-  compute_on2 = _function_form()
-  if compute_on2 is not None:
-    wrapped = compute_on2(
-      fn, compute_type='device_host', out_memory_spaces=host_spaces
-    )
-    return wrapped(*args)
-  fn_form = _compute_on.compute_on
-  try:
-    wrapped = fn_form(
-      fn, compute_type='device_host', out_memory_spaces=host_spaces
-    )
-  except TypeError:
-    # An older context-manager-only API.
-    with fn_form('device_host'):
+  host_compute = function_form()
+  if host_compute is None:
+    with _compute_on.compute_on('device_host'):
       out = fn(*args)
     return jax.tree.map(to_host, out)
+  wrapped = host_compute(
+    fn, compute_type='device_host', out_memory_spaces=host_spaces
+  )
   return wrapped(*args)
