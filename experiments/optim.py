@@ -12,6 +12,7 @@ import optax
 from jax.sharding import Mesh
 
 from experiments import config as config_lib
+from jax_superoffload._src import executors
 
 ConfigError = config_lib.ConfigError
 
@@ -180,6 +181,6 @@ def executor_name(cfg: config_lib.Config) -> str | None:
     return None
   if cfg.optimizer == 'device':
     return 'device'
-  if cfg.executor == 'auto':  # As documented by `superoffload.adam`.
-    return 'ffi' if jax.default_backend() == 'cpu' else 'xla_host'
-  return cfg.executor
+  # The library's own choice: on a GPU, "auto" is "ffi" only where Grace
+  # Adam could be registered with the PJRT plugin.
+  return executors.resolve(cfg.executor)
