@@ -168,8 +168,8 @@ def run_train(sizes: Sizes, optimizer: str) -> dict[str, Any]:
   times, losses = [], []
   for i in range(sizes.warmup + sizes.steps):
     start = time.perf_counter()
-    state, loss = compiled(state, *batch)
-    losses.append(float(loss))  # Waits for the step.
+    state, metrics = compiled(state, *batch)
+    losses.append(float(metrics['loss']))  # Waits for the step.
     if i >= sizes.warmup:
       times.append(time.perf_counter() - start)
   tokens = cfg.batch_size * cfg.seq_len
