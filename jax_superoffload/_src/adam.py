@@ -140,15 +140,15 @@ def adam(
     Lian et al., `SuperOffload: Unleashing the Power of Large-Scale LLM
     Training on Superchips <https://arxiv.org/abs/2509.21271>`_, 2025.
   """
-  return transform.superoffload_adam(
+  return adamw(
     learning_rate,
     b1,
     b2,
     eps,
     eps_root,
     mu_dtype,
-    0.0,
-    None,
+    weight_decay=0.0,
+    mask=None,
     nesterov=nesterov,
     bucket_bytes=bucket_bytes,
     executor=executor,
@@ -233,14 +233,14 @@ def adamw(
     <https://arxiv.org/abs/1711.05101>`_, 2019.
   """
   return transform.superoffload_adam(
-    learning_rate,
-    b1,
-    b2,
-    eps,
-    eps_root,
-    mu_dtype,
-    weight_decay,
-    mask,
+    learning_rate=learning_rate,
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    eps_root=eps_root,
+    mu_dtype=mu_dtype,
+    weight_decay=weight_decay,
+    mask=mask,
     nesterov=nesterov,
     bucket_bytes=bucket_bytes,
     executor=executor,
