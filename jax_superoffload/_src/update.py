@@ -293,7 +293,7 @@ def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
   }
 
 
-def _new_state(opts, inputs, state, buckets, results, optax_new, verdict):
+def _new_state(opts, inputs, state, buckets, results, kept, optax_new, verdict):
   """The state after the step, trees like the parameters."""
   st = inputs.state
   names = ['master', 'mu', 'nu'] + (
@@ -305,7 +305,7 @@ def _new_state(opts, inputs, state, buckets, results, optax_new, verdict):
     for n in names:
       if n == 'kept_grads':
         if b.paired:
-          for i, x in zip(b.leaves, r.kept, strict=True):
+          for i, x in zip(b.leaves, kept[b.index], strict=True):
             new[n][i] = x
         continue
       for i, x in zip(b.leaves, getattr(r, n), strict=True):
@@ -340,6 +340,7 @@ def update(opts, updates, state, params):
   reference = params if params is not None else updates
   buckets = _schedule(opts, inputs, state.count, opts.cast_on_device(reference))
   results = _step_buckets(opts, inputs, buckets, state)
+  kept = {b.index: results[b.index].kept for b in buckets if b.paired}
   verdict = None
   if opts.use_stv:
     verdict, results = stv.validate_buckets(
@@ -353,6 +354,6 @@ def update(opts, updates, state, params):
     if u is None:
       out[i] = jnp.zeros(inputs.plan.lay.shapes[i], inputs.plan.lay.dtypes[i])
   new_state = _new_state(
-    opts, inputs, state, buckets, results, optax_new, verdict
+    opts, inputs, state, buckets, results, kept, optax_new, verdict
   )
   return jax.tree.unflatten(inputs.plan.lay.treedef, out), new_state
