@@ -7,6 +7,7 @@
 // then applies to the s-th contiguous block of the flattened arrays.
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdlib>
 #include <condition_variable>
@@ -379,13 +380,22 @@ inline bool WithinOneUlp(uint16_t a, uint16_t b) {
   return diff >= -1 && diff <= 1;
 }
 
+// How far a 16-bit parameter may be from the master and still be the one
+// the last step produced: a 16-bit update cannot always land on the rounded
+// master when the step is larger than the weight (its own rounding, 2^-8 of
+// the step for bf16, is then more than an ulp of the weight). Adam's step
+// is a few learning rates at most, so lr / 16 covers steps up to 16 lr.
+inline float ReseedTolerance(const AdamConstants& constants) {
+  return std::fabs(constants.learning_rate) * 0.0625f;
+}
+
 // The parameters as the source of truth: over [begin, end), `out` receives
 // the master where it rounds to the parameter, or to a neighbour of it for
 // 16-bit parameters (keeping its extra precision), and the parameter
 // otherwise (weights loaded, surgery, an EMA swap). `out`
 // may be `master`.
 void ReseedRange(const float* master, const void* params, ElementType type,
-                 float* out, int64_t begin, int64_t end) {
+                 float tolerance, float* out, int64_t begin, int64_t end) {
   if (type == ElementType::kF32) {
     const float* p = static_cast<const float*>(params);
     if (out != master) {
@@ -403,12 +413,18 @@ void ReseedRange(const float* master, const void* params, ElementType type,
   if (type == ElementType::kBF16) {
     for (int64_t i = begin; i < end; ++i) {
       const float m = master[i];
-      out[i] = WithinOneUlp(FloatToBf16Bits(m), p[i]) ? m : Bf16BitsToFloat(p[i]);
+      const float w = Bf16BitsToFloat(p[i]);
+      const bool same = WithinOneUlp(FloatToBf16Bits(m), p[i]) ||
+                        std::fabs(w - m) <= tolerance;
+      out[i] = same ? m : w;
     }
   } else {
     for (int64_t i = begin; i < end; ++i) {
       const float m = master[i];
-      out[i] = WithinOneUlp(FloatToF16Bits(m), p[i]) ? m : F16BitsToFloat(p[i]);
+      const float w = F16BitsToFloat(p[i]);
+      const bool same = WithinOneUlp(FloatToF16Bits(m), p[i]) ||
+                        std::fabs(w - m) <= tolerance;
+      out[i] = same ? m : w;
     }
   }
 }
@@ -561,8 +577,8 @@ ffi::Error AdamStepSegmentsHandler(
     AdamBuffers fixed;
     if (params[j] != nullptr) {
       // Re-seeded into the output, then stepped there while in cache.
-      ReseedRange(b->master_in, params[j], param_types[j], b->master_out,
-                  begin, end);
+      ReseedRange(b->master_in, params[j], param_types[j],
+                  ReseedTolerance(constants), b->master_out, begin, end);
       fixed = *b;
       fixed.master_in = b->master_out;
       b = &fixed;
@@ -716,7 +732,8 @@ ffi::Error AdamStepSpeculativeHandler(
                                  int64_t chunk) {
     if (params[j] != nullptr) {  // The current row, re-seeded in place.
       float* current = pairs[j].master + from * pairs[j].row_stride;
-      ReseedRange(current, params[j], param_types[j], current, begin, end);
+      ReseedRange(current, params[j], param_types[j],
+                  ReseedTolerance(constants), current, begin, end);
     }
     partial[chunk] +=
         SpeculativeStepRange(constants, pairs[j], from, begin, end, isa);

@@ -105,7 +105,9 @@ class BucketOut(NamedTuple):
   weights: list[jax.Array]
 
 
-def reseed(master: jax.Array, param: jax.Array) -> jax.Array:
+def reseed(
+  master: jax.Array, param: jax.Array, learning_rate: Any = 0.0
+) -> jax.Array:
   """The master where it rounds to `param`, `param` where it does not.
 
   The parameters are the source of truth: a master that no longer rounds
@@ -122,13 +124,21 @@ def reseed(master: jax.Array, param: jax.Array) -> jax.Array:
     return jnp.where(bits < 0, -(bits & 0x7FFF), bits)
 
   close = jnp.abs(ordered(master.astype(param.dtype)) - ordered(param)) <= 1
+  # Nor can it when the step is larger than the weight: within its own
+  # rounding (lr / 16 covers steps up to 16 lr) the parameter is the one
+  # the last step produced (as ReseedTolerance in adam_ffi.cc).
+  tolerance = jnp.abs(jnp.asarray(learning_rate, jnp.float32)) * 0.0625
+  close |= jnp.abs(param.astype(jnp.float32) - master) <= tolerance
   return jnp.where(close, master, param.astype(jnp.float32))
 
 
 def _math_step(step: BucketStep, master, mu, nu, grads, dtypes, params):
   """The step in `jax.numpy` on whatever memory its inputs are in."""
   if params is not None:
-    master = [reseed(m, p) for m, p in zip(master, params, strict=True)]
+    master = [
+      reseed(m, p, step.learning_rate)
+      for m, p in zip(master, params, strict=True)
+    ]
   out = [
     adam_reference.adam_step_reference(
       m, g.astype(jnp.float32), a, v, **step.kwargs()

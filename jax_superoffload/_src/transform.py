@@ -158,16 +158,21 @@ def _build_state(opts, params: Any) -> SuperOffloadState:
   for i, (shape, m_t, mu_t, nu_t, paired) in enumerate(
     _leaf_state_types(opts, plan)
   ):
-    host = on_host(leaves[i], _on_host(plan, i))
+    host = _on_host(plan, i)
     m = leaves[i].astype(m_t)
     if paired:
       m = jnp.broadcast_to(m[None], shape)
-    master.append(_place(m, host, opts.zero))
-    # A fresh array each: two state leaves must never share a buffer.
-    mu.append(_place(jnp.zeros(shape, mu_t), host, opts.zero))
-    nu.append(_place(jnp.zeros(shape, nu_t), host, opts.zero))
+    elif not on_host(m, host):  # Never the parameter's own buffer.
+      m = jnp.copy(m)
     kshape = shape[1:] if paired else (0,) * (len(shape) + 2)
-    kept.append(_place(jnp.zeros(kshape, jnp.float32), host, opts.zero))
+    # A fresh array each: two state leaves must never share a buffer.
+    for out, x in (
+      (master, m),
+      (mu, jnp.zeros(shape, mu_t)),
+      (nu, jnp.zeros(shape, nu_t)),
+      (kept, jnp.zeros(kshape, jnp.float32)),
+    ):
+      out.append(_place(x, on_host(x, host), opts.zero))
   tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
   return SuperOffloadState(
     count=_counter(opts.zero),

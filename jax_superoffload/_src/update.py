@@ -126,8 +126,34 @@ def _pick(leaves: list, ids: list[int]) -> list:
   return [leaves[i] for i in ids]
 
 
+def _scalars_to(place, xs: list) -> list:
+  """Scalar (0-d) state leaves moved by `place`; the others as they are.
+
+  Scalars live on the device between steps (see transform.on_host) and
+  visit host memory for the host step.
+  """
+  return [place(x) if x.ndim == 0 else x for x in xs]
+
+
 def bucket_step(opts, b: Bucket, master, mu, nu, grad_scale=None):
   """`executors.step_bucket` for bucket `b` (per shard under ZeRO)."""
+  if b.executor != 'resident':
+    out = _bucket_step(
+      opts,
+      b,
+      *(_scalars_to(host_memory.to_host, xs) for xs in (master, mu, nu)),
+      grad_scale,
+    )
+    return out._replace(
+      **{
+        n: _scalars_to(host_memory.to_device, getattr(out, n))
+        for n in ('master', 'mu', 'nu')
+      }
+    )
+  return _bucket_step(opts, b, master, mu, nu, grad_scale)
+
+
+def _bucket_step(opts, b: Bucket, master, mu, nu, grad_scale):
   step = b.step
   if grad_scale is not None:
     step = dataclasses.replace(step, grad_scale=grad_scale)
@@ -185,13 +211,8 @@ def _step_buckets(opts, inputs: Inputs, buckets: list, state) -> dict:
   out = {}
   for b in buckets:
     master, mu, nu = (_pick(st[n], b.leaves) for n in ('master', 'mu', 'nu'))
-    if b.executor != 'resident':  # Scalars live on the device between steps.
-      master, mu, nu = (
-        [host_memory.to_host(x) if x.ndim == 0 else x for x in xs]
-        for xs in (master, mu, nu)
-      )
     if b.paired:
-      kept = _pick(st['kept_grads'], b.leaves)
+      kept = _scalars_to(host_memory.to_host, _pick(st['kept_grads'], b.leaves))
       out[b.index] = _speculate(opts, b, state.row, master, mu, nu, kept)
     else:
       out[b.index] = bucket_step(opts, b, master, mu, nu)
@@ -340,7 +361,11 @@ def update(opts, updates, state, params):
   reference = params if params is not None else updates
   buckets = _schedule(opts, inputs, state.count, opts.cast_on_device(reference))
   results = _step_buckets(opts, inputs, buckets, state)
-  kept = {b.index: results[b.index].kept for b in buckets if b.paired}
+  kept = {
+    b.index: _scalars_to(host_memory.to_device, results[b.index].kept)
+    for b in buckets
+    if b.paired
+  }
   verdict = None
   if opts.use_stv:
     verdict, results = stv.validate_buckets(
