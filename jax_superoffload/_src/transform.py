@@ -250,7 +250,24 @@ def _check_state(opts, plan: _Plan, state: Any, from_grads: bool):
           f'{np.dtype(want_dtype)}{list(want_shape)}{hint}'
         )
     out[name] = leaves
+  if opts.zero is not None:
+    _check_on_mesh(opts.zero, plan, out['master'])
   return out
+
+
+def _check_on_mesh(zero, plan: _Plan, leaves: list) -> None:
+  """A concrete state must live on the mesh's devices (ZeRO)."""
+  devices = set(zero.mesh.devices.flat)
+  for path, x in zip(plan.lay.paths, leaves, strict=True):
+    sharding = getattr(x, 'sharding', None)
+    if isinstance(x, jax.core.Tracer) or sharding is None:
+      continue
+    if set(sharding.device_set) != devices:
+      raise ValueError(
+        f'optimizer state leaf {path} lives on {len(sharding.device_set)} '
+        f'device(s), the mesh spans {len(devices)}: build the state with '
+        "this transformation's init (with the same mesh)"
+      )
 
 
 def init(opts: options_lib.Options, params: optax.Params) -> SuperOffloadState:

@@ -100,9 +100,9 @@ def _schedule(opts, inputs: Inputs, count, cast_on_device: bool) -> list:
       grads = [_kernel_grad(inputs.grads[i], cast_on_device) for i in ids]
       params = None
       if inputs.params is not None:
+        # In their own dtype even when the device casts: the master is
+        # re-seeded only where it no longer rounds to them.
         params = [inputs.params[i] for i in ids]
-        if cast_on_device:  # The parameters move as fp32 too.
-          params = [p.astype(jnp.float32) for p in params]
       specs = None
       if zero is not None:
         specs = [zero.leaf_spec(plan.lay.shapes[i]) for i in ids]
