@@ -160,3 +160,57 @@ def test_one_compile_for_three_calls_with_uncommitted_params():
   for i in range(3):
     params, state = step(params, state, grads(params, i))
   assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize('axis_type', ['Explicit', 'Auto'])
+def test_fsdp_sharded_params_need_no_mesh_arguments(axis_type):
+  # FSDP-style: `w` split over 8 devices (conftest's fake CPU devices).
+  from jax.sharding import AxisType
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh(
+    (8,), ('data',), axis_types=(getattr(AxisType, axis_type),)
+  )
+  rng = np.random.default_rng(0)
+  params = {
+    'w': jnp.asarray(rng.standard_normal((64, 16)), jnp.float32),
+    'b': jnp.asarray(rng.standard_normal((16,)), jnp.float32),
+  }
+  x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+
+  def loss(p):
+    return jnp.mean(jnp.tanh(x @ p['w'] + p['b']) ** 2)
+
+  def run(tx, params):
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s):
+      u, s = tx.update(jax.grad(loss)(p), s, p)
+      return optax.apply_updates(p, u), s
+
+    for _ in range(5):
+      params, state = step(params, state)
+    hlo = step.lower(params, state).compile().as_text()
+    return params, state, hlo.count('all-gather(')
+
+  fsdp = {
+    'w': NamedSharding(mesh, P('data', None)),
+    'b': NamedSharding(mesh, P()),
+  }
+  ours, state, ours_gathers = run(
+    superoffload.adamw(1e-2), jax.device_put(params, fsdp)
+  )
+  _, _, optax_gathers = run(optax.adamw(1e-2), jax.device_put(params, fsdp))
+  single, _, _ = run(
+    superoffload.adamw(1e-2), jax.device_put(params, jax.devices()[0])
+  )
+  assert ours_gathers <= optax_gathers
+  for name in ('mu', 'nu', 'master'):
+    leaf = getattr(state, name)['w']
+    assert leaf.sharding.memory_kind == 'pinned_host'
+    assert leaf.addressable_shards[0].data.shape == (8, 16)
+  assert ours['w'].addressable_shards[0].data.shape == (8, 16)
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(single)):
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)

@@ -8,6 +8,7 @@ one kernel call steps the leaves of one bucket, each on its own arrays.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -193,7 +194,7 @@ def _state_shardings(opts, params: Any) -> SuperOffloadState:
   master, kept = [], []
   for i, (shape, *_, paired) in enumerate(_leaf_state_types(opts, plan)):
     host = _on_host(plan, i)
-    spec = zero.leaf_spec(plan.lay.shapes[i])
+    spec = zero.spec_for(i, plan.lay.shapes[i])
     master.append(
       zero.sharding(zero_lib.pair_spec(spec) if paired else spec, host)
     )
@@ -289,12 +290,30 @@ def superoffload_adam(**kwargs: Any) -> optax.GradientTransformationExtraArgs:
   # Imported here: update.py uses this module's state type.
   from jax_superoffload._src import update as update_lib  # noqa: PLC0415
 
+  # Without mesh arguments the state follows the parameters' shardings, as
+  # `init` sees them (concrete); `update`, traced, finds them here by the
+  # tree's structure and shapes.
+  followed: dict[Any, zero_lib.Follow] = {}
+
+  def key(tree: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(tuple(np.shape(x)) for x in leaves)
+
+  def options_for(tree: Any) -> options_lib.Options:
+    if opts.zero is not None:
+      return opts
+    found = followed.get(key(tree))
+    return opts if found is None else dataclasses.replace(opts, zero=found)
+
   def init_fn(params):
-    return init(opts, params)
+    if opts.zero is None and (found := zero_lib.follow(params)) is not None:
+      followed[key(params)] = found
+    return init(options_for(params), params)
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args  # Accepted for optax.GradientTransformationExtraArgs.
-    return update_lib.update(opts, updates, state, params)
+    reference = params if params is not None else updates
+    return update_lib.update(options_for(reference), updates, state, params)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -105,7 +105,7 @@ def _schedule(opts, inputs: Inputs, count, cast_on_device: bool) -> list:
         params = [inputs.params[i] for i in ids]
       specs = None
       if zero is not None:
-        specs = [zero.leaf_spec(plan.lay.shapes[i]) for i in ids]
+        specs = [zero.spec_for(i, plan.lay.shapes[i]) for i in ids]
         grads = [zero.scatter(g, s) for g, s in zip(grads, specs, strict=True)]
         if params is not None:
           params = [

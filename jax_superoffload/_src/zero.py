@@ -50,6 +50,16 @@ class Zero:
     axes = (self.axis,) if isinstance(self.axis, str) else self.axis
     return math.prod(self.mesh.shape[a] for a in axes)
 
+  def spec_for(self, index: int, shape: Sequence[int]) -> P:
+    """The partition spec of state leaf `index` (of parameter `shape`)."""
+    del index
+    return self.leaf_spec(shape)
+
+  @property
+  def scalar_spec(self) -> P:
+    """The out spec of a per-shard partial result of shape [1]."""
+    return P(self.axis)
+
   def leaf_spec(self, shape: Sequence[int]) -> P:
     """A leaf split along its first dimension divisible by the shards."""
     for d, n in enumerate(shape):
@@ -98,6 +108,62 @@ class Zero:
   def gather(self, x: jax.Array) -> jax.Array:
     """Moves [*shape] split by a spec to [*shape] replicated, on device."""
     return jax.device_put(x, self.replicated(on_host=False))
+
+
+@dataclasses.dataclass(frozen=True)
+class Follow(Zero):
+  """State leaves sharded as their parameters are (FSDP, tensor parallel).
+
+  Built by `follow` from the parameters `init` sees; the host step then
+  runs per shard with each leaf's own spec, and the new weights come back
+  sharded as the parameters are: nothing is gathered.
+  """
+
+  specs: tuple[P, ...] = ()
+
+  @property
+  def size(self) -> int:
+    return self.mesh.size
+
+  def spec_for(self, index: int, shape: Sequence[int]) -> P:
+    del shape
+    return self.specs[index]
+
+  @property
+  def scalar_spec(self) -> P:
+    return P(tuple(self.mesh.axis_names))
+
+  def unshard(self, x: jax.Array) -> jax.Array:
+    return x
+
+  def match(self, x: jax.Array, like: jax.Array) -> jax.Array:
+    del like
+    return x
+
+  def gather(self, x: jax.Array) -> jax.Array:
+    return x
+
+
+def follow(params: Any) -> Follow | None:
+  """A `Follow` when concrete parameters are sharded over a mesh, else None."""
+  leaves = jax.tree.leaves(params)
+  meshes = {
+    x.sharding.mesh
+    for x in leaves
+    if isinstance(getattr(x, 'sharding', None), NamedSharding)
+    and x.sharding.mesh.size > 1
+  }
+  if len(meshes) != 1:
+    return None
+  mesh = meshes.pop()
+  specs = []
+  for x in leaves:
+    sharding = x.sharding
+    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+      specs.append(P(*sharding.spec))
+    else:
+      specs.append(P())
+  return Follow(mesh, None, tuple(specs))
 
 
 def _explicit_spec(x: jax.Array) -> P | None:
@@ -150,7 +216,7 @@ def pair_spec(spec: P | None) -> P | None:
 
 def per_shard_scalar(zero: Zero | None) -> P | None:
   """The out spec of a per-shard partial result of shape [1]."""
-  return None if zero is None else P(zero.axis)
+  return None if zero is None else zero.scalar_spec
 
 
 def per_shard(
