@@ -65,7 +65,7 @@ def _like(new: Any, ours: jax.Array, path: str, name: str) -> jax.Array:
       f'optax state {name} leaf {path} has shape {tuple(np.shape(new))}, '
       f'the parameter needs {shape}'
     )
-  x = jnp.asarray(new).astype(ours.dtype)
+  x = jnp.array(new, ours.dtype, copy=True)  # Never the caller's buffer.
   if x.shape != shape:  # Both rows of a double-buffered leaf.
     x = jnp.broadcast_to(x[None], shape)
   return jax.device_put(x, ours.sharding)
@@ -100,13 +100,15 @@ def import_adam_state(
   treedef = jax.tree.structure(params)
   moments = {}
   for name in ('mu', 'nu'):
-    theirs, their_def = jax.tree.flatten(getattr(adam, name))
-    if their_def != treedef:
-      raise ValueError(
-        f'optax state {name} has structure {their_def}, the parameters '
-        f'{treedef}'
-      )
+    # Leaf by leaf: the container types may differ (a flax State holding
+    # the params, a dict holding the moments), the order and shapes not.
+    theirs = jax.tree.leaves(getattr(adam, name))
     ours = jax.tree.leaves(getattr(state, name))
+    if len(theirs) != len(ours):
+      raise ValueError(
+        f'optax state {name} has {len(theirs)} leaves, the parameters '
+        f'{len(ours)}'
+      )
     moments[name] = jax.tree.unflatten(
       treedef,
       [
