@@ -167,19 +167,19 @@ def grace_adam_stv(n: int) -> Callable[[], None]:
   """
   params, grads = _state(n, 0)
   box = [
-    jnp.asarray(np.concatenate([params, params])),
-    jnp.zeros(2 * n, jnp.float32),
-    jnp.zeros(2 * n, jnp.float32),
+    jnp.asarray(np.stack([params, params])),  # Two rows of one leaf.
+    jnp.zeros((2, n), jnp.float32),
+    jnp.zeros((2, n), jnp.float32),
     jnp.zeros(n, jnp.float32),
   ]
   grad = jnp.asarray(grads)
 
   def step(master, mu, nu, kept, row, grad, count):
     master, mu, nu, kept, total, _ = grace_adam_ffi.adam_step_speculative(
-      master,
-      mu,
-      nu,
-      kept,
+      [master],
+      [mu],
+      [nu],
+      [kept],
       row,
       [grad],
       None,
@@ -193,7 +193,7 @@ def grace_adam_stv(n: int) -> Callable[[], None]:
       nesterov=False,
       keep_nonfinite=True,
     )
-    return master, mu, nu, kept, total
+    return master[0], mu[0], nu[0], kept[0], total
 
   step = jax.jit(step, donate_argnums=(0, 1, 2, 3))
   count = [0]

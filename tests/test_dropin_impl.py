@@ -49,7 +49,9 @@ def test_updates_come_in_the_params_dtype(dtype):
     )
 
   updates, _ = step(params, state, grads(params), False)
-  for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params)):
+  for u, p in zip(
+    jax.tree.leaves(updates), jax.tree.leaves(params), strict=True
+  ):
     assert u.dtype == p.dtype
 
 
@@ -116,7 +118,9 @@ def test_optax_state_interchange_is_exact(optimizer):
   adam = ref_state[0]
   for name in ('mu', 'nu'):
     for a, b in zip(
-      jax.tree.leaves(getattr(back, name)), jax.tree.leaves(getattr(adam, name))
+      jax.tree.leaves(getattr(back, name)),
+      jax.tree.leaves(getattr(adam, name)),
+      strict=True,
     ):
       np.testing.assert_array_equal(a, b)
   # And the run goes on as optax's would.
@@ -124,7 +128,7 @@ def test_optax_state_interchange_is_exact(optimizer):
   ru, _ = ref.update(grads(params, 9), ref_state, params)
   got = optax.apply_updates(params, u)
   want = optax.apply_updates(params, ru)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(a, b, rtol=0, atol=2.5e-7)  # 2 fp32 ulps at 1.
 
 
@@ -138,7 +142,7 @@ def test_resume_with_another_bucket_size():
     params = optax.apply_updates(params, u)
   a, _ = small.update(grads(params, 5), state, params)
   b, _ = large.update(grads(params, 5), state, params)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(x, y)
 
 
@@ -212,5 +216,5 @@ def test_fsdp_sharded_params_need_no_mesh_arguments(axis_type):
     assert leaf.sharding.memory_kind == 'pinned_host'
     assert leaf.addressable_shards[0].data.shape == (8, 16)
   assert ours['w'].addressable_shards[0].data.shape == (8, 16)
-  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(single)):
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(single), strict=True):
     np.testing.assert_allclose(a, b, rtol=0, atol=2e-6)

@@ -302,11 +302,21 @@ def test_shard_map_runs_per_shard():
   np.testing.assert_array_equal(out[0], ref[0])
 
 
+def _per_leaf(flat, grads):
+  """`flat` cut into one array per gradient, of its shape."""
+  cuts = np.cumsum([g.size for g in grads])[:-1]
+  return [
+    jnp.asarray(x).reshape(g.shape)
+    for x, g in zip(np.split(np.asarray(flat), cuts), grads, strict=True)
+  ]
+
+
 def segments_step(master, mu, nu, grads, *, keep_nonfinite, compute_sumsq):
-  return grace_adam.adam_step_segments(
-    jnp.asarray(master),
-    jnp.asarray(mu),
-    jnp.asarray(nu),
+  """One kernel call over the leaves; the state comes back flat again."""
+  out = grace_adam.adam_step_segments(
+    _per_leaf(master, grads),
+    _per_leaf(mu, grads),
+    _per_leaf(nu, grads),
     grads,
     None,
     count=2,
@@ -321,6 +331,8 @@ def segments_step(master, mu, nu, grads, *, keep_nonfinite, compute_sumsq):
     keep_nonfinite=keep_nonfinite,
     compute_sumsq=compute_sumsq,
   )
+  flat = [jnp.concatenate([jnp.ravel(x) for x in xs]) for xs in out[:3]]
+  return (*flat, out[3], out[4])
 
 
 @pytest.mark.parametrize('grad_dtype', [jnp.float32, jnp.bfloat16, jnp.float16])

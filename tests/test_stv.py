@@ -188,7 +188,9 @@ def test_double_buffered_state_stays_in_place_and_swaps_rows():
   )
   pointers = [b.unsafe_buffer_pointer() for b in buffers]
   # Two rows per leaf, shaped like the parameter.
-  for b, w in zip(jax.tree.leaves(state.master), jax.tree.leaves(params)):
+  for b, w in zip(
+    jax.tree.leaves(state.master), jax.tree.leaves(params), strict=True
+  ):
     assert b.shape == (2, *w.shape)
   assert int(state.row) == 0
   rows = []
@@ -203,5 +205,7 @@ def test_double_buffered_state_stays_in_place_and_swaps_rows():
   assert (int(state.redone), int(state.skipped), int(state.count)) == (1, 1, 2)
   assert step._cache_size() == 1
   current = state.current()
-  for m, w in zip(jax.tree.leaves(current.master), jax.tree.leaves(params)):
+  for m, w in zip(
+    jax.tree.leaves(current.master), jax.tree.leaves(params), strict=True
+  ):
     np.testing.assert_array_equal(m, w)

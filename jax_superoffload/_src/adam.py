@@ -41,8 +41,9 @@ def adam(
   gradients to the host, runs the fused Grace Adam kernel there (XLA host
   compute) over a few leaves per call and brings the new weights back in
   the parameters' dtype. Parameters passed to `update` that no longer
-  round to the master (weights loaded, surgery) are where the step starts. The accelerator keeps only the parameters, the
-  gradients and the activations.
+  round to the master (weights loaded, surgery) are where the step
+  starts. The accelerator keeps only the parameters, the gradients and the
+  activations.
 
   With :math:`g_t` the gradient, :math:`t` the step (from 1):
 
@@ -71,7 +72,8 @@ def adam(
     nesterov: Use the Nesterov (NAdam) momentum.
     bucket_bytes: About how many fp32 bytes of state one kernel call steps
       (default 256 MiB); the number of kernel calls per step is the number
-      of buckets. Only a schedule: the state does not depend on it. `None` rather than a number by default so that
+      of buckets. Only a schedule: the state does not depend on it.
+      `None` rather than a number by default so that
       `optax.inject_hyperparams` does not turn it into an array.
     executor: Where the update runs: "ffi" (the Grace Adam kernel as host
       compute), "xla_host" (the same math in `jax.numpy` as host compute),

@@ -205,8 +205,8 @@ def validate_buckets(opts, inputs, buckets, results, state, bucket_step):
 
 def _finish_pair(opts, b, row, verdict, out):
   """A double-buffered bucket's redo if needed, then its new weights."""
-  from jax_superoffload._src import executors  # noqa: PLC0415
-  from jax_superoffload._src import zero as zero_lib  # noqa: PLC0415
+  from jax_superoffload._src import executors
+  from jax_superoffload._src import zero as zero_lib
 
   def fn(step, flags, out):
     row, redo, skip, scale = flags

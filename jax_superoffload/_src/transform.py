@@ -111,7 +111,8 @@ def _buckets(lay: layout.Layout) -> list[list[int]]:
 def _leaf_state_types(opts, plan: _Plan) -> list[tuple]:
   """Per leaf: (state shape, master dtype, mu dtype, nu dtype, paired)."""
   out = []
-  for i, (shape, dtype) in enumerate(zip(plan.lay.shapes, plan.lay.dtypes)):
+  shapes_dtypes = zip(plan.lay.shapes, plan.lay.dtypes, strict=True)
+  for i, (shape, dtype) in enumerate(shapes_dtypes):
     k = plan.bucket_of.get(i)
     if k is None:  # optax math: optax's dtypes, no master precision.
       mu = np.dtype(opts.mu_dtype) if opts.mu_dtype is not None else dtype
@@ -188,11 +189,11 @@ def _build_state(opts, params: Any) -> SuperOffloadState:
 
 
 def _state_shardings(opts, params: Any) -> SuperOffloadState:
-  """init's out_shardings under ZeRO: each leaf split along one axis."""
+  """Init's out_shardings under ZeRO: each leaf split along one axis."""
   zero = opts.zero
   plan = _plan(opts, params)
   master, kept = [], []
-  for i, (shape, *_, paired) in enumerate(_leaf_state_types(opts, plan)):
+  for i, (*_, paired) in enumerate(_leaf_state_types(opts, plan)):
     host = _on_host(plan, i)
     spec = zero.spec_for(i, plan.lay.shapes[i])
     master.append(
@@ -288,7 +289,7 @@ def superoffload_adam(**kwargs: Any) -> optax.GradientTransformationExtraArgs:
   """Builds the transformation behind `adam` and `adamw` (see their docs)."""
   opts = options_lib.make(**kwargs)
   # Imported here: update.py uses this module's state type.
-  from jax_superoffload._src import update as update_lib  # noqa: PLC0415
+  from jax_superoffload._src import update as update_lib
 
   # Without mesh arguments the state follows the parameters' shardings, as
   # `init` sees them (concrete); `update`, traced, finds them here by the

@@ -55,10 +55,8 @@ class Bucket(NamedTuple):
 
 def _inputs(opts, updates, state, params) -> Inputs:
   reference = params if params is not None else updates
-  plan = transform._plan(opts, reference)  # noqa: SLF001
-  checked = transform._check_state(  # noqa: SLF001
-    opts, plan, state, from_grads=params is None
-  )
+  plan = transform._plan(opts, reference)
+  checked = transform._check_state(opts, plan, state, from_grads=params is None)
   grads = layout.check_tree(plan.lay, updates, 'gradients')
   leaves = None
   if params is not None:
