@@ -129,12 +129,6 @@ def _on_host(plan: _Plan, i: int) -> bool:
   return plan.bucket_of.get(i) not in plan.on_device
 
 
-def _place(x: jax.Array, on_host: bool, zero) -> jax.Array:
-  if zero is not None:  # Placed by init's out_shardings.
-    return x
-  return host_memory.to_host(x) if on_host else host_memory.to_device(x)
-
-
 def on_host(x: jax.Array, host: bool) -> bool:
   """Whether a state leaf lives in host memory.
 
@@ -145,17 +139,13 @@ def on_host(x: jax.Array, host: bool) -> bool:
   return host and np.ndim(x) > 0
 
 
-def _counter(zero) -> jax.Array:
-  x = jnp.zeros([], jnp.int32)
-  return x if zero is not None else host_memory.to_device(x)
-
-
 def _build_state(opts, params: Any) -> SuperOffloadState:
   """A fresh state: the master from the parameters, zero moments."""
   plan = _plan(opts, params)
   leaves = jax.tree.leaves(params)
   if opts.zero is not None:
     leaves = [opts.zero.unshard(x) for x in leaves]
+  # Placed by init's out_shardings (_state_shardings) as well.
   master, mu, nu, kept = [], [], [], []
   for i, (shape, m_t, mu_t, nu_t, paired) in enumerate(
     _leaf_state_types(opts, plan)
@@ -164,44 +154,71 @@ def _build_state(opts, params: Any) -> SuperOffloadState:
     m = leaves[i].astype(m_t)
     if paired:
       m = jnp.broadcast_to(m[None], shape)
-    elif not on_host(m, host):  # Never the parameter's own buffer.
+    elif not host:  # jit would hand the parameter itself back otherwise.
       m = jnp.copy(m)
     kshape = shape[1:] if paired else (0,) * (len(shape) + 2)
-    # A fresh array each: two state leaves must never share a buffer.
     for out, x in (
       (master, m),
       (mu, jnp.zeros(shape, mu_t)),
       (nu, jnp.zeros(shape, nu_t)),
       (kept, jnp.zeros(kshape, jnp.float32)),
     ):
-      out.append(_place(x, on_host(x, host), opts.zero))
+      # Typed as host memory too: jit's out_shardings alone leave the
+      # arrays typed as device memory (JAX 0.10), which host compute
+      # then refuses.
+      out.append(host_memory.to_host(x) if on_host(x, host) else x)
   tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
   return SuperOffloadState(
-    count=_counter(opts.zero),
+    count=jnp.zeros([], jnp.int32),
     mu=tree(mu),
     nu=tree(nu),
     master=tree(master),
-    redone=_counter(opts.zero),
-    skipped=_counter(opts.zero),
-    row=_counter(opts.zero) if opts.double_buffered else None,
+    redone=jnp.zeros([], jnp.int32),
+    skipped=jnp.zeros([], jnp.int32),
+    row=jnp.zeros([], jnp.int32) if opts.double_buffered else None,
     kept_grads=tree(kept) if opts.double_buffered else None,
   )
 
 
+def _device_of(params: Any) -> jax.Device:
+  """The one device concrete parameters are on (default: the first)."""
+  for x in jax.tree.leaves(params):
+    sharding = getattr(x, 'sharding', None)
+    if sharding is not None and not isinstance(x, jax.core.Tracer):
+      return next(iter(sharding.device_set))
+  return jax.devices()[0]
+
+
 def _state_shardings(opts, params: Any) -> SuperOffloadState:
-  """Init's out_shardings under ZeRO: each leaf split along one axis."""
-  zero = opts.zero
+  """The out_shardings of `init`: where each state leaf is made.
+
+  In pinned host memory (but scalars and device buckets on the device);
+  under ZeRO each leaf split along one axis, when following the
+  parameters' shardings as its parameter is.
+  """
   plan = _plan(opts, params)
+  zero = opts.zero
+  if zero is None:
+    device = _device_of(params)
+
+    def sharding(spec, host):
+      del spec
+      kind = zero_lib.memory_kind(host)
+      return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+  else:
+    sharding = zero.sharding
   master, kept = [], []
-  for i, (*_, paired) in enumerate(_leaf_state_types(opts, plan)):
+  for i, (shape, *_, paired) in enumerate(_leaf_state_types(opts, plan)):
     host = _on_host(plan, i)
-    spec = zero.spec_for(i, plan.lay.shapes[i])
-    master.append(
-      zero.sharding(zero_lib.pair_spec(spec) if paired else spec, host)
-    )
-    kept.append(zero.sharding(spec if paired else zero_lib.P(), host))
+    spec = zero_lib.P()
+    if zero is not None:
+      spec = zero.spec_for(i, plan.lay.shapes[i])
+    state_spec = zero_lib.pair_spec(spec) if paired else spec
+    master.append(sharding(state_spec, host and len(shape) > 0))
+    kept_host = host and (not paired or len(shape) > 1)
+    kept.append(sharding(spec if paired else zero_lib.P(), kept_host))
   tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
-  counter = zero.replicated(on_host=False)
+  counter = sharding(zero_lib.P(), False)
   return SuperOffloadState(
     count=counter,
     mu=tree(master),
@@ -274,15 +291,17 @@ def _check_on_mesh(zero, plan: _Plan, leaves: list) -> None:
 
 def init(opts: options_lib.Options, params: optax.Params) -> SuperOffloadState:
   """`init` of the transformation: the state for `params`."""
-  if opts.zero is not None and jax.tree.leaves(params):
-    # Traced, so that every placement is a sharding of the mesh's global
-    # arrays, with the output shardings spelled out: under auto mesh axes
-    # jit does not take them from the placements inside.
-    return jax.jit(
-      lambda p: _build_state(opts, p),
-      out_shardings=_state_shardings(opts, params),
-    )(params)
-  return _build_state(opts, params)
+  if not jax.tree.leaves(params):  # Say optax.tree_map_params' placeholder.
+    return _build_state(opts, params)
+  # One traced computation that writes each state leaf where it lives
+  # (out_shardings): no leaf is made on the device and copied over, so the
+  # peak is the parameters plus the state. Under a mesh every placement is
+  # also a sharding of its global arrays (eager transfers of process-local
+  # values to a mesh spanning several processes are not supported).
+  return jax.jit(
+    lambda p: _build_state(opts, p),
+    out_shardings=_state_shardings(opts, params),
+  )(params)
 
 
 def superoffload_adam(**kwargs: Any) -> optax.GradientTransformationExtraArgs:

@@ -69,11 +69,11 @@ class Zero:
 
   def sharding(self, spec: P, on_host: bool) -> NamedSharding:
     """`spec` on the mesh, in host or device memory."""
-    return NamedSharding(self.mesh, spec, memory_kind=_kind(on_host))
+    return NamedSharding(self.mesh, spec, memory_kind=memory_kind(on_host))
 
   def replicated(self, on_host: bool) -> NamedSharding:
     """Replicated over the mesh, in host or device memory."""
-    return NamedSharding(self.mesh, P(), memory_kind=_kind(on_host))
+    return NamedSharding(self.mesh, P(), memory_kind=memory_kind(on_host))
 
   def replicated_bytes(self, params: Any) -> int:
     """fp32 state bytes (master, mu, nu) per device that are not split."""
@@ -175,7 +175,7 @@ def _explicit_spec(x: jax.Array) -> P | None:
   return spec
 
 
-def _kind(on_host: bool) -> str | None:
+def memory_kind(on_host: bool) -> str | None:
   if on_host and host_memory.host_memory_available():
     return host_memory.HOST_MEMORY_KIND
   return None  # The default: device memory.
