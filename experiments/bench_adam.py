@@ -40,6 +40,7 @@ from experiments.report import markdown_table
 from experiments.report import plt
 from jax_superoffload import kernels
 from jax_superoffload._src import grace_adam as grace_adam_ffi
+from jax_superoffload._src.stv import KEPT_GRAD_PAD
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -163,14 +164,15 @@ def grace_adam_stv(n: int) -> Callable[[], None]:
 
   Reads the current row, writes the other (rows flip each step, as when
   validation accepts), keeps the gradient as fp32 and sums its squares:
-  32 B/param, the extra 4 being the kept gradient.
+  32 B/param, the extra 4 being the kept gradient (rows and kept gradient
+  written with streaming stores where the ISA has them).
   """
   params, grads = _state(n, 0)
   box = [
     jnp.asarray(np.concatenate([params, params])),
     jnp.zeros(2 * n, jnp.float32),
     jnp.zeros(2 * n, jnp.float32),
-    jnp.zeros(n, jnp.float32),
+    jnp.zeros(n + KEPT_GRAD_PAD, jnp.float32),
   ]
   grad = jnp.asarray(grads)
 

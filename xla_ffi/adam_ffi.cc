@@ -411,7 +411,9 @@ ffi::Error AdamStepSegmentsHandler(
 
 // Speculation-then-validation over double-buffered state (stv_kernel.h).
 // master, mu and nu hold two rows each (f32[2n]); `row` (s32[1]) names the
-// current one. Builds one PairBuffers per leaf from the leaves' sizes.
+// current one; `kept_grad` holds the bucket's elements and kKeptGradPad
+// more (stv_kernel.h). Builds one PairBuffers per leaf from the leaves'
+// sizes.
 ffi::Error PairSegments(ffi::Buffer<ffi::F32> master, ffi::Buffer<ffi::F32> mu,
                         ffi::Buffer<ffi::F32> nu, float* kept_grad,
                         ffi::Buffer<ffi::S32> row,
@@ -450,7 +452,7 @@ ffi::Error PairSegments(ffi::Buffer<ffi::F32> master, ffi::Buffer<ffi::F32> mu,
     p.master = master.typed_data() + at;
     p.mu = mu.typed_data() + at;
     p.nu = nu.typed_data() + at;
-    p.kept_grad = kept_grad + at;
+    p.kept_grad = kept_grad + KeptGradShift(size, *from) + at;
   }
   return ffi::Error::Success();
 }
@@ -527,8 +529,10 @@ ffi::Error AdamStepSpeculativeHandler(
       error.failure()) {
     return error;
   }
-  if (static_cast<int64_t>(kept_grad.element_count()) != starts.back()) {
-    return InvalidArgument("kept gradients must have the bucket's size");
+  if (static_cast<int64_t>(kept_grad.element_count()) !=
+      starts.back() + kKeptGradPad) {
+    return InvalidArgument("kept gradients must hold the bucket's size + " +
+                           std::to_string(kKeptGradPad) + " elements");
   }
   for (size_t j = 0; j < grads.size(); ++j) {
     auto grad = grads.get<ffi::AnyBuffer>(j);
@@ -554,6 +558,13 @@ ffi::Error AdamStepSpeculativeHandler(
   }
   if (sets.size() != 1) return InvalidArgument("segments cannot be batched");
   if (sumsq->element_count() != 1) return InvalidArgument("sumsq is a scalar");
+  // The padding around the kept gradients is read by the finiteness check
+  // (stv.all_finite): zeros, not an older step's gradients.
+  float* kept = kept_grad_out->typed_data();
+  const int64_t shift = KeptGradShift(starts.back(), from);
+  std::fill(kept, kept + shift, 0.0f);
+  std::fill(kept + shift + starts.back(), kept + starts.back() + kKeptGradPad,
+            0.0f);
   const int64_t num_chunks = (starts.back() + kChunkElements - 1) /
                              kChunkElements;
   // Per-chunk partial sums, added in chunk order: independent of threads.
@@ -619,8 +630,10 @@ ffi::Error AdamStepValidatedHandler(
       error.failure()) {
     return error;
   }
-  if (static_cast<int64_t>(kept_grad.element_count()) != starts.back()) {
-    return InvalidArgument("kept gradients must have the bucket's size");
+  if (static_cast<int64_t>(kept_grad.element_count()) !=
+      starts.back() + kKeptGradPad) {
+    return InvalidArgument("kept gradients must hold the bucket's size + " +
+                           std::to_string(kKeptGradPad) + " elements");
   }
   for (size_t j = 0; j < weights.size(); ++j) {
     if (ffi::Error error = LeafWeights(weights, j, sizes[j], &segments[j]);

@@ -25,6 +25,9 @@ struct Avx512Ops {
   }
   static JSO_INLINE V Load(const float* p) { return _mm512_loadu_ps(p); }
   static JSO_INLINE void Store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  // p is aligned to the vector (AdamBuffers::stream_state).
+  static JSO_INLINE void StoreStream(float* p, V x) { _mm512_stream_ps(p, x); }
+  static JSO_INLINE void Fence() { _mm_sfence(); }
   static JSO_INLINE V LoadBf16(const uint16_t* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));

@@ -23,6 +23,9 @@ struct NeonOps {
   }
   static JSO_INLINE V Load(const float* p) { return vld1q_f32(p); }
   static JSO_INLINE void Store(float* p, V x) { vst1q_f32(p, x); }
+  // No streaming store for single vectors: plain ones (same values).
+  static JSO_INLINE void StoreStream(float* p, V x) { vst1q_f32(p, x); }
+  static JSO_INLINE void Fence() {}
   static JSO_INLINE V LoadBf16(const uint16_t* p) {
     return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
   }

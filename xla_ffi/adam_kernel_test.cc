@@ -543,11 +543,27 @@ void TestOutOfPlaceAndRoofline() {
   AdamStep(AdamConfig{}, empty);  // Must not touch any (null) buffer.
 }
 
+// `n` floats starting `offset` floats past a 64-byte boundary.
+class AlignedFloats {
+ public:
+  AlignedFloats(int64_t n, int64_t offset) : storage_(n + offset + 16) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(storage_.data());
+    data_ = storage_.data() + ((64 - at % 64) % 64) / sizeof(float) + offset;
+  }
+  float* data() { return data_; }
+  float& operator[](int64_t i) { return data_[i]; }
+
+ private:
+  std::vector<float> storage_;
+  float* data_;
+};
+
 // Speculation-then-validation on double-buffered state: the speculative
-// step leaves the current row untouched and keeps the gradient; the redo of
-// a clipped step, from that row, is within a few ulps of a float64 step
-// with the clipped gradient, and bit for bit the plain kernel's step with
-// that scale, at clip ratios from 0.5 to 1e4.
+// step leaves the current row untouched, writes the other and keeps the
+// gradient (with streaming stores when the rows and the kept gradient share
+// their alignment, plain ones when not); the redo of a clipped step, from that row, is within a few
+// ulps of a float64 step with the clipped gradient, and bit for bit the
+// plain kernel's step with that scale, at clip ratios from 0.5 to 1e4.
 void TestSpeculateThenRedo() {
   const int64_t n = 3001;
   for (ElementType grad_type : {ElementType::kF32, ElementType::kBF16}) {
@@ -555,8 +571,12 @@ void TestSpeculateThenRedo() {
       for (int from : {0, 1}) {
         for (double ratio : {0.5, 3.0, 1e2, 1e4}) {
           uint64_t rng = 11 + from + (nesterov ? 2 : 0);
-          std::vector<float> master(2 * n), mu(2 * n), nu(2 * n);
-          std::vector<float> grad32(n), kept(n, -1.0f);
+          // Rows aligned alike (streamed) for ratios 0.5 and 1e2, else not.
+          const bool aligned = ratio == 0.5 || ratio == 1e2;
+          AlignedFloats master(2 * n, 0), mu(2 * n, aligned ? 0 : 1);
+          AlignedFloats nu(2 * n, aligned ? 0 : 2);
+          AlignedFloats kept(n, aligned ? KeptGradShift(n, from) : 3);
+          std::vector<float> grad32(n);
           std::vector<uint16_t> grad16(n), lowp(n);
           std::vector<double> grad(n);
           double sumsq = 0.0;
@@ -578,8 +598,10 @@ void TestSpeculateThenRedo() {
           }
           // Gradients scaled so that their norm is `ratio` times the clip 1.
           const float scale = static_cast<float>(ratio / std::sqrt(sumsq));
-          const std::vector<float> before_master = master, before_mu = mu;
-          const std::vector<float> before_nu = nu;
+          const std::vector<float> before_master(master.data(),
+                                                master.data() + 2 * n);
+          const std::vector<float> before_mu(mu.data(), mu.data() + 2 * n);
+          const std::vector<float> before_nu(nu.data(), nu.data() + 2 * n);
           AdamConfig config;
           config.learning_rate = 1e-2f;
           config.weight_decay = 1e-4f;
@@ -600,6 +622,9 @@ void TestSpeculateThenRedo() {
           pair.kept_grad = kept.data();
           pair.lowp_out = lowp.data();
           pair.lowp_type = ElementType::kBF16;
+          AdamBuffers row_step = RowStep(pair, from, pair.grad, grad_type);
+          row_step.grad_copy = kept.data();
+          const bool streams = StreamableHead(row_step, 0, n) >= 0;
           // Two sub-ranges, one boundary mid-vector, as chunks split them.
           const double sum = SpeculativeStepRange(speculative, pair, from, 0,
                                                   n / 3 + 1, BestIsa()) +
@@ -613,13 +638,37 @@ void TestSpeculateThenRedo() {
                          Bits(nu[at]) == Bits(before_nu[at]);
             kept_exact &= static_cast<double>(kept[i]) == grad[i];
           }
-          char context[96];
+          char context[112];
           std::snprintf(context, sizeof(context),
-                        "grad=%s nesterov=%d from=%d ratio=%g",
-                        TypeName(grad_type), nesterov, from, ratio);
+                        "grad=%s nesterov=%d from=%d ratio=%g aligned=%d",
+                        TypeName(grad_type), nesterov, from, ratio, aligned);
           Check(untouched, "speculation leaves the current row untouched",
                 context);
+          Check(streams == aligned, "rows aligned alike are streamed",
+                context);
           Check(kept_exact, "speculation keeps the gradient exactly", context);
+          {  // The speculative row, bit for bit the plain step's.
+            std::vector<float> sm(n), smu(n), snu(n);
+            AdamBuffers plain;
+            plain.size = n;
+            plain.master_in = before_master.data() + from * n;
+            plain.mu_in = before_mu.data() + from * n;
+            plain.nu_in = before_nu.data() + from * n;
+            plain.master_out = sm.data();
+            plain.mu_out = smu.data();
+            plain.nu_out = snu.data();
+            plain.grad = pair.grad;
+            plain.grad_type = grad_type;
+            AdamStepRange(speculative, plain, 0, n, Isa::kScalar);
+            bool same = true;
+            for (int64_t i = 0; i < n; ++i) {
+              const int64_t at = (1 - from) * n + i;
+              same &= Bits(master[at]) == Bits(sm[i]) &&
+                      Bits(mu[at]) == Bits(smu[i]) &&
+                      Bits(nu[at]) == Bits(snu[i]);
+            }
+            Check(same, "speculation writes the scalar path's bits", context);
+          }
           const double want_sum = ratio * ratio;  // Of the scaled gradients.
           Check(std::fabs(sum - want_sum) <= 1e-5 * want_sum,
                 "speculation sums the squared scaled gradients", context);

@@ -31,6 +31,22 @@ void KeepGradient(const PairBuffers& p, int64_t begin, int64_t end) {
   }
 }
 
+// The speculative step with plain stores, the gradient kept block by block.
+double PlainSpeculativeRange(const AdamConstants& constants,
+                             const PairBuffers& pair, const AdamBuffers& b,
+                             int64_t begin, int64_t end, Isa isa) {
+  if (pair.kept_grad == nullptr) {
+    return AdamStepSumSquaresRange(constants, b, begin, end, isa);
+  }
+  double sum = 0.0;
+  for (int64_t i = begin; i < end; i += kKeepGradBlock) {
+    const int64_t stop = std::min(end, i + kKeepGradBlock);
+    sum += AdamStepSumSquaresRange(constants, b, i, stop, isa);
+    KeepGradient(pair, i, stop);
+  }
+  return sum;
+}
+
 }  // namespace
 
 AdamBuffers RowStep(const PairBuffers& p, int from, const void* grad,
@@ -56,17 +72,19 @@ AdamBuffers RowStep(const PairBuffers& p, int from, const void* grad,
 double SpeculativeStepRange(const AdamConstants& constants,
                             const PairBuffers& pair, int from, int64_t begin,
                             int64_t end, Isa isa) {
-  const AdamBuffers b = RowStep(pair, from, pair.grad, pair.grad_type);
-  if (pair.kept_grad == nullptr) {
-    return AdamStepSumSquaresRange(constants, b, begin, end, isa);
+  AdamBuffers b = RowStep(pair, from, pair.grad, pair.grad_type);
+  b.grad_copy = pair.kept_grad;
+  const int64_t head = IsaStreams(isa) ? StreamableHead(b, begin, end) : -1;
+  if (head < 0) {
+    b.grad_copy = nullptr;
+    return PlainSpeculativeRange(constants, pair, b, begin, end, isa);
   }
-  double sum = 0.0;
-  for (int64_t i = begin; i < end; i += kKeepGradBlock) {
-    const int64_t stop = std::min(end, i + kKeepGradBlock);
-    sum += AdamStepSumSquaresRange(constants, b, i, stop, isa);
-    KeepGradient(pair, i, stop);
-  }
-  return sum;
+  // The elements before the 64-byte boundary one by one (plain stores;
+  // the scalar path computes the same bits), then the rest streamed.
+  b.stream_state = true;
+  const double sum =
+      AdamStepSumSquaresRange(constants, b, begin, begin + head, Isa::kScalar);
+  return sum + AdamStepSumSquaresRange(constants, b, begin + head, end, isa);
 }
 
 void RedoStepRange(const AdamConstants& constants, const PairBuffers& pair,

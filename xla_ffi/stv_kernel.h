@@ -12,7 +12,12 @@
 //
 // A step reads 16 B per parameter and writes 12, as an in-place step does;
 // the speculative step also writes the gradient it read, as fp32 (4 B), so
-// the redo can read it after the caller's gradient buffers are gone.
+// the redo can read it after the caller's gradient buffers are gone. Neither
+// the spare row nor the kept gradient is in cache when the speculative step
+// writes them, so it writes them with streaming stores where it can
+// (AdamBuffers::stream_state): a plain store would first read each line,
+// 16 B/param more. For that the kept gradient is placed with the spare
+// row's alignment (KeptGradShift).
 //
 // Pure C++17, like adam_kernel.h, so it can be tested against float64 alone.
 
@@ -48,7 +53,8 @@ AdamBuffers RowStep(const PairBuffers& pair, int from, const void* grad,
 // The speculative step over [begin, end) of the segment: reads row `from`
 // and the gradient, writes row 1 - from, the weights copy and (when
 // `kept_grad` is set) the gradient as fp32. Returns the sum of the squared
-// scaled gradients, as AdamStepSumSquaresRange does for the same sub-ranges.
+// scaled gradients. Its order of additions is fixed by the instruction set,
+// the range and the buffers' alignment mod 64 bytes (which XLA fixes at 64).
 double SpeculativeStepRange(const AdamConstants& constants,
                             const PairBuffers& pair, int from, int64_t begin,
                             int64_t end, Isa isa);
@@ -60,8 +66,18 @@ double SpeculativeStepRange(const AdamConstants& constants,
 void RedoStepRange(const AdamConstants& constants, const PairBuffers& pair,
                    int from, int64_t begin, int64_t end, Isa isa);
 
-// Elements per sub-range of SpeculativeStepRange: the gradient is copied to
-// `kept_grad` right after the step has read it, while it is still in cache.
+// A bucket's kept-gradient buffer holds kKeptGradPad elements more than the
+// bucket, and keeps the gradient from element KeptGradShift on: with every
+// buffer aligned to 64 bytes, it then shares the spare row's alignment.
+inline constexpr int64_t kKeptGradPad = 16;
+
+inline int64_t KeptGradShift(int64_t row_stride, int from) {
+  return (from == 0 ? row_stride : 0) % kKeptGradPad;
+}
+
+// Elements per sub-range of SpeculativeStepRange when it cannot stream: the
+// gradient is copied to `kept_grad` right after the step has read it, while
+// it is still in cache.
 inline constexpr int64_t kKeepGradBlock = 1 << 14;
 
 }  // namespace jax_superoffload

@@ -257,7 +257,9 @@ def adam_step_speculative(
   `master`, `mu` and `nu` are f32[2n]: two rows of the bucket's state, of
   which `row` (int32 scalar) is the current one. Reads that row and the
   leaves' gradients, writes the other row, the gradients as fp32 into
-  `kept_grad` (f32[n]) and, per leaf, the new weights in `weight_dtypes`.
+  `kept_grad` (f32[n + 16], from a shift that gives it the written row's
+  alignment: stv_kernel.h) and, per leaf, the new weights in
+  `weight_dtypes`.
   Every state buffer aliases its output. Returns the four state buffers,
   the sum of the squared scaled gradients (f32[1]) and the weights.
   """

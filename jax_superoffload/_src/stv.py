@@ -24,13 +24,18 @@ operations as a step taken without speculation.
   drop take it from there (`lax.cond`: nothing runs unless needed).
 
 Cost when nothing triggers: the global norm, which the kernel takes in the
-same pass as the step, and the kept gradients (4 B/param written by that
-pass, while in cache). The step's memory traffic is otherwise that of an
-in-place step: 16 B/param read, 12 written. Host memory: +12 B/param for
-the spare row and +4 B/param for the kept gradients, which every step has
-(as temporaries) and which STV needs until validation; keeping them in the
-donated state means no step maps fresh memory for them. A redo costs one
-more kernel pass (the same 28 B/param as a step).
+same pass as the step, and the kept gradients (4 B/param more written by
+that pass). The spare row and the kept gradients are not in cache when the
+kernel writes them, so it writes them with streaming stores (x86: a plain
+store would first read every line, 16 B/param more); the step then moves
+32 B/param against an in-place step's 28. Host memory: +12 B/param for the
+spare row and +4 B/param for the kept gradients, which every step has (as
+temporaries) and which STV needs until validation; keeping them in the
+donated state means no step maps fresh memory for them (XLA:CPU page-faults
+fresh temporaries in every step). Each shard's kept gradients carry
+`KEPT_GRAD_PAD` elements more, so they can be placed with the spare row's
+alignment. A redo costs one more kernel pass (the same 28 B/param as a
+step).
 """
 
 from __future__ import annotations
@@ -43,6 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_superoffload._src import host_memory
+
+# Elements a kept-gradient buffer holds beyond its bucket (per shard): the
+# kernel's kKeptGradPad (stv_kernel.h).
+KEPT_GRAD_PAD = 16
 
 
 def global_norm(

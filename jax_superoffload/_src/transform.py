@@ -377,7 +377,13 @@ def superoffload_adam(
         if zero is not None:  # Padded before it is doubled into two rows.
           bucket = zero.pad(bucket)
         shards = 0 if k not in paired else zero.size if zero else 1
-        kept.append(place(jnp.zeros_like(bucket), on_host) if shards else None)
+        # The kept gradients' padding lets them share the spare row's
+        # alignment (stv.KEPT_GRAD_PAD).
+        kept.append(
+          place(jnp.zeros(bucket.size + stv.KEPT_GRAD_PAD * shards), on_host)
+          if shards
+          else None
+        )
         # A fresh zeros array each for mu and nu: two state leaves must
         # never share a buffer (both are donated).
         for out, x in (
