@@ -41,7 +41,9 @@ def make_params(sizes, dtype=jnp.float32, seed=0):
   rng = np.random.default_rng(seed)
   return jax.device_put(
     {
-      f'p{i:02d}': jnp.asarray(rng.standard_normal(n), jnp.float32).astype(dtype)
+      f'p{i:02d}': jnp.asarray(rng.standard_normal(n), jnp.float32).astype(
+        dtype
+      )
       for i, n in enumerate(sizes)
     },
     jax.devices()[0],
@@ -65,34 +67,42 @@ def make_grads(params, scales, seed=1, unit_norm=True):
       g[k][i] = value
     out.append(
       jax.device_put(
-        {k: jnp.asarray(v, jnp.float32).astype(params[k].dtype) for k, v in g.items()},
+        {
+          k: jnp.asarray(v, jnp.float32).astype(params[k].dtype)
+          for k, v in g.items()
+        },
         jax.devices()[0],
       )
     )
   return out
 
 
-def step_fn(tx):
+def step_fn(tx, donate=False):
+  # Params before the state: jit pairs donated inputs with outputs of one
+  # shape in argument order (see test_stv_attack).
   return jax.jit(
     lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
       *tx.update(g, s, p)
-    )
+    ),
+    donate_argnums=(0, 1) if donate else (),
   )
 
 
-def run(tx, params, grads, state=None):
-  """Params after each step, and the final state."""
+def run(tx, params, grads, state=None, donate=False):
+  """Params after each step (host copies), the final params and state.
+
+  With `donate`, params and state are donated, as a training loop does:
+  the kernel then works on the very buffers of the previous step.
+  """
   state = tx.init(params) if state is None else state
-  step = step_fn(tx)
+  if donate:  # Never donate the caller's arrays.
+    params = jax.tree.map(jnp.copy, params)
+  step = step_fn(tx, donate)
   history = []
   for g in grads:
     params, state = step(params, state, g)
-    history.append(params)
-  return history, state
-
-
-def bits(tree):
-  return [np.asarray(x).view(np.uint8).tobytes() for x in jax.tree.leaves(tree)]
+    history.append(jax.tree.map(np.asarray, params))
+  return history, params, state
 
 
 def assert_same_bits(a, b, what=''):
@@ -195,13 +205,15 @@ def test_unclipped_stv_step_is_the_plain_kernel_step(layout, dtype):
   sizes, bucket_bytes = LAYOUTS[layout]
   params = make_params(sizes, dtype)
   grads = make_grads(params, unclipped_scales(params))
-  ours, state = run(stv_tx(bucket_bytes), params, grads)
+  ours, _, state = run(stv_tx(bucket_bytes), params, grads, donate=True)
   assert (int(state.count), int(state.skipped), int(state.redone)) == (4, 2, 0)
   # The plain kernel, fed only the steps STV keeps.
   finite = [
-    g for g in grads if all(np.isfinite(np.asarray(x, np.float32)).all() for x in g.values())
+    g
+    for g in grads
+    if all(np.isfinite(np.asarray(x, np.float32)).all() for x in g.values())
   ]
-  theirs, plain_state = run(plain_tx(bucket_bytes), params, finite)
+  theirs, _, plain_state = run(plain_tx(bucket_bytes), params, finite)
   kept_steps = [0, 1, 3, 5]
   for j, i in enumerate(kept_steps):
     assert_same_bits(ours[i], theirs[j], f'step {i}')
@@ -234,7 +246,7 @@ def test_clipped_and_dropped_steps_within_4x_of_optax(layout):
     0.6,
   ]
   grads = make_grads(params, scales)
-  history, state = run(stv_tx(bucket_bytes), params, grads)
+  history, _, state = run(stv_tx(bucket_bytes), params, grads, donate=True)
   assert int(state.skipped) == 4
   assert int(state.count) == 6
   assert int(state.redone) == 3
@@ -254,8 +266,8 @@ def test_same_inputs_give_the_same_bits_twice():
   params = make_params(sizes)
   grads = make_grads(params, [3.0, 1.0000001, 0.9999999, 7.0, 1e4])
   tx = stv_tx(256)
-  a, sa = run(tx, params, grads)
-  b, sb = run(tx, params, grads)
+  a, _, sa = run(tx, params, grads, donate=True)
+  b, _, sb = run(tx, params, grads)
   assert_same_bits(a, b, 'params')
   assert_same_bits(sa, sb, 'state')
 
@@ -279,7 +291,9 @@ def test_stale_non_finite_kept_padding_never_drops_a_step():
     # Poison the kept buffers as an older step could have left them.
     state = state._replace(
       kept_grads=tuple(
-        None if k is None else jax.device_put(jnp.full(k.shape, jnp.nan), k.sharding)
+        None
+        if k is None
+        else jax.device_put(jnp.full(k.shape, jnp.nan), k.sharding)
         for k in state.kept_grads
       )
     )
@@ -291,10 +305,15 @@ def test_stale_non_finite_kept_padding_never_drops_a_step():
   assert int(state.count) == 4
   want = optax_serial(
     {k: np.asarray(v) for k, v in params.items()},
-    [{k: np.asarray(v) for k, v in g.items()} for g in [grads[0], huge, grads[1], huge]],
+    [
+      {k: np.asarray(v) for k, v in g.items()}
+      for g in [grads[0], huge, grads[1], huge]
+    ],
   )
   for k in want:
-    np.testing.assert_allclose(np.asarray(p[k]), np.asarray(want[k]), 2e-6, 2e-7)
+    np.testing.assert_allclose(
+      np.asarray(p[k]), np.asarray(want[k]), 2e-6, 2e-7
+    )
 
 
 def test_nan_at_last_element_then_overflowing_norm():
@@ -308,7 +327,7 @@ def test_nan_at_last_element_then_overflowing_norm():
   gs = make_grads(params, [0.5, [(last, params[last].size - 1, np.nan)], 0.4])
   huge = jax.tree.map(lambda x: jnp.full_like(x, -2e19), params)
   grads = [gs[0], gs[1], huge, gs[2], huge, gs[1], huge]
-  history, state = run(stv_tx(bucket_bytes), params, grads)
+  history, _, state = run(stv_tx(bucket_bytes), params, grads)
   assert int(state.skipped) == 2
   assert int(state.count) == 5
   want = optax_serial(
@@ -348,24 +367,24 @@ def test_zero_kept_buffers_per_shard_and_bits(layout):
     assert all(s.data.shape == (local + PAD,) for s in shards)
   single = jax.device_put(make_params(sizes), jax.devices()[0])
   grads = make_grads(single, unclipped_scales(single))
-  ours, zstate = run(tx, params, jax.device_put(grads, rep), state)
+  ours, _, zstate = run(tx, params, jax.device_put(grads, rep), state, True)
   assert int(zstate.skipped) == 2 and int(zstate.redone) == 0
   finite = [g for i, g in enumerate(grads) if i in (0, 1, 3, 5)]
-  theirs, _ = run(plain_tx(bucket_bytes), single, finite)
+  theirs, _, _ = run(plain_tx(bucket_bytes), single, finite)
   for j, i in enumerate([0, 1, 3, 5]):
     assert_same_bits(ours[i], theirs[j], f'zero step {i}')
   # Clipped steps, NaN at a leaf's last element: within 4x of optax.
   names = sorted(single)
   scales = [3.0, [(names[-1], single[names[-1]].size - 1, np.nan)], 1e3, 0.5]
   cg = make_grads(single, scales, seed=11)
-  history, cstate = run(
-    tx, params, jax.device_put(cg, rep)
-  )
+  history, _, cstate = run(tx, params, jax.device_put(cg, rep))
   assert (int(cstate.skipped), int(cstate.redone)) == (1, 2)
   p0 = {k: np.asarray(v) for k, v in single.items()}
   gs = [{k: np.asarray(v) for k, v in g.items()} for g in cg]
   want = float64_serial(p0, gs)
-  assert deviation(history[-1], want) <= 4 * deviation(optax_serial(p0, gs), want)
+  assert deviation(history[-1], want) <= 4 * deviation(
+    optax_serial(p0, gs), want
+  )
 
 
 def test_zero_stale_padding_with_overflowing_norm():
@@ -382,7 +401,7 @@ def test_zero_stale_padding_with_overflowing_norm():
     )
   )
   huge = jax.tree.map(lambda x: jnp.full_like(x, 3e19), params)
-  _, state = run(tx, params, [huge], state)
+  _, _, state = run(tx, params, [huge], state)
   assert (int(state.skipped), int(state.count)) == (0, 1)
 
 
@@ -405,13 +424,12 @@ def test_checkpoint_round_trip_of_padded_kept_buffers(tmp_path, zero):
   grads = jax.device_put(
     make_grads(params, [0.5, 3.0, 0.4, 1e3, 0.7, 2.0]), where
   )
-  history, state = run(tx, params, grads[:3])
-  p3 = history[-1]
+  _, p3, state = run(tx, params, grads[:3])
   ckpt = checkpointing.RunCheckpointer(tmp_path / 'ckpt')
   ckpt.save(3, {'params': p3, 'opt': state}, {})
   ckpt.wait()
   # Uninterrupted.
-  straight, straight_state = run(tx, p3, grads[3:], state)
+  straight, _, straight_state = run(tx, p3, grads[3:], state)
   like = {'params': params, 'opt': tx.init(params)}
   restored = ckpt.restore(3, like).state
   ckpt.close()
@@ -421,7 +439,9 @@ def test_checkpoint_round_trip_of_padded_kept_buffers(tmp_path, zero):
     strict=True,
   ):
     assert a.shape == b.shape and a.sharding == b.sharding
-  resumed, resumed_state = run(tx, restored['params'], grads[3:], restored['opt'])
+  resumed, _, resumed_state = run(
+    tx, restored['params'], grads[3:], restored['opt'], donate=True
+  )
   assert_same_bits(resumed[-1], straight[-1], 'resumed params')
   assert_same_bits(resumed_state, straight_state, 'resumed state')
 
@@ -439,8 +459,104 @@ def test_x64_mode_kept_buffers_are_float32():
       k.dtype == jnp.float32 for k in state.kept_grads if k is not None
     )
     grads = make_grads(params, [3.0])
-    history, _ = run(tx, params, grads, state)
+    history, _, _ = run(tx, params, grads, state)
     p0 = {k: np.asarray(v) for k, v in params.items()}
     gs = [{k: np.asarray(v) for k, v in g.items()} for g in grads]
     want = float64_serial(p0, gs)
     assert deviation(history[-1], want) < 1e-5
+
+
+@pytest.mark.parametrize(
+  'variant',
+  [dict(clip_norm=None), dict(nesterov=True), dict(weight_decay=0.0)],
+  ids=['skip_only', 'nesterov', 'no_decay'],
+)
+def test_variants_unclipped_are_the_plain_kernel_step(variant):
+  """STV without clipping (skip_nonfinite only), with Nesterov, without
+  weight decay: the streamed step is still the plain kernel's, bit for bit."""
+  sizes, bucket_bytes = LAYOUTS['residues']
+  params = make_params(sizes)
+  grads = make_grads(params, unclipped_scales(params))
+  kw = dict(variant)
+  clip = kw.pop('clip_norm', CLIP)
+  wd = kw.pop('weight_decay', WD)
+  stv = superoffload.adamw(
+    LR,
+    weight_decay=wd,
+    clip_norm=clip,
+    skip_nonfinite=True,
+    executor='ffi',
+    bucket_bytes=bucket_bytes,
+    **kw,
+  )
+  plain = superoffload.adamw(
+    LR, weight_decay=wd, executor='ffi', bucket_bytes=bucket_bytes, **kw
+  )
+  ours, _, state = run(stv, params, grads, donate=True)
+  assert (int(state.count), int(state.skipped)) == (4, 2)
+  theirs, _, _ = run(plain, params, [grads[i] for i in (0, 1, 3, 5)])
+  for j, i in enumerate([0, 1, 3, 5]):
+    assert_same_bits(ours[i], theirs[j], f'step {i}')
+
+
+# Donating only the state: JAX pairs donated inputs with outputs by shape
+# and dtype alone (memory kinds ignored) when jit has no out_shardings. The
+# commit says no STV host buffer has a one-leaf update's shape any more;
+# that holds for a leaf and its own bucket, not for a leaf of another
+# bucket whose size is this bucket's n + 16 (the kept gradients, new in
+# 1b11fa2) or 2n (the rows, as before).
+_DONATE_STATE_ONLY = """
+import sys
+import jax, jax.numpy as jnp
+import jax_superoffload as superoffload
+nb = int(sys.argv[1])
+params = jax.device_put(
+  {'a': jnp.ones(5, jnp.float32), 'b': jnp.ones(nb, jnp.float32)},
+  jax.devices()[0])
+tx = superoffload.adamw(1e-2, clip_norm=1.0, skip_nonfinite=True,
+                        executor='ffi', bucket_bytes=4)
+state = tx.init(params)
+step = jax.jit(tx.update, donate_argnums=(1,))
+for _ in range(2):
+  updates, state = step(params, state, params)
+print(float(updates['b'][0]), int(state.count))
+"""
+
+
+@pytest.mark.parametrize(
+  'other',
+  [
+    7,
+    pytest.param(
+      5 + PAD,
+      marks=pytest.mark.xfail(
+        strict=True,
+        reason="aborts: b's update is aliased to a's donated kept buffer "
+        '(f32[5 + 16], pinned_host)',
+      ),
+    ),
+    pytest.param(
+      2 * 5,
+      marks=pytest.mark.xfail(
+        strict=True,
+        reason="aborts: b's update is aliased to a's donated rows "
+        '(f32[2 * 5], pinned_host); as before 1b11fa2',
+      ),
+    ),
+  ],
+  ids=['unrelated', 'kept_shape', 'rows_shape'],
+)
+def test_donating_only_the_state_with_a_leaf_of_another_buckets_shape(other):
+  import subprocess
+  import sys
+  import textwrap
+
+  child = subprocess.run(
+    [sys.executable, '-c', textwrap.dedent(_DONATE_STATE_ONLY), str(other)],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  assert child.returncode == 0, child.stderr[-2000:]
+  assert child.stdout.split()[-1] == '2'
