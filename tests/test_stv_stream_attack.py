@@ -314,6 +314,14 @@ def test_stale_non_finite_kept_padding_never_drops_a_step():
     np.testing.assert_allclose(
       np.asarray(p[k]), np.asarray(want[k]), 2e-6, 2e-7
     )
+  # The kept buffers are scratch: the same steps unpoisoned, same bits.
+  clean, _, clean_state = run(tx, params, [grads[0], huge, grads[1], huge])
+  assert_same_bits(p, clean[-1], 'poisoned vs clean params')
+  assert_same_bits(
+    state._replace(kept_grads=None),
+    clean_state._replace(kept_grads=None),
+    'poisoned vs clean state',
+  )
 
 
 def test_nan_at_last_element_then_overflowing_norm():
@@ -560,3 +568,37 @@ def test_donating_only_the_state_with_a_leaf_of_another_buckets_shape(other):
   )
   assert child.returncode == 0, child.stderr[-2000:]
   assert child.stdout.split()[-1] == '2'
+
+
+@pytest.mark.parametrize(
+  'shape,axis',
+  [((4, 2), 'data'), ((2, 4), ('data', 'model'))],
+  ids=['data_of_4x2', 'both_of_2x4'],
+)
+def test_zero_on_two_axis_meshes(shape, axis):
+  """ZeRO over one axis of a 2-D mesh (the kept buffers replicated over the
+  other) or over both: kept is the local bucket + 16 on every device, and
+  unclipped steps are the single-device plain kernel's, bit for bit."""
+  mesh = jax.make_mesh(
+    shape, ('data', 'model'), axis_types=(AxisType.Explicit,) * 2
+  )
+  rep = NamedSharding(mesh, P())
+  sizes, bucket_bytes = LAYOUTS['odd_leaves']
+  params = jax.device_put(make_params(sizes), rep)
+  tx = stv_tx(bucket_bytes, mesh=mesh, shard_axis=axis)
+  state = tx.init(params)
+  shards = shape[0] if axis == 'data' else shape[0] * shape[1]
+  for m, k in zip(state.master, state.kept_grads, strict=True):
+    local = m.size // (2 * shards)
+    assert k.shape == (shards * (local + PAD),)
+    assert len(k.addressable_shards) == 8
+    assert all(s.data.shape == (local + PAD,) for s in k.addressable_shards)
+  single = jax.device_put(make_params(sizes), jax.devices()[0])
+  grads = make_grads(single, unclipped_scales(single))
+  ours, _, zstate = run(tx, params, jax.device_put(grads, rep), state, True)
+  assert (int(zstate.skipped), int(zstate.redone)) == (2, 0)
+  theirs, _, _ = run(
+    plain_tx(bucket_bytes), single, [grads[i] for i in (0, 1, 3, 5)]
+  )
+  for j, i in enumerate([0, 1, 3, 5]):
+    assert_same_bits(ours[i], theirs[j], f'zero step {i}')
