@@ -54,7 +54,10 @@ AdamBuffers RowStep(const PairBuffers& pair, int from, const void* grad,
 // and the gradient, writes row 1 - from, the weights copy and (when
 // `kept_grad` is set) the gradient as fp32. Returns the sum of the squared
 // scaled gradients. Its order of additions is fixed by the instruction set,
-// the range and the buffers' alignment mod 64 bytes (which XLA fixes at 64).
+// the range and where the written row reaches a 64-byte boundary: the two
+// rows of a segment whose length is not a multiple of 16 reach it at
+// different elements, so the same gradients can give sums an ulp apart
+// with row 0 and with row 1 current (and a clip scale an ulp apart).
 double SpeculativeStepRange(const AdamConstants& constants,
                             const PairBuffers& pair, int from, int64_t begin,
                             int64_t end, Isa isa);

@@ -380,7 +380,10 @@ def superoffload_adam(
         # The kept gradients' padding lets them share the spare row's
         # alignment (stv.KEPT_GRAD_PAD).
         kept.append(
-          place(jnp.zeros(bucket.size + stv.KEPT_GRAD_PAD * shards), on_host)
+          place(
+            jnp.zeros(bucket.size + stv.KEPT_GRAD_PAD * shards, jnp.float32),
+            on_host,
+          )
           if shards
           else None
         )
