@@ -323,7 +323,7 @@ CAVEATS = [
   'The largest SuperOffload model is bound by host memory on Grace after a '
   '10% reserve: 28 B/param with exact STV (fp32 master, m and v, their '
   'spare rows, and the kept fp32 gradients), 16 B/param without STV. The '
-  'paper\'s ~25B matches the 16 B/param layout; its rollback of a clipped '
+  "paper's ~25B matches the 16 B/param layout; its rollback of a clipped "
   'step is not exact. The ZeRO-Offload limit is bound by device '
   'memory (4 B/param + activations), and both move with the batch and '
   'sequence through the activations.',
