@@ -90,14 +90,15 @@ void TestCodeMaps(bool quick) {
       y = static_cast<float>((nu[c] + nu[c + 1]) / 2);
     }
     if (y > 1.0f) y = 1.0f;
-    mu_ok &= EncodeMu(y) == NearestCode(mu, y) &&
-             EncodeMu(-y) == (NearestCode(mu, y) | 0x80);
-    nu_ok &= EncodeNu(y) == NearestCode(nu, y);
+    const uint32_t mu_code = static_cast<uint32_t>(NearestCode(mu, y));
+    const uint32_t nu_code = static_cast<uint32_t>(NearestCode(nu, y));
+    mu_ok &= EncodeMu(y) == mu_code && EncodeMu(-y) == (mu_code | 0x80u);
+    nu_ok &= EncodeNu(y) == nu_code;
   }
   Check(mu_ok, "mu codes are the nearest value, ties to even", "");
   Check(nu_ok, "nu codes are the nearest value, ties to even", "");
-  Check(EncodeMu(1.0f) == 120 && EncodeNu(1.0f) == 248, "1.0 codes", "");
-  Check(EncodeNu(std::nanf("")) == 0, "NaN encodes as 0", "");
+  Check(EncodeMu(1.0f) == 120u && EncodeNu(1.0f) == 248u, "1.0 codes", "");
+  Check(EncodeNu(std::nanf("")) == 0u, "NaN encodes as 0", "");
 }
 
 struct Format {
