@@ -2,6 +2,7 @@
 
 #include "xla_ffi/adam_kernel_impl.h"
 #include "xla_ffi/adam_kernel_isa.h"
+#include "xla_ffi/lowp_moments_impl.h"
 
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
@@ -61,6 +62,8 @@ struct Avx2Ops {
 }  // namespace jax_superoffload
 
 JSO_DEFINE_FIXED_WIDTH_ISA(Avx2, Avx2Ops)
+JSO_DEFINE_LOWP_ISA(Avx2, Avx2Ops)
 #else
 JSO_DEFINE_MISSING_ISA(Avx2)
+JSO_DEFINE_MISSING_LOWP_ISA(Avx2)
 #endif

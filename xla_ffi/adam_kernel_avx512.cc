@@ -2,6 +2,7 @@
 
 #include "xla_ffi/adam_kernel_impl.h"
 #include "xla_ffi/adam_kernel_isa.h"
+#include "xla_ffi/lowp_moments_impl.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -61,6 +62,8 @@ struct Avx512Ops {
 }  // namespace jax_superoffload
 
 JSO_DEFINE_FIXED_WIDTH_ISA(Avx512, Avx512Ops)
+JSO_DEFINE_LOWP_ISA(Avx512, Avx512Ops)
 #else
 JSO_DEFINE_MISSING_ISA(Avx512)
+JSO_DEFINE_MISSING_LOWP_ISA(Avx512)
 #endif

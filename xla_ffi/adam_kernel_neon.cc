@@ -2,6 +2,7 @@
 
 #include "xla_ffi/adam_kernel_impl.h"
 #include "xla_ffi/adam_kernel_isa.h"
+#include "xla_ffi/lowp_moments_impl.h"
 
 #if defined(__aarch64__) && defined(__ARM_NEON)
 #include <arm_neon.h>
@@ -50,6 +51,8 @@ struct NeonOps {
 }  // namespace jax_superoffload
 
 JSO_DEFINE_FIXED_WIDTH_ISA(Neon, NeonOps)
+JSO_DEFINE_LOWP_ISA(Neon, NeonOps)
 #else
 JSO_DEFINE_MISSING_ISA(Neon)
+JSO_DEFINE_MISSING_LOWP_ISA(Neon)
 #endif
