@@ -23,15 +23,17 @@ run() {  # run NAME CMAKE_ARGS QEMU_CPU...
   cmake -S xla_ffi -B "build/$name" -G Ninja -DCMAKE_TOOLCHAIN_FILE="$PWD/$toolchain" $args >/dev/null
   cmake --build "build/$name" >/dev/null
   for cpu in "$@"; do
-    echo "== $name on qemu -cpu $cpu"
-    local log="build/$name/test-${cpu//[,=]/_}.log" status=0 start=$SECONDS
-    qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu "$cpu" \
-      "build/$name/adam_kernel_test" --quick >"$log" 2>&1 || status=$?
-    echo "   $((SECONDS - start)) s"
-    head -n 1 "$log"
-    grep FAILED "$log" | head -n 20 || true
-    tail -n 1 "$log"
-    [ "$status" -eq 0 ] || exit "$status"
+    for test in adam_kernel_test lowp_moments_test; do
+      echo "== $name $test on qemu -cpu $cpu"
+      local log="build/$name/$test-${cpu//[,=]/_}.log" status=0 start=$SECONDS
+      qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu "$cpu" \
+        "build/$name/$test" --quick >"$log" 2>&1 || status=$?
+      echo "   $((SECONDS - start)) s"
+      head -n 1 "$log"
+      grep FAILED "$log" | head -n 20 || true
+      tail -n 1 "$log"
+      [ "$status" -eq 0 ] || exit "$status"
+    done
   done
 }
 # NEON build: armv8-a baseline, no SVE code at all.

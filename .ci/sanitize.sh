@@ -5,11 +5,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake -S xla_ffi -B build/sanitize -G Ninja -DJSO_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build/sanitize >/dev/null
-log=build/sanitize/adam_kernel_test.log
 status=0
-ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-  build/sanitize/adam_kernel_test >"$log" 2>&1 || status=$?
-head -n 1 "$log"
-grep -E 'FAILED|runtime error|Sanitizer' "$log" | head -n 20 || true
-tail -n 1 "$log"
+for test in adam_kernel_test lowp_moments_test; do
+  log=build/sanitize/$test.log
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    "build/sanitize/$test" >"$log" 2>&1 || status=$?
+  head -n 1 "$log"
+  grep -E 'FAILED|runtime error|Sanitizer' "$log" | head -n 20 || true
+  tail -n 1 "$log"
+done
 exit "$status"

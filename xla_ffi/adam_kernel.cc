@@ -1,5 +1,6 @@
 #include "xla_ffi/adam_kernel.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -194,6 +195,27 @@ double AdamStepSumSquaresRange(const AdamConstants& constants,
                                int64_t end, Isa isa) {
   return StepRange(constants, buffers, begin, end, isa, /*sum_squares=*/true);
 }
+
+int64_t StreamableHead(const AdamBuffers& b, int64_t begin, int64_t end) {
+  if (b.master_out == b.master_in || b.mu_out == b.mu_in ||
+      b.nu_out == b.nu_in) {
+    return -1;
+  }
+  const auto phase = [begin](const float* p) {
+    return reinterpret_cast<uintptr_t>(p + begin) % 64;
+  };
+  const uintptr_t master = phase(b.master_out);
+  if (master % sizeof(float) != 0 || phase(b.mu_out) != master ||
+      phase(b.nu_out) != master ||
+      (b.grad_copy != nullptr && phase(b.grad_copy) != master)) {
+    return -1;
+  }
+  const int64_t head =
+      static_cast<int64_t>((64 - master) % 64 / sizeof(float));
+  return std::min(head, end - begin);
+}
+
+bool IsaStreams(Isa isa) { return isa != Isa::kSve; }
 
 void AdamStep(const AdamConfig& config, const AdamBuffers& buffers) {
   AdamStepRange(MakeAdamConstants(config), buffers, 0, buffers.size,

@@ -140,7 +140,27 @@ struct AdamBuffers {
   ElementType lowp_type = ElementType::kNone;
   // How the loops prefetch master, mu, nu and grad (not the results).
   Prefetch prefetch = kDefaultPrefetch;
+  // Write master_out, mu_out and nu_out with non-temporal (streaming)
+  // stores where the instruction set has them (AVX2, AVX-512), and the
+  // gradient, as fp32, to `grad_copy` (when set) the same way. For outputs
+  // that are not the inputs: a plain store to a line not in cache first
+  // reads it. Honoured by sum-of-squares steps on instruction sets for which
+  // IsaStreams is true, whose outputs at `begin` are aligned as
+  // StreamableHead requires; the values written are the same either way.
+  bool stream_state = false;
+  float* grad_copy = nullptr;
 };
+
+// Elements from `begin` until master_out, mu_out, nu_out and grad_copy
+// (when set) are all aligned to 64 bytes (at most `end - begin`), or -1
+// when no element aligns them all at once, or when the outputs are the
+// inputs (streaming would evict the lines the loop has just read).
+int64_t StreamableHead(const AdamBuffers& buffers, int64_t begin, int64_t end);
+
+// Whether AdamStepSumSquaresRange honours `stream_state` and `grad_copy`
+// with `isa` (every instruction set but SVE, whose loop has no such
+// variant; NEON's streams with plain stores).
+bool IsaStreams(Isa isa);
 
 // Returns an error message for invalid buffers or types, nullptr if valid.
 const char* ValidateAdamBuffers(const AdamBuffers& buffers);

@@ -2,6 +2,7 @@
 
 #include "xla_ffi/adam_kernel_impl.h"
 #include "xla_ffi/adam_kernel_isa.h"
+#include "xla_ffi/lowp_moments_impl.h"
 
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
@@ -25,6 +26,9 @@ struct Avx2Ops {
   }
   static JSO_INLINE V Load(const float* p) { return _mm256_loadu_ps(p); }
   static JSO_INLINE void Store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  // p is aligned to the vector (AdamBuffers::stream_state).
+  static JSO_INLINE void StoreStream(float* p, V x) { _mm256_stream_ps(p, x); }
+  static JSO_INLINE void Fence() { _mm_sfence(); }
   static JSO_INLINE V LoadBf16(const uint16_t* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -58,6 +62,8 @@ struct Avx2Ops {
 }  // namespace jax_superoffload
 
 JSO_DEFINE_FIXED_WIDTH_ISA(Avx2, Avx2Ops)
+JSO_DEFINE_LOWP_ISA(Avx2, Avx2Ops)
 #else
 JSO_DEFINE_MISSING_ISA(Avx2)
+JSO_DEFINE_MISSING_LOWP_ISA(Avx2)
 #endif

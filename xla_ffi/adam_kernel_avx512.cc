@@ -2,6 +2,7 @@
 
 #include "xla_ffi/adam_kernel_impl.h"
 #include "xla_ffi/adam_kernel_isa.h"
+#include "xla_ffi/lowp_moments_impl.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -25,6 +26,9 @@ struct Avx512Ops {
   }
   static JSO_INLINE V Load(const float* p) { return _mm512_loadu_ps(p); }
   static JSO_INLINE void Store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  // p is aligned to the vector (AdamBuffers::stream_state).
+  static JSO_INLINE void StoreStream(float* p, V x) { _mm512_stream_ps(p, x); }
+  static JSO_INLINE void Fence() { _mm_sfence(); }
   static JSO_INLINE V LoadBf16(const uint16_t* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -58,6 +62,8 @@ struct Avx512Ops {
 }  // namespace jax_superoffload
 
 JSO_DEFINE_FIXED_WIDTH_ISA(Avx512, Avx512Ops)
+JSO_DEFINE_LOWP_ISA(Avx512, Avx512Ops)
 #else
 JSO_DEFINE_MISSING_ISA(Avx512)
+JSO_DEFINE_MISSING_LOWP_ISA(Avx512)
 #endif

@@ -38,6 +38,11 @@ struct ScalarOps {
   }
   static JSO_INLINE V Load(const float* p) { return *p; }
   static JSO_INLINE void Store(float* p, V x) { *p = x; }
+  // A non-temporal store of an aligned vector, where the instruction set
+  // has one (else a plain store), and the fence that orders such stores
+  // before the results are handed on.
+  static JSO_INLINE void StoreStream(float* p, V x) { *p = x; }
+  static JSO_INLINE void Fence() {}
   static JSO_INLINE V LoadBf16(const uint16_t* p) { return Bf16BitsToFloat(*p); }
   static JSO_INLINE V LoadF16(const uint16_t* p) { return F16BitsToFloat(*p); }
   static JSO_INLINE void StoreBf16(uint16_t* p, V x) { *p = FloatToBf16Bits(x); }
@@ -154,9 +159,10 @@ JSO_INLINE bool StartsLine(int64_t i, int64_t lanes) {
   return (i & (kLineElements - 1)) < lanes;
 }
 
-// One vector of elements at i: load, step, store. Returns g * g.
+// One vector of elements at i: load, step, store (streaming the state with
+// kStream). Returns g * g.
 template <class Ops, ElementType kGrad, ElementType kLowp, bool kNesterov,
-          bool kDecay, bool kGuard>
+          bool kDecay, bool kGuard, bool kStream = false>
 JSO_INLINE typename Ops::V AdamElements(const AdamConstants& k,
                                         const AdamBuffers& b, int64_t i) {
   if constexpr (Ops::kLanes > 1) {
@@ -168,9 +174,16 @@ JSO_INLINE typename Ops::V AdamElements(const AdamConstants& k,
   const typename Ops::V grad = LoadGrad<Ops, kGrad>(b.grad, i);
   const typename Ops::V g_squared =
       AdamMath<Ops, kNesterov, kDecay, kGuard>(k, grad, master, mu, nu);
-  Ops::Store(b.master_out + i, master);
-  Ops::Store(b.mu_out + i, mu);
-  Ops::Store(b.nu_out + i, nu);
+  if constexpr (kStream) {
+    Ops::StoreStream(b.master_out + i, master);
+    Ops::StoreStream(b.mu_out + i, mu);
+    Ops::StoreStream(b.nu_out + i, nu);
+    if (b.grad_copy != nullptr) Ops::StoreStream(b.grad_copy + i, grad);
+  } else {
+    Ops::Store(b.master_out + i, master);
+    Ops::Store(b.mu_out + i, mu);
+    Ops::Store(b.nu_out + i, nu);
+  }
   StoreLowp<Ops, kLowp>(b.lowp_out, i, master);
   return g_squared;
 }
@@ -182,9 +195,17 @@ JSO_INLINE typename Ops::V AdamElements(const AdamConstants& k,
 // added in lane order, then the tail's sum. The order depends on the
 // instruction set and the range only.
 template <class Ops, ElementType kGrad, ElementType kLowp, bool kNesterov,
-          bool kDecay, bool kGuard, bool kSumSquares>
+          bool kDecay, bool kGuard, bool kSumSquares, bool kStream = false>
 double AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
                 int64_t begin, int64_t end) {
+  // Streaming stores serve the speculative steps of STV (stv_kernel.h),
+  // which sum squares: only those get the streaming instantiations.
+  if constexpr (kSumSquares && !kStream) {
+    if (buffers.stream_state) {
+      return AdamLoop<Ops, kGrad, kLowp, kNesterov, kDecay, kGuard, true,
+                      true>(constants, buffers, begin, end);
+    }
+  }
   using V = typename Ops::V;
   constexpr int64_t kLanes = Ops::kLanes;
   // Local copies: the output buffers are float*, which may alias the float
@@ -213,7 +234,7 @@ double AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
 #pragma GCC unroll 4
       for (; i + kLanes <= stop; i += kLanes) {
         sum = Ops::Add(sum, AdamElements<Ops, kGrad, kLowp, kNesterov, kDecay,
-                                         kGuard>(k, b, i));
+                                         kGuard, kStream>(k, b, i));
       }
       alignas(64) float lanes[kLanes];
       Ops::Store(lanes, sum);
@@ -222,10 +243,11 @@ double AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
       }
     }
     for (int64_t lane = 0; lane < kLanes; ++lane) total += lane_totals[lane];
+    if constexpr (kStream) Ops::Fence();
   }
   if constexpr (kLanes > 1) {
     total += AdamLoop<ScalarOps, kGrad, kLowp, kNesterov, kDecay, kGuard,
-                      kSumSquares>(k, b, i, end);
+                      kSumSquares, kStream>(k, b, i, end);
   }
   return total;
 }

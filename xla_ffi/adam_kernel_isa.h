@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "xla_ffi/adam_kernel.h"
+#include "xla_ffi/lowp_moments.h"
 
 namespace jax_superoffload::internal {
 
@@ -19,7 +20,10 @@ namespace jax_superoffload::internal {
                              const AdamBuffers& buffers, int64_t begin,     \
                              int64_t end, bool sum_squares);                \
   void RooflineRange##Name(const AdamBuffers& buffers, int64_t begin,       \
-                           int64_t end);
+                           int64_t end);                                    \
+  double LowpStepRange##Name(const AdamConstants& constants,                \
+                             const LowpMomentBuffers& buffers,              \
+                             int64_t begin, int64_t end, bool sum_squares);
 
 JSO_DECLARE_ISA(Scalar)
 JSO_DECLARE_ISA(Avx2)

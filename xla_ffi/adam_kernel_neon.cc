@@ -2,6 +2,7 @@
 
 #include "xla_ffi/adam_kernel_impl.h"
 #include "xla_ffi/adam_kernel_isa.h"
+#include "xla_ffi/lowp_moments_impl.h"
 
 #if defined(__aarch64__) && defined(__ARM_NEON)
 #include <arm_neon.h>
@@ -23,6 +24,9 @@ struct NeonOps {
   }
   static JSO_INLINE V Load(const float* p) { return vld1q_f32(p); }
   static JSO_INLINE void Store(float* p, V x) { vst1q_f32(p, x); }
+  // No streaming store for single vectors: plain ones (same values).
+  static JSO_INLINE void StoreStream(float* p, V x) { vst1q_f32(p, x); }
+  static JSO_INLINE void Fence() {}
   static JSO_INLINE V LoadBf16(const uint16_t* p) {
     return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
   }
@@ -47,6 +51,8 @@ struct NeonOps {
 }  // namespace jax_superoffload
 
 JSO_DEFINE_FIXED_WIDTH_ISA(Neon, NeonOps)
+JSO_DEFINE_LOWP_ISA(Neon, NeonOps)
 #else
 JSO_DEFINE_MISSING_ISA(Neon)
+JSO_DEFINE_MISSING_LOWP_ISA(Neon)
 #endif

@@ -3,6 +3,7 @@
 
 #include "xla_ffi/adam_kernel_impl.h"
 #include "xla_ffi/adam_kernel_isa.h"
+#include "xla_ffi/lowp_moments_impl.h"
 
 #if defined(__ARM_FEATURE_SVE)
 #include <arm_sve.h>
@@ -174,3 +175,6 @@ void RooflineRangeSve(const AdamBuffers& b, int64_t begin, int64_t end) {
 #else
 JSO_DEFINE_MISSING_ISA(Sve)
 #endif
+
+// Low-precision moments run the scalar path on SVE machines (lowp_moments.h).
+JSO_DEFINE_MISSING_LOWP_ISA(Sve)

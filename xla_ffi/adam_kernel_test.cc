@@ -543,11 +543,27 @@ void TestOutOfPlaceAndRoofline() {
   AdamStep(AdamConfig{}, empty);  // Must not touch any (null) buffer.
 }
 
+// `n` floats starting `offset` floats past a 64-byte boundary.
+class AlignedFloats {
+ public:
+  AlignedFloats(int64_t n, int64_t offset) : storage_(n + offset + 16) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(storage_.data());
+    data_ = storage_.data() + ((64 - at % 64) % 64) / sizeof(float) + offset;
+  }
+  float* data() { return data_; }
+  float& operator[](int64_t i) { return data_[i]; }
+
+ private:
+  std::vector<float> storage_;
+  float* data_;
+};
+
 // Speculation-then-validation on double-buffered state: the speculative
-// step leaves the current row untouched and keeps the gradient; the redo of
-// a clipped step, from that row, is within a few ulps of a float64 step
-// with the clipped gradient, and bit for bit the plain kernel's step with
-// that scale, at clip ratios from 0.5 to 1e4.
+// step leaves the current row untouched, writes the other and keeps the
+// gradient (with streaming stores when the rows and the kept gradient share
+// their alignment, plain ones when not); the redo of a clipped step, from that row, is within a few
+// ulps of a float64 step with the clipped gradient, and bit for bit the
+// plain kernel's step with that scale, at clip ratios from 0.5 to 1e4.
 void TestSpeculateThenRedo() {
   const int64_t n = 3001;
   for (ElementType grad_type : {ElementType::kF32, ElementType::kBF16}) {
@@ -555,8 +571,12 @@ void TestSpeculateThenRedo() {
       for (int from : {0, 1}) {
         for (double ratio : {0.5, 3.0, 1e2, 1e4}) {
           uint64_t rng = 11 + from + (nesterov ? 2 : 0);
-          std::vector<float> master(2 * n), mu(2 * n), nu(2 * n);
-          std::vector<float> grad32(n), kept(n, -1.0f);
+          // Rows aligned alike (streamed) for ratios 0.5 and 1e2, else not.
+          const bool aligned = ratio == 0.5 || ratio == 1e2;
+          AlignedFloats master(2 * n, 0), mu(2 * n, aligned ? 0 : 1);
+          AlignedFloats nu(2 * n, aligned ? 0 : 2);
+          AlignedFloats kept(n, aligned ? 0 : 3);
+          std::vector<float> grad32(n);
           std::vector<uint16_t> grad16(n), lowp(n);
           std::vector<double> grad(n);
           double sumsq = 0.0;
@@ -578,8 +598,10 @@ void TestSpeculateThenRedo() {
           }
           // Gradients scaled so that their norm is `ratio` times the clip 1.
           const float scale = static_cast<float>(ratio / std::sqrt(sumsq));
-          const std::vector<float> before_master = master, before_mu = mu;
-          const std::vector<float> before_nu = nu;
+          const std::vector<float> before_master(master.data(),
+                                                master.data() + 2 * n);
+          const std::vector<float> before_mu(mu.data(), mu.data() + 2 * n);
+          const std::vector<float> before_nu(nu.data(), nu.data() + 2 * n);
           AdamConfig config;
           config.learning_rate = 1e-2f;
           config.weight_decay = 1e-4f;
@@ -600,6 +622,9 @@ void TestSpeculateThenRedo() {
           pair.kept_grad = kept.data();
           pair.lowp_out = lowp.data();
           pair.lowp_type = ElementType::kBF16;
+          const bool streams =
+              StreamableHead(RowStep(pair, from, pair.grad, grad_type), 0, n) >=
+              0;
           // Two sub-ranges, one boundary mid-vector, as chunks split them.
           const double sum = SpeculativeStepRange(speculative, pair, from, 0,
                                                   n / 3 + 1, BestIsa()) +
@@ -613,13 +638,37 @@ void TestSpeculateThenRedo() {
                          Bits(nu[at]) == Bits(before_nu[at]);
             kept_exact &= static_cast<double>(kept[i]) == grad[i];
           }
-          char context[96];
+          char context[112];
           std::snprintf(context, sizeof(context),
-                        "grad=%s nesterov=%d from=%d ratio=%g",
-                        TypeName(grad_type), nesterov, from, ratio);
+                        "grad=%s nesterov=%d from=%d ratio=%g aligned=%d",
+                        TypeName(grad_type), nesterov, from, ratio, aligned);
           Check(untouched, "speculation leaves the current row untouched",
                 context);
+          Check(streams == aligned, "rows aligned alike are streamed",
+                context);
           Check(kept_exact, "speculation keeps the gradient exactly", context);
+          {  // The speculative row, bit for bit the plain step's.
+            std::vector<float> sm(n), smu(n), snu(n);
+            AdamBuffers plain;
+            plain.size = n;
+            plain.master_in = before_master.data() + from * n;
+            plain.mu_in = before_mu.data() + from * n;
+            plain.nu_in = before_nu.data() + from * n;
+            plain.master_out = sm.data();
+            plain.mu_out = smu.data();
+            plain.nu_out = snu.data();
+            plain.grad = pair.grad;
+            plain.grad_type = grad_type;
+            AdamStepRange(speculative, plain, 0, n, Isa::kScalar);
+            bool same = true;
+            for (int64_t i = 0; i < n; ++i) {
+              const int64_t at = (1 - from) * n + i;
+              same &= Bits(master[at]) == Bits(sm[i]) &&
+                      Bits(mu[at]) == Bits(smu[i]) &&
+                      Bits(nu[at]) == Bits(snu[i]);
+            }
+            Check(same, "speculation writes the scalar path's bits", context);
+          }
           const double want_sum = ratio * ratio;  // Of the scaled gradients.
           Check(std::fabs(sum - want_sum) <= 1e-5 * want_sum,
                 "speculation sums the squared scaled gradients", context);
@@ -926,6 +975,400 @@ void TestPrefetchPolicies() {
   }
 }
 
+
+// --- Review of the streamed speculative step (review_stream). ---
+
+// `n` floats `offset_bytes` past a 64-byte boundary, with 256 guard bytes
+// on either side; every byte of the storage starts as 0xA5, so a write
+// outside [data, data + n) shows.
+class GuardedFloats {
+ public:
+  static constexpr int64_t kGuard = 256;
+  GuardedFloats(int64_t n, int64_t offset_bytes)
+      : n_(n), storage_(n * 4 + offset_bytes + 2 * kGuard + 64, 0xA5) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(storage_.data());
+    const uintptr_t pad = (64 - at % 64) % 64;
+    start_ = static_cast<int64_t>(pad + kGuard + offset_bytes);
+    data_ = reinterpret_cast<float*>(storage_.data() + start_);
+  }
+  float* data() { return data_; }
+  float& operator[](int64_t i) { return data_[i]; }
+  // No byte outside the data changed.
+  bool GuardsIntact() const {
+    for (int64_t i = 0; i < static_cast<int64_t>(storage_.size()); ++i) {
+      if (i >= start_ && i < start_ + 4 * n_) continue;
+      if (storage_[i] != 0xA5) return false;
+    }
+    return true;
+  }
+
+ private:
+  int64_t n_;
+  std::vector<unsigned char> storage_;
+  int64_t start_ = 0;
+  float* data_ = nullptr;
+};
+
+// Same bits, or both NaN (NaN payloads may differ between paths).
+bool SameOrBothNan(float a, float b) {
+  return Bits(a) == Bits(b) || (std::isnan(a) && std::isnan(b));
+}
+
+// A 16-bit gradient element's value as fp32, from its definition (HalfValue
+// for f16, the top half of the fp32 for bf16).
+float Decode16(uint16_t h, ElementType t) {
+  if (t == ElementType::kBF16) return FromBits(static_cast<uint32_t>(h) << 16);
+  return static_cast<float>(HalfValue(h));
+}
+
+// The speculative step at every phase of the four output streams (the two
+// rows, mu, nu and the kept gradient), on every instruction set, for sizes
+// around vectors, lines and sum-of-squares blocks, split into sub-ranges as
+// chunks split leaves, with NaN/Inf/subnormal/-0 gradients at the ends:
+// the spare row, the weights copy and the kept gradient are bit for bit a
+// scalar out-of-place step's (NaNs: NaN), the kept gradient is the
+// gradient's exact fp32 value, the current row is untouched, nothing outside
+// the buffers is written, the sum of squares agrees with the scalar sum and
+// is the same bits when run again, and StreamableHead streams exactly when
+// the four phases agree.
+void TestStreamedSpeculationAttack() {
+  struct Offsets {
+    int64_t master, mu, nu, kept;  // Bytes past a 64-byte boundary.
+  };
+  const Offsets kOffsets[] = {
+      {0, 0, 0, 0},   {4, 4, 4, 4},     {60, 60, 60, 60}, {32, 32, 32, 32},
+      {0, 0, 0, 4},   {0, 8, 0, 0},     {0, 0, 32, 0},    {4, 8, 12, 16},
+      {0, 0, 0, -1},  // -1: no kept gradient (kept_grad null).
+  };
+  const int64_t kSizes[] = {0,   1,   2,   15,  16,   17,   31,   33,  63,
+                            64,  65,  127, 129, 1000, 1031, 2053, 4099};
+  const ElementType kGradTypes[] = {ElementType::kF32, ElementType::kBF16,
+                                    ElementType::kF16};
+  int64_t streamed_cases = 0;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon,
+                  Isa::kSve}) {
+    if (!IsaAvailable(isa)) continue;
+    bool bits_ok = true, kept_ok = true, row_ok = true, guards_ok = true;
+    bool sum_ok = true, again_ok = true, decision_ok = true;
+    char first[200] = "";
+    auto fail = [&](bool& flag, const char* what, const char* context) {
+      if (flag && first[0] == '\0') {
+        std::snprintf(first, sizeof(first), "%s: %s", what, context);
+      }
+      flag = false;
+    };
+    uint64_t rng = 1234 + static_cast<int>(isa);
+    for (ElementType grad_type : kGradTypes) {
+      for (bool guard : {false, true}) {
+        for (ElementType lowp_type : {ElementType::kNone, ElementType::kBF16}) {
+          for (int64_t n : kSizes) {
+            for (int from : {0, 1}) {
+              for (const Offsets& off : kOffsets) {
+                for (int split = 0; split < 3; ++split) {
+                  const bool with_kept = off.kept >= 0;
+                  char context[160];
+                  std::snprintf(
+                      context, sizeof(context),
+                      "isa=%s grad=%s guard=%d lowp=%s n=%lld from=%d "
+                      "off=%lld/%lld/%lld/%lld split=%d",
+                      IsaName(isa), TypeName(grad_type), guard,
+                      TypeName(lowp_type), static_cast<long long>(n), from,
+                      static_cast<long long>(off.master),
+                      static_cast<long long>(off.mu),
+                      static_cast<long long>(off.nu),
+                      static_cast<long long>(off.kept), split);
+                  GuardedFloats master(2 * n, off.master), mu(2 * n, off.mu);
+                  GuardedFloats nu(2 * n, off.nu);
+                  GuardedFloats kept(n, with_kept ? off.kept : 0);
+                  GuardedFloats lowp(n, 2);  // As uint16_t: 2n bytes used.
+                  std::vector<float> g32(n);
+                  std::vector<uint16_t> g16(n);
+                  const int64_t cur = from * n;
+                  for (int64_t i = 0; i < n; ++i) {
+                    master[cur + i] = static_cast<float>(Uniform(rng));
+                    mu[cur + i] = static_cast<float>(Uniform(rng) * 0.01);
+                    nu[cur + i] =
+                        static_cast<float>((Uniform(rng) + 1.0) * 1e-4);
+                    const float g = static_cast<float>(Uniform(rng) * 3.0);
+                    g32[i] = g;
+                    g16[i] = grad_type == ElementType::kF16
+                                 ? ReferenceHalf(g)
+                                 : static_cast<uint16_t>(Bits(g) >> 16);
+                  }
+                  // Special values at the ends and the middle.
+                  const float inf = std::numeric_limits<float>::infinity();
+                  const float nan = std::numeric_limits<float>::quiet_NaN();
+                  const struct {
+                    int64_t at;
+                    float value;
+                    uint16_t half;
+                  } specials[] = {
+                      {0, nan, 0x7e00},
+                      {n - 1, inf, 0x7c00},
+                      {n / 2, -inf, 0xfc00},
+                      {n / 3, -0.0f, 0x8000},
+                      {n / 4, 1e-40f, 0x0001},  // Subnormal in fp32 / f16.
+                  };
+                  if (n >= 8) {
+                    for (const auto& s : specials) {
+                      g32[s.at] = s.value;
+                      g16[s.at] = grad_type == ElementType::kF16
+                                      ? s.half
+                                      : static_cast<uint16_t>(Bits(s.value) >>
+                                                              16);
+                    }
+                  }
+                  const void* grad = grad_type == ElementType::kF32
+                                         ? static_cast<const void*>(g32.data())
+                                         : g16.data();
+                  const std::vector<float> before(master.data(),
+                                                  master.data() + 2 * n);
+                  const std::vector<float> before_mu(mu.data(),
+                                                     mu.data() + 2 * n);
+                  const std::vector<float> before_nu(nu.data(),
+                                                     nu.data() + 2 * n);
+                  AdamConfig config;
+                  config.learning_rate = 1e-2f;
+                  config.weight_decay = 1e-4f;
+                  config.count = 5;
+                  config.keep_nonfinite = guard;
+                  const AdamConstants k = MakeAdamConstants(config);
+                  PairBuffers pair;
+                  pair.size = n;
+                  pair.row_stride = n;
+                  pair.master = master.data();
+                  pair.mu = mu.data();
+                  pair.nu = nu.data();
+                  pair.grad = grad;
+                  pair.grad_type = grad_type;
+                  pair.kept_grad = with_kept ? kept.data() : nullptr;
+                  pair.lowp_out = lowp.data();
+                  pair.lowp_type = lowp_type;
+                  // Sub-ranges: whole; a third; 1, middle, 1 and a cut at 37.
+                  std::vector<int64_t> cuts = {0, n};
+                  if (split == 1) cuts = {0, n / 3 + 1 > n ? n : n / 3 + 1, n};
+                  if (split == 2 && n >= 40) cuts = {0, 1, 37, n - 1, n};
+                  double sum = 0.0;
+                  for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+                    AdamBuffers probe = RowStep(pair, from, grad, grad_type);
+                    probe.grad_copy = pair.kept_grad;
+                    const int64_t b = cuts[c], e = cuts[c + 1];
+                    const int64_t head = StreamableHead(probe, b, e);
+                    // Independent: the four out pointers' phases at b.
+                    const auto ph = [b](const float* p) {
+                      return reinterpret_cast<uintptr_t>(p + b) % 64;
+                    };
+                    const bool alike =
+                        ph(probe.master_out) == ph(probe.mu_out) &&
+                        ph(probe.master_out) == ph(probe.nu_out) &&
+                        (!with_kept ||
+                         ph(probe.master_out) == ph(probe.grad_copy));
+                    if (e > b && alike != (head >= 0)) {
+                      fail(decision_ok, "StreamableHead decision", context);
+                    }
+                    if (head >= 0 && e > b) {
+                      const int64_t want =
+                          std::min<int64_t>(e - b, (64 - ph(probe.master_out)) %
+                                                       64 / 4);
+                      if (head != want) {
+                        fail(decision_ok, "StreamableHead head", context);
+                      }
+                      ++streamed_cases;
+                    }
+                    sum += SpeculativeStepRange(k, pair, from, b, e, isa);
+                  }
+                  // The reference: a scalar out-of-place step.
+                  std::vector<float> rm(n), rmu(n), rnu(n);
+                  std::vector<uint16_t> rlow(n, 0);
+                  AdamBuffers ref;
+                  ref.size = n;
+                  ref.master_in = before.data() + cur;
+                  ref.mu_in = before_mu.data() + cur;
+                  ref.nu_in = before_nu.data() + cur;
+                  ref.master_out = rm.data();
+                  ref.mu_out = rmu.data();
+                  ref.nu_out = rnu.data();
+                  ref.grad = grad;
+                  ref.grad_type = grad_type;
+                  ref.lowp_out = rlow.data();
+                  ref.lowp_type = lowp_type;
+                  const double want_sum =
+                      AdamStepSumSquaresRange(k, ref, 0, n, Isa::kScalar);
+                  const int64_t out = (1 - from) * n;
+                  const uint16_t* low =
+                      reinterpret_cast<const uint16_t*>(lowp.data());
+                  for (int64_t i = 0; i < n; ++i) {
+                    if (!SameOrBothNan(master[out + i], rm[i]) ||
+                        !SameOrBothNan(mu[out + i], rmu[i]) ||
+                        !SameOrBothNan(nu[out + i], rnu[i])) {
+                      fail(bits_ok, "spare row differs from scalar step",
+                           context);
+                    }
+                    if (lowp_type == ElementType::kBF16 &&
+                        !SameOrBothNan(Decode16(low[i], ElementType::kBF16),
+                                       Decode16(rlow[i], ElementType::kBF16))) {
+                      fail(bits_ok, "weights copy differs", context);
+                    }
+                    if (Bits(master[cur + i]) != Bits(before[cur + i]) ||
+                        Bits(mu[cur + i]) != Bits(before_mu[cur + i]) ||
+                        Bits(nu[cur + i]) != Bits(before_nu[cur + i])) {
+                      fail(row_ok, "current row touched", context);
+                    }
+                    if (with_kept) {
+                      const float want =
+                          grad_type == ElementType::kF32
+                              ? g32[i]
+                              : Decode16(g16[i], grad_type);
+                      const bool same =
+                          std::isnan(want)
+                              ? std::isnan(kept[i])
+                              : Bits(kept[i]) == Bits(want);
+                      if (!same) fail(kept_ok, "kept gradient", context);
+                    }
+                  }
+                  if (!master.GuardsIntact() || !mu.GuardsIntact() ||
+                      !nu.GuardsIntact() || !kept.GuardsIntact()) {
+                    fail(guards_ok, "write outside the buffers", context);
+                  }
+                  const bool sum_close =
+                      (std::isnan(sum) && std::isnan(want_sum)) ||
+                      sum == want_sum ||
+                      std::fabs(sum - want_sum) <= 1e-6 * std::fabs(want_sum);
+                  if (!sum_close) fail(sum_ok, "sum of squares", context);
+                  // Again over the same inputs: the same sum, bit for bit.
+                  double again = 0.0;
+                  for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+                    again += SpeculativeStepRange(k, pair, from, cuts[c],
+                                                  cuts[c + 1], isa);
+                  }
+                  uint64_t x, y;
+                  std::memcpy(&x, &sum, 8);
+                  std::memcpy(&y, &again, 8);
+                  if (x != y) fail(again_ok, "sum not repeatable", context);
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+    const char* context = first[0] ? first : IsaName(isa);
+    Check(bits_ok, "streamed speculation: spare row and weights bits", context);
+    Check(kept_ok, "streamed speculation: kept gradient exact", context);
+    Check(row_ok, "streamed speculation: current row untouched", context);
+    Check(guards_ok, "streamed speculation: no write outside", context);
+    Check(sum_ok, "streamed speculation: sum of squares", context);
+    Check(again_ok, "streamed speculation: sum repeatable", context);
+    Check(decision_ok, "streamed speculation: StreamableHead", context);
+  }
+  char context[64];
+  std::snprintf(context, sizeof(context), "%lld streamed ranges",
+                static_cast<long long>(streamed_cases));
+  Check(streamed_cases > 0, "streamed speculation: some ranges stream",
+        context);
+}
+
+// A bucket of odd leaves over more than one kChunkElements chunk, split as
+// the FFI handler splits it (chunks, then leaves), buffers 64-aligned: the
+// rows stream in every piece (the kept gradient where it shares their
+// alignment), and every element is the scalar step's, the kept gradient
+// exact.
+void TestStreamedBucketOverChunks(bool quick) {
+  const int64_t chunk = quick ? 4099 : kChunkElements;
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kScalar}) {
+    if (!IsaAvailable(isa)) continue;
+    for (int from : {0, 1}) {
+      std::vector<int64_t> sizes = {1, 15, 17, 3 * chunk / 2 + 7, 33,
+                                    chunk / 2 + 1, 5};
+      int64_t n = 0;
+      for (int64_t s : sizes) n += s;
+      std::vector<int64_t> starts = {0};
+      for (int64_t s : sizes) starts.push_back(starts.back() + s);
+      GuardedFloats master(2 * n, 0), mu(2 * n, 0), nu(2 * n, 0);
+      GuardedFloats kept(n, 0);
+      std::vector<uint16_t> g16(n);
+      uint64_t rng = 99 + from;
+      for (int64_t i = 0; i < 2 * n; ++i) {
+        master[i] = static_cast<float>(Uniform(rng));
+        mu[i] = static_cast<float>(Uniform(rng) * 0.01);
+        nu[i] = static_cast<float>((Uniform(rng) + 1.0) * 1e-4);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        g16[i] = static_cast<uint16_t>(
+            Bits(static_cast<float>(Uniform(rng))) >> 16);
+      }
+      const std::vector<float> before(master.data(), master.data() + 2 * n);
+      const std::vector<float> before_mu(mu.data(), mu.data() + 2 * n);
+      const std::vector<float> before_nu(nu.data(), nu.data() + 2 * n);
+      for (int64_t i = 0; i < n; ++i) kept[i] = -7.0f;
+      AdamConfig config;
+      config.learning_rate = 1e-3f;
+      const AdamConstants k = MakeAdamConstants(config);
+      std::vector<PairBuffers> segs(sizes.size());
+      for (size_t j = 0; j < sizes.size(); ++j) {
+        PairBuffers& p = segs[j];
+        p.size = sizes[j];
+        p.row_stride = n;
+        p.master = master.data() + starts[j];
+        p.mu = mu.data() + starts[j];
+        p.nu = nu.data() + starts[j];
+        p.grad = g16.data() + starts[j];
+        p.grad_type = ElementType::kBF16;
+        p.kept_grad = kept.data() + starts[j];
+      }
+      int64_t pieces = 0, streamed = 0;
+      for (int64_t b = 0; b < n; b += chunk) {
+        const int64_t e = std::min(n, b + chunk);
+        for (size_t j = 0; j < sizes.size(); ++j) {
+          const int64_t lo = std::max(b, starts[j]);
+          const int64_t hi = std::min(e, starts[j + 1]);
+          if (hi <= lo) continue;
+          const AdamBuffers probe =
+              RowStep(segs[j], from, segs[j].grad, ElementType::kBF16);
+          ++pieces;
+          streamed += StreamableHead(probe, lo - starts[j], hi - starts[j]) >= 0;
+          SpeculativeStepRange(k, segs[j], from, lo - starts[j],
+                               hi - starts[j], isa);
+        }
+      }
+      std::vector<float> rm(n), rmu(n), rnu(n);
+      AdamBuffers ref;
+      ref.size = n;
+      ref.master_in = before.data() + from * n;
+      ref.mu_in = before_mu.data() + from * n;
+      ref.nu_in = before_nu.data() + from * n;
+      ref.master_out = rm.data();
+      ref.mu_out = rmu.data();
+      ref.nu_out = rnu.data();
+      ref.grad = g16.data();
+      ref.grad_type = ElementType::kBF16;
+      AdamStepRange(k, ref, 0, n, Isa::kScalar);
+      bool same = true, kept_exact = true;
+      const int64_t out = (1 - from) * n;
+      for (int64_t i = 0; i < n; ++i) {
+        same &= Bits(master[out + i]) == Bits(rm[i]) &&
+                Bits(mu[out + i]) == Bits(rmu[i]) &&
+                Bits(nu[out + i]) == Bits(rnu[i]);
+        kept_exact &= Bits(kept[i]) == (static_cast<uint32_t>(g16[i]) << 16);
+      }
+      char context[96];
+      std::snprintf(context, sizeof(context),
+                    "isa=%s from=%d n=%lld %lld/%lld pieces streamed",
+                    IsaName(isa), from, static_cast<long long>(n),
+                    static_cast<long long>(streamed),
+                    static_cast<long long>(pieces));
+      Check(same, "chunked bucket: rows are the scalar step's", context);
+      Check(kept_exact, "chunked bucket: kept gradient exact", context);
+      Check(master.GuardsIntact() && mu.GuardsIntact() && nu.GuardsIntact() &&
+                kept.GuardsIntact(),
+            "chunked bucket: no write outside", context);
+      // Each piece's three rows share their phase: all stream.
+      Check(streamed == pieces, "chunked bucket: every piece streams",
+            context);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace jax_superoffload
 
@@ -942,6 +1385,8 @@ int main(int argc, char** argv) {
   TestSpeculateThenRedo();
   TestSumSquares(quick);
   TestPrefetchPolicies();
+  TestStreamedSpeculationAttack();
+  TestStreamedBucketOverChunks(quick);
   const ElementType kGrads[] = {ElementType::kF32, ElementType::kBF16,
                                 ElementType::kF16};
   const ElementType kLowps[] = {ElementType::kNone, ElementType::kF32,

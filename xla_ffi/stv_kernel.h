@@ -12,7 +12,13 @@
 //
 // A step reads 16 B per parameter and writes 12, as an in-place step does;
 // the speculative step also writes the gradient it read, as fp32 (4 B), so
-// the redo can read it after the caller's gradient buffers are gone.
+// the redo can read it after the caller's gradient buffers are gone. The
+// spare row is not in cache when the speculative step writes it, so it is
+// written with streaming stores where it can (AdamBuffers::stream_state):
+// a plain store would first read each line, 12 B/param more. So is the kept
+// gradient when it shares the spare row's alignment (as when row 0 is the
+// spare, or the length is a multiple of 16); otherwise it is copied with
+// plain stores right after each block is stepped (4 B/param more).
 //
 // Pure C++17, like adam_kernel.h, so it can be tested against float64 alone.
 
@@ -48,7 +54,11 @@ AdamBuffers RowStep(const PairBuffers& pair, int from, const void* grad,
 // The speculative step over [begin, end) of the segment: reads row `from`
 // and the gradient, writes row 1 - from, the weights copy and (when
 // `kept_grad` is set) the gradient as fp32. Returns the sum of the squared
-// scaled gradients, as AdamStepSumSquaresRange does for the same sub-ranges.
+// scaled gradients. Its order of additions is fixed by the instruction set,
+// the range and where the written row reaches a 64-byte boundary: the two
+// rows of a segment whose length is not a multiple of 16 reach it at
+// different elements, so the same gradients can give sums an ulp apart
+// with row 0 and with row 1 current (and a clip scale an ulp apart).
 double SpeculativeStepRange(const AdamConstants& constants,
                             const PairBuffers& pair, int from, int64_t begin,
                             int64_t end, Isa isa);
@@ -60,8 +70,9 @@ double SpeculativeStepRange(const AdamConstants& constants,
 void RedoStepRange(const AdamConstants& constants, const PairBuffers& pair,
                    int from, int64_t begin, int64_t end, Isa isa);
 
-// Elements per sub-range of SpeculativeStepRange: the gradient is copied to
-// `kept_grad` right after the step has read it, while it is still in cache.
+// Elements per sub-range of SpeculativeStepRange when it does not stream
+// the kept gradient: the gradient is copied to `kept_grad` right after the
+// step has read it, while it is still in cache.
 inline constexpr int64_t kKeepGradBlock = 1 << 14;
 
 }  // namespace jax_superoffload

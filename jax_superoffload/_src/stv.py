@@ -24,12 +24,16 @@ operations as a step taken without speculation.
   drop take it from there (`lax.cond`: nothing runs unless needed).
 
 Cost when nothing triggers: the global norm, which the kernel takes in the
-same pass as the step, and the kept gradients (4 B/param written by that
-pass, while in cache). The step's memory traffic is otherwise that of an
-in-place step: 16 B/param read, 12 written. Host memory: +12 B/param for
-the spare row and +4 B/param for the kept gradients, which every step has
-(as temporaries) and which STV needs until validation; keeping them in the
-donated state means no step maps fresh memory for them. A redo costs one
+same pass as the step, and the kept gradients (4 B/param more written by
+that pass). The spare row is not in cache when the kernel writes it, so it
+writes it with streaming stores (x86: a plain store would first read every
+line, 12 B/param more), and the kept gradients too where they share the
+spare row's alignment (else plain stores, 4 B/param more); the step then
+moves 32 to 36 B/param against an in-place step's 28. Host memory: +12
+B/param for the spare row and +4 B/param for the kept gradients, which
+every step has (as temporaries) and which STV needs until validation;
+keeping them in the donated state means no step maps fresh memory for them
+(XLA:CPU page-faults fresh temporaries in every step). A redo costs one
 more kernel pass (the same 28 B/param as a step).
 """
 

@@ -1,0 +1,71 @@
+#include "xla_ffi/lowp_moments.h"
+
+#include <cstdint>
+
+#include "xla_ffi/adam_kernel_isa.h"
+
+namespace jax_superoffload {
+
+const char* MomentFormatName(MomentFormat format) {
+  switch (format) {
+    case MomentFormat::kF32:
+      return "f32";
+    case MomentFormat::kBF16:
+      return "bf16";
+    case MomentFormat::kQ8:
+      return "q8";
+  }
+  return "?";
+}
+
+bool LowpFormatsSupported(MomentFormat mu, MomentFormat nu) {
+  return (mu == MomentFormat::kBF16 &&
+          (nu == MomentFormat::kF32 || nu == MomentFormat::kBF16)) ||
+         (mu == MomentFormat::kQ8 && nu == MomentFormat::kQ8);
+}
+
+const char* ValidateLowpMomentBuffers(const LowpMomentBuffers& b) {
+  if (b.size < 0) return "size must be non-negative";
+  if (!LowpFormatsSupported(b.mu_format, b.nu_format)) {
+    return "moment formats must be (bf16, f32), (bf16, bf16) or (q8, q8)";
+  }
+  if (b.size == 0) return nullptr;
+  if (b.master_in == nullptr || b.master_out == nullptr ||
+      b.grad == nullptr || b.mu_in == nullptr || b.mu_out == nullptr ||
+      b.nu_in == nullptr || b.nu_out == nullptr) {
+    return "master, grad, mu and nu buffers must be set";
+  }
+  if (b.mu_format == MomentFormat::kQ8 &&
+      (b.mu_scale_in == nullptr || b.mu_scale_out == nullptr ||
+       b.nu_scale_in == nullptr || b.nu_scale_out == nullptr)) {
+    return "8-bit moments need their scales";
+  }
+  if (b.grad_type == ElementType::kNone) return "gradient type must be set";
+  if (b.lowp_type != ElementType::kNone && b.lowp_out == nullptr) {
+    return "lowp_out must be set when lowp_type is";
+  }
+  return nullptr;
+}
+
+double LowpAdamStepRange(const AdamConstants& constants,
+                         const LowpMomentBuffers& buffers, int64_t begin,
+                         int64_t end, Isa isa, bool sum_squares) {
+  if (begin >= end) return 0.0;
+  if (!IsaAvailable(isa)) isa = Isa::kScalar;
+  switch (isa) {
+    case Isa::kAvx2:
+      return internal::LowpStepRangeAvx2(constants, buffers, begin, end,
+                                         sum_squares);
+    case Isa::kAvx512:
+      return internal::LowpStepRangeAvx512(constants, buffers, begin, end,
+                                           sum_squares);
+    case Isa::kNeon:
+      return internal::LowpStepRangeNeon(constants, buffers, begin, end,
+                                         sum_squares);
+    default:  // Scalar, and SVE (no low-precision loop of its own).
+      return internal::LowpStepRangeScalar(constants, buffers, begin, end,
+                                           sum_squares);
+  }
+}
+
+}  // namespace jax_superoffload
