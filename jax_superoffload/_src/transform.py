@@ -77,7 +77,7 @@ class SuperOffloadState(NamedTuple):
     )
 
 
-class _Plan(NamedTuple):
+class Plan(NamedTuple):
   """What the options and one parameter tree make of each leaf."""
 
   lay: layout.Layout
@@ -86,7 +86,7 @@ class _Plan(NamedTuple):
   bucket_of: dict[int, int]  # Leaf index to bucket id.
 
 
-def _plan(opts: options_lib.Options, tree: Any) -> _Plan:
+def plan_for(opts: options_lib.Options, tree: Any) -> Plan:
   lay = opts.layout(tree)
   on_device = opts.device_bucket_ids(lay, tree)
   paired = frozenset()
@@ -96,7 +96,7 @@ def _plan(opts: options_lib.Options, tree: Any) -> _Plan:
   for k, leaf_ids in enumerate(_buckets(lay)):
     for i in leaf_ids:
       bucket_of[i] = k
-  return _Plan(lay, on_device, paired, bucket_of)
+  return Plan(lay, on_device, paired, bucket_of)
 
 
 def _buckets(lay: layout.Layout) -> list[list[int]]:
@@ -108,7 +108,7 @@ def _buckets(lay: layout.Layout) -> list[list[int]]:
   ]
 
 
-def _leaf_state_types(opts, plan: _Plan) -> list[tuple]:
+def _leaf_state_types(opts, plan: Plan) -> list[tuple]:
   """Per leaf: (state shape, master dtype, mu dtype, nu dtype, paired)."""
   out = []
   shapes_dtypes = zip(plan.lay.shapes, plan.lay.dtypes, strict=True)
@@ -125,7 +125,7 @@ def _leaf_state_types(opts, plan: _Plan) -> list[tuple]:
   return out
 
 
-def _on_host(plan: _Plan, i: int) -> bool:
+def _on_host(plan: Plan, i: int) -> bool:
   return plan.bucket_of.get(i) not in plan.on_device
 
 
@@ -141,7 +141,7 @@ def on_host(x: jax.Array, host: bool) -> bool:
 
 def _build_state(opts, params: Any) -> SuperOffloadState:
   """A fresh state: the master from the parameters, zero moments."""
-  plan = _plan(opts, params)
+  plan = plan_for(opts, params)
   leaves = jax.tree.leaves(params)
   if opts.zero is not None:
     leaves = [opts.zero.unshard(x) for x in leaves]
@@ -196,7 +196,7 @@ def _state_shardings(opts, params: Any) -> SuperOffloadState:
   under ZeRO each leaf split along one axis, when following the
   parameters' shardings as its parameter is.
   """
-  plan = _plan(opts, params)
+  plan = plan_for(opts, params)
   zero = opts.zero
   if zero is None:
     device = _device_of(params)
@@ -231,7 +231,7 @@ def _state_shardings(opts, params: Any) -> SuperOffloadState:
   )
 
 
-def _check_state(opts, plan: _Plan, state: Any, from_grads: bool):
+def check_state(opts, plan: Plan, state: Any, from_grads: bool):
   """The state's leaves, checked against the parameters leaf by leaf."""
   if not isinstance(state, SuperOffloadState):
     raise TypeError(f'expected a SuperOffloadState, got {type(state).__name__}')
@@ -274,7 +274,7 @@ def _check_state(opts, plan: _Plan, state: Any, from_grads: bool):
   return out
 
 
-def _check_on_mesh(zero, plan: _Plan, leaves: list) -> None:
+def _check_on_mesh(zero, plan: Plan, leaves: list) -> None:
   """A concrete state must live on the mesh's devices (ZeRO)."""
   devices = set(zero.mesh.devices.flat)
   for path, x in zip(plan.lay.paths, leaves, strict=True):
