@@ -9,6 +9,7 @@ one kernel call steps the leaves of one bucket, each on its own arrays.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 from typing import NamedTuple
 
@@ -157,16 +158,17 @@ def _build_state(opts, params: Any) -> SuperOffloadState:
     elif not host:  # jit would hand the parameter itself back otherwise.
       m = jnp.copy(m)
     kshape = shape[1:] if paired else (0,) * (len(shape) + 2)
-    for out, x in (
-      (master, m),
-      (mu, jnp.zeros(shape, mu_t)),
-      (nu, jnp.zeros(shape, nu_t)),
-      (kept, jnp.zeros(kshape, jnp.float32)),
-    ):
-      # Typed as host memory too: jit's out_shardings alone leave the
-      # arrays typed as device memory (JAX 0.10), which host compute
-      # then refuses.
-      out.append(host_memory.to_host(x) if on_host(x, host) else x)
+    # Moved to host memory inside too: jit's out_shardings alone leave the
+    # arrays typed as device memory (JAX 0.10), which host compute refuses.
+    master.append(host_memory.to_host(m) if on_host(m, host) else m)
+    moments = ((mu, shape, mu_t), (nu, shape, nu_t), (kept, kshape, 'f4'))
+    for out, sh, dt in moments:
+      if not (host and len(sh) > 0):
+        out.append(jnp.zeros(sh, dt))
+      elif opts.zero is None:  # Made by host compute where they live.
+        out.append(host_memory.on_host(functools.partial(jnp.zeros, sh, dt)))
+      else:
+        out.append(host_memory.to_host(jnp.zeros(sh, dt)))
   tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
   return SuperOffloadState(
     count=jnp.zeros([], jnp.int32),
