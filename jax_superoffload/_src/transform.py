@@ -9,6 +9,7 @@ one kernel call steps the leaves of one bucket, each on its own arrays.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 from typing import NamedTuple
 
@@ -77,7 +78,7 @@ class SuperOffloadState(NamedTuple):
     )
 
 
-class _Plan(NamedTuple):
+class Plan(NamedTuple):
   """What the options and one parameter tree make of each leaf."""
 
   lay: layout.Layout
@@ -86,7 +87,7 @@ class _Plan(NamedTuple):
   bucket_of: dict[int, int]  # Leaf index to bucket id.
 
 
-def _plan(opts: options_lib.Options, tree: Any) -> _Plan:
+def plan_for(opts: options_lib.Options, tree: Any) -> Plan:
   lay = opts.layout(tree)
   on_device = opts.device_bucket_ids(lay, tree)
   paired = frozenset()
@@ -96,7 +97,7 @@ def _plan(opts: options_lib.Options, tree: Any) -> _Plan:
   for k, leaf_ids in enumerate(_buckets(lay)):
     for i in leaf_ids:
       bucket_of[i] = k
-  return _Plan(lay, on_device, paired, bucket_of)
+  return Plan(lay, on_device, paired, bucket_of)
 
 
 def _buckets(lay: layout.Layout) -> list[list[int]]:
@@ -108,7 +109,7 @@ def _buckets(lay: layout.Layout) -> list[list[int]]:
   ]
 
 
-def _leaf_state_types(opts, plan: _Plan) -> list[tuple]:
+def _leaf_state_types(opts, plan: Plan) -> list[tuple]:
   """Per leaf: (state shape, master dtype, mu dtype, nu dtype, paired)."""
   out = []
   shapes_dtypes = zip(plan.lay.shapes, plan.lay.dtypes, strict=True)
@@ -125,7 +126,7 @@ def _leaf_state_types(opts, plan: _Plan) -> list[tuple]:
   return out
 
 
-def _on_host(plan: _Plan, i: int) -> bool:
+def _on_host(plan: Plan, i: int) -> bool:
   return plan.bucket_of.get(i) not in plan.on_device
 
 
@@ -141,7 +142,7 @@ def on_host(x: jax.Array, host: bool) -> bool:
 
 def _build_state(opts, params: Any) -> SuperOffloadState:
   """A fresh state: the master from the parameters, zero moments."""
-  plan = _plan(opts, params)
+  plan = plan_for(opts, params)
   leaves = jax.tree.leaves(params)
   if opts.zero is not None:
     leaves = [opts.zero.unshard(x) for x in leaves]
@@ -157,16 +158,17 @@ def _build_state(opts, params: Any) -> SuperOffloadState:
     elif not host:  # jit would hand the parameter itself back otherwise.
       m = jnp.copy(m)
     kshape = shape[1:] if paired else (0,) * (len(shape) + 2)
-    for out, x in (
-      (master, m),
-      (mu, jnp.zeros(shape, mu_t)),
-      (nu, jnp.zeros(shape, nu_t)),
-      (kept, jnp.zeros(kshape, jnp.float32)),
-    ):
-      # Typed as host memory too: jit's out_shardings alone leave the
-      # arrays typed as device memory (JAX 0.10), which host compute
-      # then refuses.
-      out.append(host_memory.to_host(x) if on_host(x, host) else x)
+    # Moved to host memory inside too: jit's out_shardings alone leave the
+    # arrays typed as device memory (JAX 0.10), which host compute refuses.
+    master.append(host_memory.to_host(m) if on_host(m, host) else m)
+    moments = ((mu, shape, mu_t), (nu, shape, nu_t), (kept, kshape, 'f4'))
+    for out, sh, dt in moments:
+      if not (host and len(sh) > 0):
+        out.append(jnp.zeros(sh, dt))
+      elif opts.zero is None:  # Made by host compute where they live.
+        out.append(host_memory.on_host(functools.partial(jnp.zeros, sh, dt)))
+      else:
+        out.append(host_memory.to_host(jnp.zeros(sh, dt)))
   tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
   return SuperOffloadState(
     count=jnp.zeros([], jnp.int32),
@@ -196,7 +198,7 @@ def _state_shardings(opts, params: Any) -> SuperOffloadState:
   under ZeRO each leaf split along one axis, when following the
   parameters' shardings as its parameter is.
   """
-  plan = _plan(opts, params)
+  plan = plan_for(opts, params)
   zero = opts.zero
   if zero is None:
     device = _device_of(params)
@@ -231,7 +233,7 @@ def _state_shardings(opts, params: Any) -> SuperOffloadState:
   )
 
 
-def _check_state(opts, plan: _Plan, state: Any, from_grads: bool):
+def check_state(opts, plan: Plan, state: Any, from_grads: bool):
   """The state's leaves, checked against the parameters leaf by leaf."""
   if not isinstance(state, SuperOffloadState):
     raise TypeError(f'expected a SuperOffloadState, got {type(state).__name__}')
@@ -274,7 +276,7 @@ def _check_state(opts, plan: _Plan, state: Any, from_grads: bool):
   return out
 
 
-def _check_on_mesh(zero, plan: _Plan, leaves: list) -> None:
+def _check_on_mesh(zero, plan: Plan, leaves: list) -> None:
   """A concrete state must live on the mesh's devices (ZeRO)."""
   devices = set(zero.mesh.devices.flat)
   for path, x in zip(plan.lay.paths, leaves, strict=True):

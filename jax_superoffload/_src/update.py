@@ -33,7 +33,7 @@ from jax_superoffload._src import zero as zero_lib
 class Inputs(NamedTuple):
   """An update's inputs, flattened and checked."""
 
-  plan: Any  # transform._Plan
+  plan: transform.Plan
   grads: list[jax.Array]
   params: list[jax.Array] | None
   state: dict[str, list[jax.Array]]  # master, mu, nu (, kept_grads).
@@ -55,8 +55,8 @@ class Bucket(NamedTuple):
 
 def _inputs(opts, updates, state, params) -> Inputs:
   reference = params if params is not None else updates
-  plan = transform._plan(opts, reference)
-  checked = transform._check_state(opts, plan, state, from_grads=params is None)
+  plan = transform.plan_for(opts, reference)
+  checked = transform.check_state(opts, plan, state, from_grads=params is None)
   grads = layout.check_tree(plan.lay, updates, 'gradients')
   leaves = None
   if params is not None:
