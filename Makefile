@@ -41,10 +41,14 @@ $(PLUGIN_SO): $(STAMP)
 
 cuda-plugin: $(PLUGIN_SO)
 
-# pytest exits 5 when it collects no tests, which fails this target too.
+# One pytest worker per core (pytest-xdist), each taking whole test files
+# (module fixtures, such as a saved run, are built once). pytest exits 5 when
+# it collects no tests, which fails this target too. TEST_WORKERS=0 runs the
+# suite in this one process.
+TEST_WORKERS ?= auto
 test: $(STAMP)
 	if [ -f $(PLUGIN_SO) ]; then export JAX_SUPEROFFLOAD_CUDA_PLUGIN=$(abspath $(PLUGIN_SO)); fi; \
-	  $(PY) -m pytest -q tests
+	  $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

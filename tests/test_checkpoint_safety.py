@@ -83,6 +83,14 @@ def _flip_400_bytes(path: pathlib.Path) -> None:
   path.write_bytes(bytes(data))  # Same size, same name.
 
 
+def _change_one_recorded_checksum(step_dir: pathlib.Path) -> None:
+  path = step_dir / 'meta' / 'metadata'
+  meta = json.loads(path.read_text())
+  key = sorted(meta['checksums'])[0]
+  meta['checksums'][key] ^= 1
+  path.write_text(json.dumps(meta))
+
+
 @pytest.mark.parametrize('damage', [_truncate, _delete, _flip_400_bytes])
 def test_damaged_newest_checkpoint_resumes_from_the_older_one(
   saved_run, tmp_path, damage, capsys
@@ -112,8 +120,11 @@ def test_damaged_newest_checkpoint_resumes_from_the_older_one(
 def test_no_intact_checkpoint_is_one_line(saved_run, tmp_path, capsys):
   copy = tmp_path / 'run'
   shutil.copytree(saved_run, copy)
-  for step in ('5', '10'):
-    _flip_400_bytes(_largest_data_file(copy / 'checkpoints' / step))
+  # Flipped bytes fail either the read (compressed chunks) or the checksum,
+  # depending on the TensorStore build; a changed recorded checksum fails the
+  # checksum always.
+  _flip_400_bytes(_largest_data_file(copy / 'checkpoints' / '10'))
+  _change_one_recorded_checksum(copy / 'checkpoints' / '5')
   capsys.readouterr()
   argv = [
     *_args(tmp_path, 'elsewhere'),
@@ -122,7 +133,9 @@ def test_no_intact_checkpoint_is_one_line(saved_run, tmp_path, capsys):
   ]
   assert train.main(argv) == 2
   err = _one_error_line(capsys)
-  assert 'no intact checkpoint' in err and 'checksum' in err
+  assert 'no intact checkpoint' in err
+  assert 'step 10: ' in err and 'step 5: ' in err
+  assert 'fails its checksum' in err.split('step 5: ')[1]
   # The run folder it would have written was created, then removed.
   assert not (tmp_path / 'elsewhere').exists()
   assert not (copy / 'checkpoints' / '.lock').exists()

@@ -558,6 +558,34 @@ class AlignedFloats {
   float* data_;
 };
 
+// The plain kernel's out-of-place step of n elements from `master`, `mu`
+// and `nu`, with a bf16 copy of the new weights.
+struct PlainStep {
+  std::vector<float> master, mu, nu;
+  std::vector<uint16_t> lowp;
+};
+
+PlainStep PlainStepFrom(const AdamConstants& constants, const float* master,
+                        const float* mu, const float* nu, const void* grad,
+                        ElementType grad_type, int64_t n, Isa isa) {
+  PlainStep out{std::vector<float>(n), std::vector<float>(n),
+                std::vector<float>(n), std::vector<uint16_t>(n)};
+  AdamBuffers b;
+  b.size = n;
+  b.master_in = master;
+  b.mu_in = mu;
+  b.nu_in = nu;
+  b.master_out = out.master.data();
+  b.mu_out = out.mu.data();
+  b.nu_out = out.nu.data();
+  b.grad = grad;
+  b.grad_type = grad_type;
+  b.lowp_out = out.lowp.data();
+  b.lowp_type = ElementType::kBF16;
+  AdamStepRange(constants, b, 0, n, isa);
+  return out;
+}
+
 // Speculation-then-validation on double-buffered state: the speculative
 // step leaves the current row untouched, writes the other and keeps the
 // gradient (with streaming stores when the rows and the kept gradient share
@@ -648,24 +676,16 @@ void TestSpeculateThenRedo() {
                 context);
           Check(kept_exact, "speculation keeps the gradient exactly", context);
           {  // The speculative row, bit for bit the plain step's.
-            std::vector<float> sm(n), smu(n), snu(n);
-            AdamBuffers plain;
-            plain.size = n;
-            plain.master_in = before_master.data() + from * n;
-            plain.mu_in = before_mu.data() + from * n;
-            plain.nu_in = before_nu.data() + from * n;
-            plain.master_out = sm.data();
-            plain.mu_out = smu.data();
-            plain.nu_out = snu.data();
-            plain.grad = pair.grad;
-            plain.grad_type = grad_type;
-            AdamStepRange(speculative, plain, 0, n, Isa::kScalar);
+            const PlainStep s = PlainStepFrom(
+                speculative, before_master.data() + from * n,
+                before_mu.data() + from * n, before_nu.data() + from * n,
+                pair.grad, grad_type, n, Isa::kScalar);
             bool same = true;
             for (int64_t i = 0; i < n; ++i) {
               const int64_t at = (1 - from) * n + i;
-              same &= Bits(master[at]) == Bits(sm[i]) &&
-                      Bits(mu[at]) == Bits(smu[i]) &&
-                      Bits(nu[at]) == Bits(snu[i]);
+              same &= Bits(master[at]) == Bits(s.master[i]) &&
+                      Bits(mu[at]) == Bits(s.mu[i]) &&
+                      Bits(nu[at]) == Bits(s.nu[i]) && lowp[i] == s.lowp[i];
             }
             Check(same, "speculation writes the scalar path's bits", context);
           }
@@ -679,21 +699,14 @@ void TestSpeculateThenRedo() {
           again.keep_nonfinite = false;
           RedoStepRange(again, pair, from, 0, n, BestIsa());
           // The plain kernel's step from the same row, for bit equality.
-          std::vector<float> pm(n), pmu(n), pnu(n);
-          std::vector<uint16_t> plowp(n);
-          AdamBuffers plain;
-          plain.size = n;
-          plain.master_in = before_master.data() + from * n;
-          plain.mu_in = before_mu.data() + from * n;
-          plain.nu_in = before_nu.data() + from * n;
-          plain.master_out = pm.data();
-          plain.mu_out = pmu.data();
-          plain.nu_out = pnu.data();
-          plain.grad = pair.grad;
-          plain.grad_type = grad_type;
-          plain.lowp_out = plowp.data();
-          plain.lowp_type = ElementType::kBF16;
-          AdamStepRange(again, plain, 0, n, BestIsa());
+          const PlainStep plain = PlainStepFrom(
+              again, before_master.data() + from * n,
+              before_mu.data() + from * n, before_nu.data() + from * n,
+              pair.grad, grad_type, n, BestIsa());
+          const std::vector<float>& pm = plain.master;
+          const std::vector<float>& pmu = plain.mu;
+          const std::vector<float>& pnu = plain.nu;
+          const std::vector<uint16_t>& plowp = plain.lowp;
           const Hyper h{1e-2, 0.9f, 0.999f, 1e-8f, 0.0, 1e-4f, clipped,
                         nesterov};
           bool same = true;
