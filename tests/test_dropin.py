@@ -615,3 +615,28 @@ def test_sharded_params_need_no_mesh_arguments(spec, axis_type):
   found = jax.tree.leaves(per_param)
   assert len(found) >= 2 * len(params)
   assert set(found) == {f'{HOST}, same layout: True'}, found
+
+
+def test_one_transformation_follows_the_params_of_its_latest_init():
+  # One tx, as a trainer keeps it: sharded, then single-device, then sharded
+  # again, with optax.tree_map_params (which inits with placeholders) between.
+  params, x, y = _fsdp_problem()
+  mesh = jax.make_mesh((8,), ('data',))
+  sharded = jax.device_put(
+    params,
+    {'w': NamedSharding(mesh, P('data', None)), 'b': NamedSharding(mesh, P())},
+  )
+  single = jax.device_put(params, jax.devices()[0])
+  tx = superoffload.adamw(1e-2)
+  got = []
+  for start in (sharded, single, sharded):
+    state = tx.init(start)
+    optax.tree_map_params(
+      tx, lambda s: s, state, transform_non_params=lambda s: s
+    )
+    p, _, _ = _fsdp_run(tx, start, x, y, steps=2)
+    got.append(p)
+  for name in params:
+    want, _, _ = _fsdp_run(superoffload.adamw(1e-2), single, x, y, steps=2)
+    for p in got:
+      np.testing.assert_allclose(p[name], want[name], rtol=0, atol=1e-6)

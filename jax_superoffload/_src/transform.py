@@ -306,6 +306,15 @@ def init(opts: options_lib.Options, params: optax.Params) -> SuperOffloadState:
   )(params)
 
 
+def _concrete(params: Any) -> bool:
+  """Whether `params` has leaves and all are concrete arrays."""
+  leaves = jax.tree.leaves(params)
+  return bool(leaves) and all(
+    isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    for x in leaves
+  )
+
+
 def superoffload_adam(**kwargs: Any) -> optax.GradientTransformationExtraArgs:
   """Builds the transformation behind `adam` and `adamw` (see their docs)."""
   opts = options_lib.make(**kwargs)
@@ -328,8 +337,11 @@ def superoffload_adam(**kwargs: Any) -> optax.GradientTransformationExtraArgs:
     return opts if found is None else dataclasses.replace(opts, zero=found)
 
   def init_fn(params):
-    if opts.zero is None and (found := zero_lib.follow(params)) is not None:
-      followed[key(params)] = found
+    if opts.zero is None and _concrete(params):
+      # The latest init of concrete parameters of this structure and these
+      # shapes decides (a single-device init after a sharded one stops
+      # following); optax.tree_map_params' placeholders change nothing.
+      followed[key(params)] = zero_lib.follow(params)
     return init(options_for(params), params)
 
   def update_fn(updates, state, params=None, **extra_args):
