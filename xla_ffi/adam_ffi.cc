@@ -615,6 +615,14 @@ ffi::Error AdamStepSegmentsHandler(
       step(b, begin, end);
       return;
     }
+    if (param_types[j] == ElementType::kF32) {
+      // fp32 parameters are the master itself: the step reads them in its
+      // place, which adds no traffic (ReseedRange would copy them over).
+      AdamBuffers from_params = b;
+      from_params.master_in = static_cast<const float*>(params[j]);
+      step(from_params, begin, end);
+      return;
+    }
     // Re-seeded into the output a block at a time, each stepped there at
     // once, from L1/L2: the parameters' read is then the only traffic
     // re-seeding adds.
