@@ -9,8 +9,8 @@ import pytest
 _EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / 'experiments'
 _SCRIPTS = sorted(
   p.stem
-  for p in _EXPERIMENTS.glob('*.py')
-  if 'argparse' in p.read_text() and "__name__ == '__main__'" in p.read_text()
+  for p, text in ((p, p.read_text()) for p in _EXPERIMENTS.glob('*.py'))
+  if 'argparse' in text and "__name__ == '__main__'" in text
 )
 
 
