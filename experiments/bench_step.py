@@ -99,7 +99,7 @@ def main() -> None:
     type=int,
     default=1,
     help='make every leaf size a multiple of this (default 1: n // leaves '
-    'and one more for the first n % leaves; 64M / 640 gives odd sizes)',
+    'and one more for the first n %% leaves; 64M / 640 gives odd sizes)',
   )
   parser.add_argument(
     '--only',

@@ -1,0 +1,27 @@
+"""Every command-line script of experiments/ prints its --help and exits 0."""
+
+import pathlib
+import runpy
+import sys
+
+import pytest
+
+_EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / 'experiments'
+_SCRIPTS = sorted(
+  p.stem
+  for p, text in ((p, p.read_text()) for p in _EXPERIMENTS.glob('*.py'))
+  if 'argparse' in text and "__name__ == '__main__'" in text
+)
+
+
+def test_there_are_scripts():
+  assert len(_SCRIPTS) >= 5, _SCRIPTS
+
+
+@pytest.mark.parametrize('name', _SCRIPTS)
+def test_help_prints_and_exits_zero(name, monkeypatch, capsys):
+  monkeypatch.setattr(sys, 'argv', [f'{name}.py', '--help'])
+  with pytest.raises(SystemExit) as exit_info:
+    runpy.run_module(f'experiments.{name}', run_name='__main__')
+  assert exit_info.value.code in (0, None)
+  assert 'usage:' in capsys.readouterr().out
