@@ -114,7 +114,10 @@ def reseed(
   to them (weights loaded, surgery, an EMA swap) restarts from them.
   """
   if param.dtype == jnp.float32:
-    return param
+    # The master is not read, but it must stay an input of the step: a
+    # pruned input is not donated, and the new master would then need a
+    # fresh buffer every step (page faults on every page of it).
+    return jax.lax.optimization_barrier((master, param))[1]
 
   # A 16-bit update cannot always land exactly on the rounded master (a
   # weight crossing zero, or more than halving): one unit in the last place

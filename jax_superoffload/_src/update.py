@@ -220,23 +220,22 @@ def _step_buckets(opts, inputs: Inputs, buckets: list, state) -> dict:
 def _assemble(opts, inputs: Inputs, buckets, results, skip) -> list:
   """The updates per leaf: `params + u` is the new master, cast."""
   plan, zero = inputs.plan, opts.zero
-  masters = [m for b in buckets for m in results[b.index].master]
-  token = None
-  if inputs.params is not None and not opts.use_stv and in_place.wanted(zero):
-    token = in_place.token_after(masters)
+  ids = [i for b in buckets for i in b.leaves]
+  weights = [w for b in buckets for w in results[b.index].weights]
+  if zero is not None:  # All-gathered on the device.
+    weights = [
+      zero.match(zero.gather(w), inputs.grads[i])
+      for i, w in zip(ids, weights, strict=True)
+    ]
+  if inputs.params is not None:
+    weights = [
+      w.astype(plan.lay.dtypes[i]) for i, w in zip(ids, weights, strict=True)
+    ]
   out: list[Any] = [None] * len(inputs.grads)
-  for b in buckets:
-    for i, w in zip(b.leaves, results[b.index].weights, strict=True):
-      if zero is not None:  # All-gathered on the device.
-        w = zero.match(zero.gather(w), inputs.grads[i])
-      if inputs.params is None:  # The fp32 change of the master.
-        u = w
-      else:
-        w = w.astype(plan.lay.dtypes[i])
-        if token is not None:
-          w = in_place.after(w, token)
-        u = _exact_delta(w, inputs.params[i])
-      out[i] = u if skip is None else jnp.where(skip, jnp.zeros_like(u), u)
+  for i, w in zip(ids, weights, strict=True):
+    # Without params, the weights are the fp32 change of the master.
+    u = w if inputs.params is None else _exact_delta(w, inputs.params[i])
+    out[i] = u if skip is None else jnp.where(skip, jnp.zeros_like(u), u)
   return out
 
 
@@ -357,7 +356,10 @@ def update(opts, updates, state, params):
   """One step: the updates and the new state."""
   inputs = _inputs(opts, updates, state, params)
   reference = params if params is not None else updates
-  buckets = _schedule(opts, inputs, state.count, opts.cast_on_device(reference))
+  count = state.count
+  if params is not None and not opts.use_stv and in_place.wanted(opts.zero):
+    count = in_place.count_after(count, inputs.grads)
+  buckets = _schedule(opts, inputs, count, opts.cast_on_device(reference))
   results = _step_buckets(opts, inputs, buckets, state)
   kept = {
     b.index: _scalars_to(host_memory.to_device, results[b.index].kept)
