@@ -146,26 +146,6 @@ def test_resume_with_another_bucket_size():
     np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason='not done yet: host-memory state is committed, so outputs are, and '
-  'uncommitted first params make the second call compile again',
-)
-def test_one_compile_for_three_calls_with_uncommitted_params():
-  params = tree()  # Plain jnp arrays: uncommitted.
-  tx = superoffload.adamw(1e-3)
-  state = tx.init(params)
-
-  @jax.jit
-  def step(params, state, g):
-    u, state = tx.update(g, state, params)
-    return optax.apply_updates(params, u), state
-
-  for i in range(3):
-    params, state = step(params, state, grads(params, i))
-  assert step._cache_size() == 1
-
-
 @pytest.mark.parametrize('axis_type', ['Explicit', 'Auto'])
 def test_fsdp_sharded_params_need_no_mesh_arguments(axis_type):
   # FSDP-style: `w` split over 8 devices (conftest's fake CPU devices).
