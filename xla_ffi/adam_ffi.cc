@@ -390,33 +390,14 @@ inline float ReseedTolerance(const AdamConstants& constants) {
 // master) stay in L2 between the two.
 inline constexpr int64_t kReseedBlock = 1 << 14;
 
-// bf16 case of ReseedRange, in place. One pointer, read and written, so
-// that the compiler vectorizes the loop without an aliasing check.
-void ReseedBf16InPlace(float* master, const uint16_t* __restrict params,
-                       float tolerance, int64_t begin, int64_t end) {
-  for (int64_t i = begin; i < end; ++i) {
-    const float m = master[i];
-    const int32_t bits = static_cast<int32_t>(FloatBits(m));
-    // The master rounded to bf16 (ties to even), as a 16-bit pattern.
-    const int32_t rounded =
-        ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) & 0xffff;
-    const int32_t param = params[i];
-    const float w = BitsToFloat(static_cast<uint32_t>(param) << 16);
-    // Of one sign, adjacent patterns are adjacent values; across zero, the
-    // tolerance decides.
-    const bool adjacent = static_cast<uint32_t>(rounded - param + 1) <= 2u;
-    const bool same = adjacent | (std::fabs(w - m) <= tolerance);
-    master[i] = same ? m : w;
-  }
-}
-
 // The parameters as the source of truth: over [begin, end), `out` receives
 // the master where it rounds to the parameter, or to a neighbour of it for
 // 16-bit parameters (keeping its extra precision), and the parameter
 // otherwise (weights loaded, surgery, an EMA swap). `out`
 // may be `master`.
 void ReseedRange(const float* master, const void* params, ElementType type,
-                 float tolerance, float* out, int64_t begin, int64_t end) {
+                 float tolerance, float* out, int64_t begin, int64_t end,
+                 Isa isa) {
   if (type == ElementType::kF32) {  // The master is the parameter itself.
     const float* p = static_cast<const float*>(params);
     if (out != master) {
@@ -446,12 +427,10 @@ void ReseedRange(const float* master, const void* params, ElementType type,
   // only traffic this adds.
   const uint16_t* p = static_cast<const uint16_t*>(params);
   if (type == ElementType::kBF16) {
-    if (out == master) {
-      ReseedBf16InPlace(out, p, tolerance, begin, end);
-    } else {
+    if (out != master) {
       std::memcpy(out + begin, master + begin, (end - begin) * sizeof(float));
-      ReseedBf16InPlace(out, p, tolerance, begin, end);
     }
+    ReseedBf16Range(out, p, tolerance, begin, end, isa);
     return;
   }
   for (int64_t i = begin; i < end; ++i) {
@@ -631,7 +610,7 @@ ffi::Error AdamStepSegmentsHandler(
     for (int64_t from = begin; from < end; from += kReseedBlock) {
       const int64_t to = std::min(end, from + kReseedBlock);
       ReseedRange(b.master_in, params[j], param_types[j],
-                  ReseedTolerance(constants), b.master_out, from, to);
+                  ReseedTolerance(constants), b.master_out, from, to, isa);
       step(fixed, from, to);
     }
   });
@@ -787,7 +766,7 @@ ffi::Error AdamStepSpeculativeHandler(
     for (int64_t lo = begin; lo < end; lo += kReseedBlock) {
       const int64_t hi = std::min(end, lo + kReseedBlock);
       ReseedRange(current, params[j], param_types[j],
-                  ReseedTolerance(constants), current, lo, hi);
+                  ReseedTolerance(constants), current, lo, hi, isa);
       partial[chunk] +=
           SpeculativeStepRange(constants, pairs[j], from, lo, hi, isa);
     }

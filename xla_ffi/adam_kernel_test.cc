@@ -1382,6 +1382,78 @@ void TestStreamedBucketOverChunks(bool quick) {
   }
 }
 
+// The bf16 parameter nearest `m` (ties to the even pattern), found by
+// comparing the two truncations around it in double: written apart from the
+// kernel's integer rounding. `m` is finite.
+uint16_t NearestBf16(float m) {
+  uint32_t bits;
+  std::memcpy(&bits, &m, sizeof(bits));
+  const uint32_t low = bits & 0xffff0000u;
+  const uint32_t high = low + 0x10000u;  // One pattern further from zero.
+  float a, b;
+  std::memcpy(&a, &low, sizeof(a));
+  std::memcpy(&b, &high, sizeof(b));
+  const double da = std::fabs(static_cast<double>(m) - a);
+  const double db = std::fabs(static_cast<double>(m) - b);
+  if (da != db) return static_cast<uint16_t>((da < db ? low : high) >> 16);
+  return static_cast<uint16_t>(((low >> 16) & 1) == 0 ? low >> 16 : high >> 16);
+}
+
+// ReseedBf16Range keeps the master where the parameter is its nearest bf16
+// pattern or a neighbour of it, or within the tolerance, and takes the
+// parameter elsewhere; every instruction set gives the scalar path's bits,
+// NaN, Inf and signed zeros included.
+void TestReseedBf16() {
+  const int64_t n = 4099;  // Not a multiple of any vector width.
+  uint64_t rng = 17;
+  std::vector<float> master(n);
+  std::vector<uint16_t> params(n);
+  const uint32_t kSpecial[] = {0x7f800000u, 0xff800000u, 0x7fc00000u,
+                               0x80000000u, 0x00000000u, 0x00000001u,
+                               0x807fffffu, 0x3f7fffffu, 0x7f7fffffu};
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits = static_cast<uint32_t>(SplitMix(rng));
+    if (i % 11 == 0) bits = kSpecial[(i / 11) % 9];
+    // Mostly ordinary weights, some of any bit pattern.
+    if (i % 3 != 0) bits = (bits & 0x807fffffu) | (0x3c000000u + (i % 8 << 23));
+    std::memcpy(&master[i], &bits, sizeof(bits));
+    const uint16_t near = std::isfinite(master[i]) ? NearestBf16(master[i])
+                                                   : bits >> 16;
+    const int offset = static_cast<int>(SplitMix(rng) % 7) - 3;
+    params[i] = i % 5 == 0 ? static_cast<uint16_t>(SplitMix(rng))
+                           : static_cast<uint16_t>(near + offset);
+  }
+  const float tolerance = 1e-3f;
+  std::vector<float> scalar = master;
+  ReseedBf16Range(scalar.data(), params.data(), tolerance, 0, n, Isa::kScalar);
+  bool semantics = true;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(master[i])) continue;
+    const uint32_t p32 = static_cast<uint32_t>(params[i]) << 16;
+    float w;
+    std::memcpy(&w, &p32, sizeof(w));
+    const int distance = std::abs(static_cast<int>(NearestBf16(master[i])) -
+                                  static_cast<int>(params[i]));
+    const bool keep = distance <= 1 || std::fabs(w - master[i]) <= tolerance;
+    const float want = keep ? master[i] : w;
+    semantics &= std::memcmp(&want, &scalar[i], sizeof(want)) == 0;
+  }
+  Check(semantics, "re-seeding keeps the master only where bf16 says so",
+        "scalar");
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
+    if (!IsaAvailable(isa)) continue;
+    for (int64_t begin : {int64_t{0}, int64_t{1}, int64_t{5}}) {
+      std::vector<float> out = master;
+      ReseedBf16Range(out.data(), params.data(), tolerance, begin, n, isa);
+      std::vector<float> want = master;
+      ReseedBf16Range(want.data(), params.data(), tolerance, begin, n,
+                      Isa::kScalar);
+      Check(std::memcmp(out.data(), want.data(), n * sizeof(float)) == 0,
+            "re-seeding equals the scalar path bit for bit", IsaName(isa));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace jax_superoffload
 
@@ -1400,6 +1472,7 @@ int main(int argc, char** argv) {
   TestPrefetchPolicies();
   TestStreamedSpeculationAttack();
   TestStreamedBucketOverChunks(quick);
+  TestReseedBf16();
   const ElementType kGrads[] = {ElementType::kF32, ElementType::kBF16,
                                 ElementType::kF16};
   const ElementType kLowps[] = {ElementType::kNone, ElementType::kF32,
