@@ -486,6 +486,32 @@ ffi::Error OneScalarSet(ffi::Buffer<ffi::S32> count,
   return ffi::Error::Success();
 }
 
+// A plain step whose master is written to another buffer than the one it
+// reads (the parameters): the state is written with streaming stores from
+// the first element at which master_out, mu_out and nu_out are all 64-byte
+// aligned. A plain store to master_out would first read its line (4 more
+// bytes per parameter); mu and nu, updated in place, are streamed too, as
+// one instantiation of the loop streams all three. On the Intel Xeon VM
+// this took bench_step's one-leaf step from 73.8 to 67.5 ms. The values
+// written are those of the plain step.
+void StepStreamingState(const AdamConstants& constants, AdamBuffers b,
+                        int64_t begin, int64_t end, Isa isa) {
+  const auto phase = [begin](const float* x) {
+    return reinterpret_cast<uintptr_t>(x + begin) % 64;
+  };
+  const uintptr_t master = phase(b.master_out);
+  if (!IsaStreams(isa) || master % sizeof(float) != 0 ||
+      phase(b.mu_out) != master || phase(b.nu_out) != master) {
+    AdamStepRange(constants, b, begin, end, isa);
+    return;
+  }
+  const int64_t head = std::min<int64_t>(
+      end - begin, static_cast<int64_t>((64 - master) % 64 / sizeof(float)));
+  AdamStepRange(constants, b, begin, begin + head, isa);
+  b.stream_state = true;
+  AdamStepSumSquaresRange(constants, b, begin + head, end, isa);
+}
+
 // One bucket of k leaves, each with its own fp32 state. Operands: k masters,
 // k mu, k nu, k gradients (f32, bf16 or f16) and, with `reseed`, the k
 // parameters the step starts from (see ReseedRange). Results: the sum of
@@ -599,7 +625,11 @@ ffi::Error AdamStepSegmentsHandler(
       // place, which adds no traffic (ReseedRange would copy them over).
       AdamBuffers from_params = b;
       from_params.master_in = static_cast<const float*>(params[j]);
-      step(from_params, begin, end);
+      if (compute_sumsq) {
+        step(from_params, begin, end);
+      } else {
+        StepStreamingState(constants, from_params, begin, end, isa);
+      }
       return;
     }
     // Re-seeded into the output a block at a time, each stepped there at

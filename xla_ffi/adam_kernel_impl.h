@@ -199,8 +199,9 @@ template <class Ops, ElementType kGrad, ElementType kLowp, bool kNesterov,
           bool kDecay, bool kGuard, bool kSumSquares, bool kStream = false>
 double AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
                 int64_t begin, int64_t end) {
-  // Streaming stores serve the speculative steps of STV (stv_kernel.h),
-  // which sum squares: only those get the streaming instantiations.
+  // Streaming stores serve steps that write the state elsewhere than they
+  // read it (STV's speculative rows, fp32 parameters read as the master);
+  // only the sum-of-squares loops get the streaming instantiations.
   if constexpr (kSumSquares && !kStream) {
     if (buffers.stream_state) {
       return AdamLoop<Ops, kGrad, kLowp, kNesterov, kDecay, kGuard, true,
