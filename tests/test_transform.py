@@ -300,10 +300,10 @@ def _entry_scalars(hlo: str) -> set[str]:
 
 
 def test_weight_updates_read_no_scalar():
-  # The ordering token of in_place reaches the updates through the step's
-  # count, not through the update loops: XLA:CPU compiles a loop with a
-  # scalar operand over an odd number of elements without vectors (4x
-  # slower). Odd sizes, one bucket per weight, so that the token is used.
+  # in_place's ordering token is a scalar in the update loops, and XLA:CPU
+  # compiles a loop with a scalar operand over an odd number of elements
+  # without vectors (4x slower): odd leaves do without it. One bucket per
+  # weight, so that the token is made.
   rng = np.random.default_rng(0)
   params = commit(
     {

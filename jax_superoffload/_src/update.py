@@ -231,6 +231,10 @@ def _assemble(opts, inputs: Inputs, buckets, results, skip) -> list:
     weights = [
       w.astype(plan.lay.dtypes[i]) for i, w in zip(ids, weights, strict=True)
     ]
+    if not opts.use_stv and in_place.wanted(zero):
+      masters = [m for b in buckets for m in results[b.index].master]
+      token = in_place.token_after(masters)
+      weights = [in_place.after(w, token) for w in weights]
   out: list[Any] = [None] * len(inputs.grads)
   for i, w in zip(ids, weights, strict=True):
     # Without params, the weights are the fp32 change of the master.
@@ -356,10 +360,7 @@ def update(opts, updates, state, params):
   """One step: the updates and the new state."""
   inputs = _inputs(opts, updates, state, params)
   reference = params if params is not None else updates
-  count = state.count
-  if params is not None and not opts.use_stv and in_place.wanted(opts.zero):
-    count = in_place.count_after(count, inputs.grads)
-  buckets = _schedule(opts, inputs, count, opts.cast_on_device(reference))
+  buckets = _schedule(opts, inputs, state.count, opts.cast_on_device(reference))
   results = _step_buckets(opts, inputs, buckets, state)
   kept = {
     b.index: _scalars_to(host_memory.to_device, results[b.index].kept)
