@@ -40,7 +40,6 @@ from experiments.report import markdown_table
 from experiments.report import plt
 from jax_superoffload import kernels
 from jax_superoffload._src import grace_adam as grace_adam_ffi
-from jax_superoffload._src.stv import KEPT_GRAD_PAD
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -164,24 +163,23 @@ def grace_adam_stv(n: int) -> Callable[[], None]:
 
   Reads the current row, writes the other (rows flip each step, as when
   validation accepts), keeps the gradient as fp32 and sums its squares:
-  32 B/param, the extra 4 being the kept gradient (rows and kept gradient
-  written with streaming stores where the ISA has them).
+  32 B/param, the extra 4 being the kept gradient.
   """
   params, grads = _state(n, 0)
   box = [
-    jnp.asarray(np.concatenate([params, params])),
-    jnp.zeros(2 * n, jnp.float32),
-    jnp.zeros(2 * n, jnp.float32),
-    jnp.zeros(n + KEPT_GRAD_PAD, jnp.float32),
+    jnp.asarray(np.stack([params, params])),  # Two rows of one leaf.
+    jnp.zeros((2, n), jnp.float32),
+    jnp.zeros((2, n), jnp.float32),
+    jnp.zeros(n, jnp.float32),
   ]
   grad = jnp.asarray(grads)
 
   def step(master, mu, nu, kept, row, grad, count):
     master, mu, nu, kept, total, _ = grace_adam_ffi.adam_step_speculative(
-      master,
-      mu,
-      nu,
-      kept,
+      [master],
+      [mu],
+      [nu],
+      [kept],
       row,
       [grad],
       None,
@@ -195,7 +193,7 @@ def grace_adam_stv(n: int) -> Callable[[], None]:
       nesterov=False,
       keep_nonfinite=True,
     )
-    return master, mu, nu, kept, total
+    return master[0], mu[0], nu[0], kept[0], total
 
   step = jax.jit(step, donate_argnums=(0, 1, 2, 3))
   count = [0]

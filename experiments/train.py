@@ -68,6 +68,7 @@ from experiments import perf
 from experiments import preflight
 from experiments import run_log
 from experiments import steps as steps_lib
+from experiments import switch_optimizer as switch
 from experiments import train_loop as loop_lib
 
 ConfigError = config_lib.ConfigError
@@ -123,23 +124,27 @@ def _restore(
   if not cfg.resume:
     return loop_lib.Start()
   fingerprint = checkpointing.model_fingerprint(cfg)
+  checkpointer = checkpointing.RunCheckpointer(
+    plan.checkpoint_dir, cfg.checkpoint_keep
+  )
+  # A checkpoint of the other optimizer (optax.adamw <-> superoffload)
+  # restores into a build like its run's, then converts exactly.
+  saved_build, like_optimizer = switch.saved_build(checkpointer, cfg, plan)
+  like = trainable if saved_build is None else saved_build
 
   def check_meta(meta: dict[str, Any], step: int) -> None:
     where = str(plan.checkpoint_dir / str(step))
     checkpointing.check_fingerprint(meta['fingerprint'], fingerprint, where)
-    if meta['config'].get('optimizer') != cfg.optimizer:
+    if meta['config'].get('optimizer') != like_optimizer:
       raise ConfigError(
         f'--resume: the checkpoint in {plan.checkpoint_dir} was trained '
         f'with --optimizer {meta["config"].get("optimizer")}, not '
         f'{cfg.optimizer}'
       )
 
-  checkpointer = checkpointing.RunCheckpointer(
-    plan.checkpoint_dir, cfg.checkpoint_keep
-  )
   try:
     found = checkpointing.restore_newest_intact(
-      checkpointer, trainable.state, check_meta
+      checkpointer, like.state, check_meta
     )
   finally:
     checkpointer.close()
@@ -149,6 +154,12 @@ def _restore(
       f'resuming from step {found.step}'
     )
   trainable.state = found.state
+  if saved_build is not None:
+    trainable.state = switch.convert(found.state, saved_build, trainable)
+    log(
+      f"note: converted the checkpoint's {like_optimizer} optimizer state "
+      f'to {cfg.optimizer}'
+    )
   plan.batches.set_state(found.meta['data_state'])
   if plan.out_dir is None:
     out_dir = checkpointing.resolve_out_dir(

@@ -15,6 +15,8 @@ from jax_superoffload._src.hardware import H100_PCIE
 from jax_superoffload._src.hardware import H200_PCIE
 from jax_superoffload._src.hardware import HardwareProfile
 from jax_superoffload._src.hardware import measure_host_bandwidth
+from jax_superoffload._src.interchange import export_adam_state
+from jax_superoffload._src.interchange import import_adam_state
 from jax_superoffload._src.planner import Estimate
 from jax_superoffload._src.planner import ModelSpec
 from jax_superoffload._src.planner import Plan
@@ -43,7 +45,9 @@ __all__ = [
   'SuperOffloadState',
   'adam',
   'adamw',
+  'export_adam_state',
   'fetch_stacked',
+  'import_adam_state',
   'kernels',
   'match_placement',
   'measure_host_bandwidth',

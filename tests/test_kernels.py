@@ -302,11 +302,21 @@ def test_shard_map_runs_per_shard():
   np.testing.assert_array_equal(out[0], ref[0])
 
 
+def _per_leaf(flat, grads):
+  """`flat` cut into one array per gradient, of its shape."""
+  cuts = np.cumsum([g.size for g in grads])[:-1]
+  return [
+    jnp.asarray(x).reshape(g.shape)
+    for x, g in zip(np.split(np.asarray(flat), cuts), grads, strict=True)
+  ]
+
+
 def segments_step(master, mu, nu, grads, *, keep_nonfinite, compute_sumsq):
-  return grace_adam.adam_step_segments(
-    jnp.asarray(master),
-    jnp.asarray(mu),
-    jnp.asarray(nu),
+  """One kernel call over the leaves; the state comes back flat again."""
+  out = grace_adam.adam_step_segments(
+    _per_leaf(master, grads),
+    _per_leaf(mu, grads),
+    _per_leaf(nu, grads),
     grads,
     None,
     count=2,
@@ -321,6 +331,8 @@ def segments_step(master, mu, nu, grads, *, keep_nonfinite, compute_sumsq):
     keep_nonfinite=keep_nonfinite,
     compute_sumsq=compute_sumsq,
   )
+  flat = [jnp.concatenate([jnp.ravel(x) for x in xs]) for xs in out[:3]]
+  return (*flat, out[3], out[4])
 
 
 @pytest.mark.parametrize('grad_dtype', [jnp.float32, jnp.bfloat16, jnp.float16])
@@ -353,6 +365,38 @@ def test_segments_sum_of_squares(grad_dtype, keep_nonfinite):
   # Fixed chunks and a fixed order of additions: the same bits every time.
   again = step(compute_sumsq=True)
   assert np.asarray(again[4]).tobytes() == np.asarray(summed[4]).tobytes()
+
+
+@pytest.mark.parametrize('grad_dtype', [jnp.float32, jnp.bfloat16])
+def test_fp32_params_read_as_the_master_give_the_plain_step(grad_dtype):
+  # With fp32 params the kernel reads them in the master's place and writes
+  # the state with streaming stores from the first aligned element: the
+  # bits must be those of the plain in-place step from the same master.
+  rng = np.random.default_rng(12)
+  sizes = [100003, 7, 2**18 + 5, 1, 4099, 16]
+  master, mu, nu = random_state(sum(sizes))
+  grads = [random_grad(rng, (s,), grad_dtype) for s in sizes]
+  kw = dict(
+    count=2,
+    learning_rate=1e-3,
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+    eps_root=0.0,
+    weight_decay=0.01,
+    nesterov=False,
+  )
+  cut = functools.partial(_per_leaf, grads=grads)
+  plain = grace_adam.adam_step_segments(
+    cut(master), cut(mu), cut(nu), grads, None, **kw
+  )
+  stale = cut(np.asarray(master) + 1.0)  # Not read: the params are.
+  from_params = grace_adam.adam_step_segments(
+    stale, cut(mu), cut(nu), grads, None, params=cut(master), **kw
+  )
+  for a, b in zip(plain[:3], from_params[:3], strict=True):
+    for x, y in zip(a, b, strict=True):
+      np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.parametrize('keep_nonfinite', [False, True])

@@ -133,17 +133,20 @@ def max_abs(a, b) -> float:
 
 
 def current_master(state) -> np.ndarray:
-  """The fp32 master, flat in leaf order (one group: one dtype, one mask)."""
-  master = state.current().master
-  return np.concatenate([np.asarray(b) for b in master])
+  """The fp32 master, flat in leaf order."""
+  master = jax.tree.leaves(state.current().master)
+  return np.concatenate([np.ravel(np.asarray(b)) for b in master])
 
 
 def run_superoffload(tx, p0, grads, dtype, mesh=None):
   where = jax.devices()[0] if mesh is None else NamedSharding(mesh, P())
   params = jax.device_put([jnp.asarray(x, dtype) for x in p0], where)
   state = tx.init(params)
+  # Donated params before the state, as they come out: JAX pairs donated
+  # inputs with outputs by shape in order (memory kinds unknown without
+  # out_shardings), and the state's leaves are shaped like the params.
   step = jax.jit(
-    lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(
+    lambda g, p, s: (lambda u, s: (optax.apply_updates(p, u), s))(
       *tx.update(g, s, p)
     ),
     donate_argnums=(1, 2),
@@ -151,7 +154,7 @@ def run_superoffload(tx, p0, grads, dtype, mesh=None):
   compiled = []
   for g in grads:
     g = jax.device_put([jnp.asarray(x, dtype) for x in g], where)
-    params, state = step(g, state, params)
+    params, state = step(g, params, state)
     compiled.append(step._cache_size())
   # Nothing recompiles once the state has come out of a step (under ZeRO
   # the state out of `init` carries other shardings: one more compile).

@@ -56,9 +56,9 @@ def main() -> int:
   mesh = jax.make_mesh((jax.device_count(),), ('data',))
   rng = np.random.default_rng(0)
   params_np = {
-    'w1': (rng.standard_normal((13, 37)) * 0.3).astype(np.float32),
-    'b1': np.zeros(37, np.float32),
-    'w2': (rng.standard_normal((37, 5)) * 0.3).astype(np.float32),
+    'w1': (rng.standard_normal((13, 40)) * 0.3).astype(np.float32),
+    'b1': np.zeros(40, np.float32),
+    'w2': (rng.standard_normal((40, 5)) * 0.3).astype(np.float32),
   }
   x_np = rng.standard_normal((64, 13)).astype(np.float32)
   y_np = rng.standard_normal((64, 5)).astype(np.float32)
@@ -97,7 +97,7 @@ def main() -> int:
       'local_shard_sizes': [int(s.data.size) for s in b.addressable_shards],
       'memory_kind': b.sharding.memory_kind,
     }
-    for b in (*state.master, *state.mu, *state.nu)
+    for b in jax.tree.leaves((state.master, state.mu, state.nu))
   ]
   result = {
     'process_count': jax.process_count(),

@@ -196,6 +196,29 @@ double AdamStepSumSquaresRange(const AdamConstants& constants,
   return StepRange(constants, buffers, begin, end, isa, /*sum_squares=*/true);
 }
 
+void ReseedBf16Range(float* master, const uint16_t* params, float tolerance,
+                     int64_t begin, int64_t end, Isa isa) {
+  if (begin >= end) return;
+  if (!IsaAvailable(isa)) isa = Isa::kScalar;
+  switch (isa) {
+    case Isa::kAvx2:
+      return internal::ReseedBf16RangeAvx2(master, params, tolerance, begin,
+                                           end);
+    case Isa::kAvx512:
+      return internal::ReseedBf16RangeAvx512(master, params, tolerance, begin,
+                                             end);
+    case Isa::kNeon:
+      return internal::ReseedBf16RangeNeon(master, params, tolerance, begin,
+                                           end);
+    case Isa::kSve:
+      return internal::ReseedBf16RangeSve(master, params, tolerance, begin,
+                                          end);
+    default:
+      return internal::ReseedBf16RangeScalar(master, params, tolerance, begin,
+                                             end);
+  }
+}
+
 int64_t StreamableHead(const AdamBuffers& b, int64_t begin, int64_t end) {
   if (b.master_out == b.master_in || b.mu_out == b.mu_in ||
       b.nu_out == b.nu_in) {

@@ -187,6 +187,13 @@ double AdamStepSumSquaresRange(const AdamConstants& constants,
 // Convenience: the whole range with the best instruction set.
 void AdamStep(const AdamConfig& config, const AdamBuffers& buffers);
 
+// Re-seeds a master from bf16 parameters over [begin, end), in place: each
+// element keeps the master where it rounds to the parameter (ties to even)
+// or to a neighbouring bf16 value, or where the two are within `tolerance`,
+// and becomes the parameter otherwise. Bit-identical with every `isa`.
+void ReseedBf16Range(float* master, const uint16_t* params, float tolerance,
+                     int64_t begin, int64_t end, Isa isa);
+
 // The same-traffic stream: reads master, grad (f32), mu and nu and writes
 // master, mu and nu with no Adam math (master += grad, mu and nu swapped),
 // with the kernel's own loop structure and prefetch. It shows what the

@@ -7,6 +7,7 @@
 #ifndef JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_IMPL_H_
 #define JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_IMPL_H_
 
+#include <cmath>
 #include <cstdint>
 
 #include "xla_ffi/adam_kernel.h"
@@ -198,8 +199,9 @@ template <class Ops, ElementType kGrad, ElementType kLowp, bool kNesterov,
           bool kDecay, bool kGuard, bool kSumSquares, bool kStream = false>
 double AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
                 int64_t begin, int64_t end) {
-  // Streaming stores serve the speculative steps of STV (stv_kernel.h),
-  // which sum squares: only those get the streaming instantiations.
+  // Streaming stores serve steps that write the state elsewhere than they
+  // read it (STV's speculative rows, fp32 parameters read as the master);
+  // only the sum-of-squares loops get the streaming instantiations.
   if constexpr (kSumSquares && !kStream) {
     if (buffers.stream_state) {
       return AdamLoop<Ops, kGrad, kLowp, kNesterov, kDecay, kGuard, true,
@@ -375,6 +377,29 @@ struct FixedWidth {
   };
 };
 
+// Re-seeding of a master from bf16 parameters (ReseedBf16Range), in place.
+// Plain C++, compiled in every instruction set's unit with that unit's
+// flags, where the compiler vectorizes it; integer arithmetic and one exact
+// subtraction, so every instruction set gives the same bits. One pointer,
+// read and written, so that no aliasing check is needed.
+inline void ReseedBf16Loop(float* master, const uint16_t* __restrict params,
+                           float tolerance, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float m = master[i];
+    const int32_t bits = static_cast<int32_t>(FloatBits(m));
+    // The master rounded to bf16 (ties to even), as a 16-bit pattern.
+    const int32_t rounded =
+        ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) & 0xffff;
+    const int32_t param = params[i];
+    const float w = BitsToFloat(static_cast<uint32_t>(param) << 16);
+    // Of one sign, adjacent patterns are adjacent values; across zero, the
+    // tolerance decides.
+    const bool adjacent = static_cast<uint32_t>(rounded - param + 1) <= 2u;
+    const bool same = adjacent | (std::fabs(w - m) <= tolerance);
+    master[i] = same ? m : w;
+  }
+}
+
 }  // namespace
 }  // namespace jax_superoffload
 
@@ -391,6 +416,10 @@ struct FixedWidth {
                            int64_t end) {                                   \
     RooflineLoop<Ops>(b, begin, end);                                       \
   }                                                                         \
+  void ReseedBf16Range##Name(float* master, const uint16_t* params,         \
+                             float tolerance, int64_t begin, int64_t end) { \
+    ReseedBf16Loop(master, params, tolerance, begin, end);                  \
+  }                                                                         \
   }  // namespace jax_superoffload::internal
 
 // Defines the entry points of an instruction set this build does not target.
@@ -402,6 +431,8 @@ struct FixedWidth {
     return 0.0;                                                             \
   }                                                                         \
   void RooflineRange##Name(const AdamBuffers&, int64_t, int64_t) {}         \
+  void ReseedBf16Range##Name(float*, const uint16_t*, float, int64_t,       \
+                             int64_t) {}                                    \
   }  // namespace jax_superoffload::internal
 
 #endif  // JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_IMPL_H_

@@ -21,6 +21,8 @@ namespace jax_superoffload::internal {
                              int64_t end, bool sum_squares);                \
   void RooflineRange##Name(const AdamBuffers& buffers, int64_t begin,       \
                            int64_t end);                                    \
+  void ReseedBf16Range##Name(float* master, const uint16_t* params,         \
+                             float tolerance, int64_t begin, int64_t end);  \
   double LowpStepRange##Name(const AdamConstants& constants,                \
                              const LowpMomentBuffers& buffers,              \
                              int64_t begin, int64_t end, bool sum_squares);

@@ -171,6 +171,11 @@ void RooflineRangeSve(const AdamBuffers& b, int64_t begin, int64_t end) {
   }
 }
 
+void ReseedBf16RangeSve(float* master, const uint16_t* params, float tolerance,
+                        int64_t begin, int64_t end) {
+  ReseedBf16Loop(master, params, tolerance, begin, end);
+}
+
 }  // namespace jax_superoffload::internal
 #else
 JSO_DEFINE_MISSING_ISA(Sve)

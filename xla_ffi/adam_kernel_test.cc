@@ -603,7 +603,7 @@ void TestSpeculateThenRedo() {
           const bool aligned = ratio == 0.5 || ratio == 1e2;
           AlignedFloats master(2 * n, 0), mu(2 * n, aligned ? 0 : 1);
           AlignedFloats nu(2 * n, aligned ? 0 : 2);
-          AlignedFloats kept(n, aligned ? KeptGradShift(n, from) : 3);
+          AlignedFloats kept(n, aligned ? 0 : 3);
           std::vector<float> grad32(n);
           std::vector<uint16_t> grad16(n), lowp(n);
           std::vector<double> grad(n);
@@ -650,9 +650,9 @@ void TestSpeculateThenRedo() {
           pair.kept_grad = kept.data();
           pair.lowp_out = lowp.data();
           pair.lowp_type = ElementType::kBF16;
-          AdamBuffers row_step = RowStep(pair, from, pair.grad, grad_type);
-          row_step.grad_copy = kept.data();
-          const bool streams = StreamableHead(row_step, 0, n) >= 0;
+          const bool streams =
+              StreamableHead(RowStep(pair, from, pair.grad, grad_type), 0, n) >=
+              0;
           // Two sub-ranges, one boundary mid-vector, as chunks split them.
           const double sum = SpeculativeStepRange(speculative, pair, from, 0,
                                                   n / 3 + 1, BestIsa()) +
@@ -1282,11 +1282,10 @@ void TestStreamedSpeculationAttack() {
 }
 
 // A bucket of odd leaves over more than one kChunkElements chunk, split as
-// the FFI handler splits it (chunks, then leaves), rows and kept gradient
-// at the handler's offsets (kept from KeptGradShift, buffers 64-aligned):
-// both rows stream except where a leaf starts off the shared phase, and
-// every element is the scalar step's, the kept gradient exact, the padding
-// outside the window untouched by the kernel.
+// the FFI handler splits it (chunks, then leaves), buffers 64-aligned: the
+// rows stream in every piece (the kept gradient where it shares their
+// alignment), and every element is the scalar step's, the kept gradient
+// exact.
 void TestStreamedBucketOverChunks(bool quick) {
   const int64_t chunk = quick ? 4099 : kChunkElements;
   for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kScalar}) {
@@ -1299,7 +1298,7 @@ void TestStreamedBucketOverChunks(bool quick) {
       std::vector<int64_t> starts = {0};
       for (int64_t s : sizes) starts.push_back(starts.back() + s);
       GuardedFloats master(2 * n, 0), mu(2 * n, 0), nu(2 * n, 0);
-      GuardedFloats kept(n + kKeptGradPad, 0);
+      GuardedFloats kept(n, 0);
       std::vector<uint16_t> g16(n);
       uint64_t rng = 99 + from;
       for (int64_t i = 0; i < 2 * n; ++i) {
@@ -1314,11 +1313,10 @@ void TestStreamedBucketOverChunks(bool quick) {
       const std::vector<float> before(master.data(), master.data() + 2 * n);
       const std::vector<float> before_mu(mu.data(), mu.data() + 2 * n);
       const std::vector<float> before_nu(nu.data(), nu.data() + 2 * n);
-      for (int64_t i = 0; i < n + kKeptGradPad; ++i) kept[i] = -7.0f;
+      for (int64_t i = 0; i < n; ++i) kept[i] = -7.0f;
       AdamConfig config;
       config.learning_rate = 1e-3f;
       const AdamConstants k = MakeAdamConstants(config);
-      const int64_t shift = KeptGradShift(n, from);
       std::vector<PairBuffers> segs(sizes.size());
       for (size_t j = 0; j < sizes.size(); ++j) {
         PairBuffers& p = segs[j];
@@ -1329,7 +1327,7 @@ void TestStreamedBucketOverChunks(bool quick) {
         p.nu = nu.data() + starts[j];
         p.grad = g16.data() + starts[j];
         p.grad_type = ElementType::kBF16;
-        p.kept_grad = kept.data() + shift + starts[j];
+        p.kept_grad = kept.data() + starts[j];
       }
       int64_t pieces = 0, streamed = 0;
       for (int64_t b = 0; b < n; b += chunk) {
@@ -1338,9 +1336,8 @@ void TestStreamedBucketOverChunks(bool quick) {
           const int64_t lo = std::max(b, starts[j]);
           const int64_t hi = std::min(e, starts[j + 1]);
           if (hi <= lo) continue;
-          AdamBuffers probe =
+          const AdamBuffers probe =
               RowStep(segs[j], from, segs[j].grad, ElementType::kBF16);
-          probe.grad_copy = segs[j].kept_grad;
           ++pieces;
           streamed += StreamableHead(probe, lo - starts[j], hi - starts[j]) >= 0;
           SpeculativeStepRange(k, segs[j], from, lo - starts[j],
@@ -1359,18 +1356,13 @@ void TestStreamedBucketOverChunks(bool quick) {
       ref.grad = g16.data();
       ref.grad_type = ElementType::kBF16;
       AdamStepRange(k, ref, 0, n, Isa::kScalar);
-      bool same = true, kept_exact = true, pad_ok = true;
+      bool same = true, kept_exact = true;
       const int64_t out = (1 - from) * n;
       for (int64_t i = 0; i < n; ++i) {
         same &= Bits(master[out + i]) == Bits(rm[i]) &&
                 Bits(mu[out + i]) == Bits(rmu[i]) &&
                 Bits(nu[out + i]) == Bits(rnu[i]);
-        kept_exact &= Bits(kept[shift + i]) ==
-                      (static_cast<uint32_t>(g16[i]) << 16);
-      }
-      for (int64_t i = 0; i < n + kKeptGradPad; ++i) {
-        if (i >= shift && i < shift + n) continue;
-        pad_ok &= kept[i] == -7.0f;  // The handler, not the kernel, fills it.
+        kept_exact &= Bits(kept[i]) == (static_cast<uint32_t>(g16[i]) << 16);
       }
       char context[96];
       std::snprintf(context, sizeof(context),
@@ -1380,14 +1372,84 @@ void TestStreamedBucketOverChunks(bool quick) {
                     static_cast<long long>(pieces));
       Check(same, "chunked bucket: rows are the scalar step's", context);
       Check(kept_exact, "chunked bucket: kept gradient exact", context);
-      Check(pad_ok, "chunked bucket: kernel leaves the padding alone",
-            context);
       Check(master.GuardsIntact() && mu.GuardsIntact() && nu.GuardsIntact() &&
                 kept.GuardsIntact(),
             "chunked bucket: no write outside", context);
-      // With the handler's placement every piece has the four phases alike.
+      // Each piece's three rows share their phase: all stream.
       Check(streamed == pieces, "chunked bucket: every piece streams",
             context);
+    }
+  }
+}
+
+// The bf16 parameter nearest `m` (ties to the even pattern), found by
+// comparing the two truncations around it in double: written apart from the
+// kernel's integer rounding. `m` is finite.
+uint16_t NearestBf16(float m) {
+  uint32_t bits;
+  std::memcpy(&bits, &m, sizeof(bits));
+  const uint32_t low = bits & 0xffff0000u;
+  const uint32_t high = low + 0x10000u;  // One pattern further from zero.
+  float a, b;
+  std::memcpy(&a, &low, sizeof(a));
+  std::memcpy(&b, &high, sizeof(b));
+  const double da = std::fabs(static_cast<double>(m) - a);
+  const double db = std::fabs(static_cast<double>(m) - b);
+  if (da != db) return static_cast<uint16_t>((da < db ? low : high) >> 16);
+  return static_cast<uint16_t>(((low >> 16) & 1) == 0 ? low >> 16 : high >> 16);
+}
+
+// ReseedBf16Range keeps the master where the parameter is its nearest bf16
+// pattern or a neighbour of it, or within the tolerance, and takes the
+// parameter elsewhere; every instruction set gives the scalar path's bits,
+// NaN, Inf and signed zeros included.
+void TestReseedBf16() {
+  const int64_t n = 4099;  // Not a multiple of any vector width.
+  uint64_t rng = 17;
+  std::vector<float> master(n);
+  std::vector<uint16_t> params(n);
+  const uint32_t kSpecial[] = {0x7f800000u, 0xff800000u, 0x7fc00000u,
+                               0x80000000u, 0x00000000u, 0x00000001u,
+                               0x807fffffu, 0x3f7fffffu, 0x7f7fffffu};
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits = static_cast<uint32_t>(SplitMix(rng));
+    if (i % 11 == 0) bits = kSpecial[(i / 11) % 9];
+    // Mostly ordinary weights, some of any bit pattern.
+    if (i % 3 != 0) bits = (bits & 0x807fffffu) | (0x3c000000u + (i % 8 << 23));
+    std::memcpy(&master[i], &bits, sizeof(bits));
+    const uint16_t near = std::isfinite(master[i]) ? NearestBf16(master[i])
+                                                   : bits >> 16;
+    const int offset = static_cast<int>(SplitMix(rng) % 7) - 3;
+    params[i] = i % 5 == 0 ? static_cast<uint16_t>(SplitMix(rng))
+                           : static_cast<uint16_t>(near + offset);
+  }
+  const float tolerance = 1e-3f;
+  std::vector<float> scalar = master;
+  ReseedBf16Range(scalar.data(), params.data(), tolerance, 0, n, Isa::kScalar);
+  bool semantics = true;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(master[i])) continue;
+    const uint32_t p32 = static_cast<uint32_t>(params[i]) << 16;
+    float w;
+    std::memcpy(&w, &p32, sizeof(w));
+    const int distance = std::abs(static_cast<int>(NearestBf16(master[i])) -
+                                  static_cast<int>(params[i]));
+    const bool keep = distance <= 1 || std::fabs(w - master[i]) <= tolerance;
+    const float want = keep ? master[i] : w;
+    semantics &= std::memcmp(&want, &scalar[i], sizeof(want)) == 0;
+  }
+  Check(semantics, "re-seeding keeps the master only where bf16 says so",
+        "scalar");
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
+    if (!IsaAvailable(isa)) continue;
+    for (int64_t begin : {int64_t{0}, int64_t{1}, int64_t{5}}) {
+      std::vector<float> out = master;
+      ReseedBf16Range(out.data(), params.data(), tolerance, begin, n, isa);
+      std::vector<float> want = master;
+      ReseedBf16Range(want.data(), params.data(), tolerance, begin, n,
+                      Isa::kScalar);
+      Check(std::memcmp(out.data(), want.data(), n * sizeof(float)) == 0,
+            "re-seeding equals the scalar path bit for bit", IsaName(isa));
     }
   }
 }
@@ -1410,6 +1472,7 @@ int main(int argc, char** argv) {
   TestPrefetchPolicies();
   TestStreamedSpeculationAttack();
   TestStreamedBucketOverChunks(quick);
+  TestReseedBf16();
   const ElementType kGrads[] = {ElementType::kF32, ElementType::kBF16,
                                 ElementType::kF16};
   const ElementType kLowps[] = {ElementType::kNone, ElementType::kF32,

@@ -31,11 +31,12 @@ void KeepGradient(const PairBuffers& p, int64_t begin, int64_t end) {
   }
 }
 
-// The speculative step with plain stores, the gradient kept block by block.
-double PlainSpeculativeRange(const AdamConstants& constants,
-                             const PairBuffers& pair, const AdamBuffers& b,
-                             int64_t begin, int64_t end, Isa isa) {
-  if (pair.kept_grad == nullptr) {
+// The speculative step over [begin, end) of `b`, the gradient kept block
+// by block with plain stores (when `b` does not stream it itself).
+double StepThenKeep(const AdamConstants& constants, const PairBuffers& pair,
+                    const AdamBuffers& b, int64_t begin, int64_t end,
+                    Isa isa) {
+  if (pair.kept_grad == nullptr || b.grad_copy != nullptr) {
     return AdamStepSumSquaresRange(constants, b, begin, end, isa);
   }
   double sum = 0.0;
@@ -73,18 +74,17 @@ double SpeculativeStepRange(const AdamConstants& constants,
                             const PairBuffers& pair, int from, int64_t begin,
                             int64_t end, Isa isa) {
   AdamBuffers b = RowStep(pair, from, pair.grad, pair.grad_type);
-  b.grad_copy = pair.kept_grad;
   const int64_t head = IsaStreams(isa) ? StreamableHead(b, begin, end) : -1;
-  if (head < 0) {
-    b.grad_copy = nullptr;
-    return PlainSpeculativeRange(constants, pair, b, begin, end, isa);
-  }
-  // The elements before the 64-byte boundary one by one (plain stores;
-  // the scalar path computes the same bits), then the rest streamed.
+  if (head < 0) return StepThenKeep(constants, pair, b, begin, end, isa);
+  // The elements before the rows' 64-byte boundary one by one (plain
+  // stores; the scalar path computes the same bits), then the rest
+  // streamed, the kept gradient too where it shares their alignment.
+  double sum = StepThenKeep(constants, pair, b, begin, begin + head,
+                            Isa::kScalar);
   b.stream_state = true;
-  const double sum =
-      AdamStepSumSquaresRange(constants, b, begin, begin + head, Isa::kScalar);
-  return sum + AdamStepSumSquaresRange(constants, b, begin + head, end, isa);
+  b.grad_copy = pair.kept_grad;
+  if (StreamableHead(b, begin + head, end) != 0) b.grad_copy = nullptr;
+  return sum + StepThenKeep(constants, pair, b, begin + head, end, isa);
 }
 
 void RedoStepRange(const AdamConstants& constants, const PairBuffers& pair,

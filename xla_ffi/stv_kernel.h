@@ -12,12 +12,13 @@
 //
 // A step reads 16 B per parameter and writes 12, as an in-place step does;
 // the speculative step also writes the gradient it read, as fp32 (4 B), so
-// the redo can read it after the caller's gradient buffers are gone. Neither
-// the spare row nor the kept gradient is in cache when the speculative step
-// writes them, so it writes them with streaming stores where it can
-// (AdamBuffers::stream_state): a plain store would first read each line,
-// 16 B/param more. For that the kept gradient is placed with the spare
-// row's alignment (KeptGradShift).
+// the redo can read it after the caller's gradient buffers are gone. The
+// spare row is not in cache when the speculative step writes it, so it is
+// written with streaming stores where it can (AdamBuffers::stream_state):
+// a plain store would first read each line, 12 B/param more. So is the kept
+// gradient when it shares the spare row's alignment (as when row 0 is the
+// spare, or the length is a multiple of 16); otherwise it is copied with
+// plain stores right after each block is stepped (4 B/param more).
 //
 // Pure C++17, like adam_kernel.h, so it can be tested against float64 alone.
 
@@ -69,18 +70,9 @@ double SpeculativeStepRange(const AdamConstants& constants,
 void RedoStepRange(const AdamConstants& constants, const PairBuffers& pair,
                    int from, int64_t begin, int64_t end, Isa isa);
 
-// A bucket's kept-gradient buffer holds kKeptGradPad elements more than the
-// bucket, and keeps the gradient from element KeptGradShift on: with every
-// buffer aligned to 64 bytes, it then shares the spare row's alignment.
-inline constexpr int64_t kKeptGradPad = 16;
-
-inline int64_t KeptGradShift(int64_t row_stride, int from) {
-  return (from == 0 ? row_stride : 0) % kKeptGradPad;
-}
-
-// Elements per sub-range of SpeculativeStepRange when it cannot stream: the
-// gradient is copied to `kept_grad` right after the step has read it, while
-// it is still in cache.
+// Elements per sub-range of SpeculativeStepRange when it does not stream
+// the kept gradient: the gradient is copied to `kept_grad` right after the
+// step has read it, while it is still in cache.
 inline constexpr int64_t kKeepGradBlock = 1 << 14;
 
 }  // namespace jax_superoffload

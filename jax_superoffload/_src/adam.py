@@ -36,11 +36,14 @@ def adam(
 
   A drop-in replacement for `optax.adam` with the same arguments and the
   same numbers (up to fp32 rounding). The first and second moments and an
-  fp32 master copy of the weights live in pinned host memory, packed into
-  flat buckets; each step moves the gradients to the host, runs the fused
-  Grace Adam kernel there (XLA host compute) and brings the new weights back
-  in the parameters' dtype. The accelerator keeps only the parameters, the
-  gradients and the activations.
+  fp32 master copy of the weights live in pinned host memory, as trees
+  shaped like the parameters (see `SuperOffloadState`); each step moves the
+  gradients to the host, runs the fused Grace Adam kernel there (XLA host
+  compute) over a few leaves per call and brings the new weights back in
+  the parameters' dtype. Parameters passed to `update` that no longer
+  round to the master (weights loaded, surgery) are where the step
+  starts. The accelerator keeps only the parameters, the gradients and the
+  activations.
 
   With :math:`g_t` the gradient, :math:`t` the step (from 1):
 
@@ -67,9 +70,10 @@ def adam(
     mu_dtype: Dtype of the first moment. `None` or float32 use the kernel;
       any other dtype takes the optax path (state still in host memory).
     nesterov: Use the Nesterov (NAdam) momentum.
-    bucket_bytes: Size of the fp32 buckets the state is packed into (default
-      256 MiB); the number of kernel calls per step is the number of
-      buckets. `None` rather than a number by default so that
+    bucket_bytes: About how many fp32 bytes of state one kernel call steps
+      (default 256 MiB); the number of kernel calls per step is the number
+      of buckets. Only a schedule: the state does not depend on it.
+      `None` rather than a number by default so that
       `optax.inject_hyperparams` does not turn it into an array.
     executor: Where the update runs: "ffi" (the Grace Adam kernel as host
       compute), "xla_host" (the same math in `jax.numpy` as host compute),
@@ -106,16 +110,17 @@ def adam(
       cast throughput). Both sides give bit-identical results.
     hardware: The `HardwareProfile` the "auto" options plan for; default:
       `CPU_ONLY` on the CPU backend, `GH200` otherwise.
-    mesh: With `shard_axis`, ZeRO-style data parallelism: the state of
-      every bucket is padded to a multiple of the axis size N and sharded
-      over it (`NamedSharding(mesh, P(shard_axis))` in pinned host memory),
-      so each device's host memory holds 1/N of it. Each step constrains
-      the bucket's flat gradient to the axis on the device (the data
-      parallel reduction becomes a reduce-scatter where XLA can), runs the
-      host step per shard under `shard_map`, and all-gathers the new
-      weights on the device. Axes of the mesh not named hold the bucket
-      replicated. Parameters and gradients must live on the mesh's devices
-      (e.g. replicated, `NamedSharding(mesh, P())`).
+    mesh: With `shard_axis`, ZeRO-style data parallelism for replicated
+      parameters: each state leaf is split along its first dimension
+      divisible by the axis size N (in pinned host memory), so each
+      device's host memory holds about 1/N of it; a leaf with no such
+      dimension stays replicated. Each step constrains the gradient to
+      that split on the device (the data-parallel reduction becomes a
+      reduce-scatter where XLA can), runs the host step per shard under
+      `shard_map`, and all-gathers the new weights on the device. Axes of
+      the mesh not named hold the state replicated. Without mesh
+      arguments the state follows the parameters' own shardings (FSDP,
+      tensor parallel), as `init` sees them.
     shard_axis: The mesh axis name (or tuple of names) to shard over.
 
   Returns:
@@ -140,15 +145,15 @@ def adam(
     Lian et al., `SuperOffload: Unleashing the Power of Large-Scale LLM
     Training on Superchips <https://arxiv.org/abs/2509.21271>`_, 2025.
   """
-  return transform.superoffload_adam(
+  return adamw(
     learning_rate,
     b1,
     b2,
     eps,
     eps_root,
     mu_dtype,
-    0.0,
-    None,
+    weight_decay=0.0,
+    mask=None,
     nesterov=nesterov,
     bucket_bytes=bucket_bytes,
     executor=executor,
@@ -207,7 +212,7 @@ def adamw(
       callable returning one from the parameters; `True` leaves are decayed.
       Its leaves must be Python booleans, since they shape the buckets.
     nesterov: Use the Nesterov (NAdam) momentum.
-    bucket_bytes: Size of the fp32 buckets the state is packed into.
+    bucket_bytes: State bytes per kernel call (see `adam`).
     executor: "ffi", "xla_host", "device" or "auto" (see `adam`).
     clip_norm: Global-norm clipping by speculation-then-validation (see
       `adam`).
@@ -233,14 +238,14 @@ def adamw(
     <https://arxiv.org/abs/1711.05101>`_, 2019.
   """
   return transform.superoffload_adam(
-    learning_rate,
-    b1,
-    b2,
-    eps,
-    eps_root,
-    mu_dtype,
-    weight_decay,
-    mask,
+    learning_rate=learning_rate,
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    eps_root=eps_root,
+    mu_dtype=mu_dtype,
+    weight_decay=weight_decay,
+    mask=mask,
     nesterov=nesterov,
     bucket_bytes=bucket_bytes,
     executor=executor,

@@ -1,4 +1,4 @@
-"""The three ways to run one bucket's Adam step.
+"""The ways to run one bucket's Adam step on the leaves' own state arrays.
 
 - "ffi": the Grace Adam kernel as XLA host compute, on the state where it
   lives (pinned host memory), updated in place.
@@ -8,6 +8,10 @@
 - "device": the MaxText-style baseline: the state lives in host memory
   between steps but is copied to the accelerator, updated there and copied
   back.
+- "resident" (internal): a device bucket, whose state lives on the device.
+
+A bucket is only a schedule: one call over k leaves, each leaf with its own
+master, mu and nu arrays shaped like its parameter.
 """
 
 from __future__ import annotations
@@ -81,84 +85,89 @@ class BucketStep:
       grad_scale=self.grad_scale,
     )
 
+  def fp32_weights(self, dtypes: Sequence[Any]) -> bool:
+    """Whether the new weights are the new fp32 masters themselves."""
+    return (
+      self.want_delta
+      or self.cast_on_device
+      or all(jnp.dtype(d) == jnp.float32 for d in dtypes)
+    )
 
-def split_leaves(
-  flat: jax.Array, sizes: Sequence[int], count: Any = None
-) -> list[jax.Array]:
-  """`flat` cut into one slice per leaf of the given sizes.
 
-  With several leaves, each of odd length is cut with a dynamic slice whose
-  offset XLA cannot fold to a constant (`min(count, 0)` is 0: the step count
-  is never negative). XLA:CPU compiles a fusion that reads an odd-length
-  slice at a constant offset into code about ten times slower than at a
-  dynamic one (640 leaves of 104,857 elements: ~400 vs ~75 ms to write back
-  64M weights on the CI machine; even lengths take ~40 ms at constant
-  offsets, so they keep static slices).
+class BucketOut(NamedTuple):
+  """A bucket's new state (per leaf) and its new weights on the device."""
+
+  master: list[jax.Array]
+  mu: list[jax.Array]
+  nu: list[jax.Array]
+  # Per leaf: the new weights (fp32, or the parameter's dtype when the
+  # kernel wrote low-precision copies), or the fp32 change of the master.
+  weights: list[jax.Array]
+
+
+def reseed(
+  master: jax.Array, param: jax.Array, learning_rate: Any = 0.0
+) -> jax.Array:
+  """The master where it rounds to `param`, `param` where it does not.
+
+  The parameters are the source of truth: a master that no longer rounds
+  to them (weights loaded, surgery, an EMA swap) restarts from them.
   """
-  dynamic = (
-    count is not None
-    and len(sizes) > 1
-    and any(n % 2 for n in sizes)
-    and jax.default_backend() == 'cpu'
-  )
-  zero = jnp.minimum(jnp.asarray(count, jnp.int32), 0) if dynamic else None
-  out, start = [], 0
-  for n in sizes:
-    if dynamic and n % 2:
-      out.append(jax.lax.dynamic_slice(flat, (start + zero,), (n,)))
-    else:
-      out.append(flat[start : start + n])
-    start += n
-  return out
+  if param.dtype == jnp.float32:
+    # The master is not read, but it must stay an input of the step: a
+    # pruned input is not donated, and the new master would then need a
+    # fresh buffer every step (page faults on every page of it).
+    return jax.lax.optimization_barrier((master, param))[1]
+
+  # A 16-bit update cannot always land exactly on the rounded master (a
+  # weight crossing zero, or more than halving): one unit in the last place
+  # away is still the weight the last step produced.
+  def ordered(x):  # Adjacent floats are adjacent integers.
+    bits = jax.lax.bitcast_convert_type(x, jnp.int16).astype(jnp.int32)
+    return jnp.where(bits < 0, -(bits & 0x7FFF), bits)
+
+  close = jnp.abs(ordered(master.astype(param.dtype)) - ordered(param)) <= 1
+  # Nor can it when the step is larger than the weight: within its own
+  # rounding (lr / 16 covers steps up to 16 lr) the parameter is the one
+  # the last step produced (as ReseedTolerance in adam_ffi.cc).
+  tolerance = jnp.abs(jnp.asarray(learning_rate, jnp.float32)) * 0.0625
+  close |= jnp.abs(param.astype(jnp.float32) - master) <= tolerance
+  return jnp.where(close, master, param.astype(jnp.float32))
 
 
-def _split(
-  flat: jax.Array, grads: Sequence[jax.Array], count: Any
-) -> list[jax.Array]:
-  """`split_leaves` by the sizes of a bucket's gradients."""
-  return split_leaves(flat, [g.size for g in grads], count)
-
-
-def _run(kernel: str, step: BucketStep, master, mu, nu, grads, dtypes):
-  """The bucket's step on whichever memory its inputs are in.
-
-  Returns the new state and the per-leaf new weights, or None in their place
-  when the weights are the new fp32 master itself (fp32 parameters, or a
-  delta to be taken against the old master), to be split on the device.
-  """
-  fp32 = (
-    step.want_delta
-    or step.cast_on_device
-    or all(jnp.dtype(d) == jnp.float32 for d in dtypes)
-  )
-  if kernel == 'ffi':
-    kwargs = step.kwargs()
-    new_master, new_mu, new_nu, weights, sumsq = grace_adam.adam_step_segments(
-      master,
-      mu,
-      nu,
-      list(grads),
-      None if fp32 else list(dtypes),
-      compute_sumsq=step.want_sumsq,
-      **kwargs,
-    )
-    return new_master, new_mu, new_nu, None if fp32 else weights, sumsq
-  else:
-    grad = (
-      jnp.concatenate([g.astype(jnp.float32) for g in grads])
-      if grads
-      else jnp.zeros((0,), jnp.float32)
-    )
-    new_master, new_mu, new_nu = adam_reference.adam_step_reference(
-      master, grad, mu, nu, **step.kwargs()
-    )
-    weights = [
-      w.astype(d)
-      for w, d in zip(
-        _split(new_master, grads, step.count), dtypes, strict=True
-      )
+def _math_step(step: BucketStep, master, mu, nu, grads, dtypes, params):
+  """The step in `jax.numpy` on whatever memory its inputs are in."""
+  if params is not None:
+    master = [
+      reseed(m, p, step.learning_rate)
+      for m, p in zip(master, params, strict=True)
     ]
-  return new_master, new_mu, new_nu, None if fp32 else weights
+  out = [
+    adam_reference.adam_step_reference(
+      m, g.astype(jnp.float32), a, v, **step.kwargs()
+    )
+    for m, g, a, v in zip(master, grads, mu, nu, strict=True)
+  ]
+  new_master = [o[0] for o in out]
+  weights = None
+  if not step.fp32_weights(dtypes):
+    weights = [m.astype(d) for m, d in zip(new_master, dtypes, strict=True)]
+  return new_master, [o[1] for o in out], [o[2] for o in out], weights
+
+
+def _kernel_step(step: BucketStep, master, mu, nu, grads, dtypes, params):
+  """The step by the Grace Adam kernel (inside host compute)."""
+  fp32 = step.fp32_weights(dtypes)
+  m, a, v, w, _ = grace_adam.adam_step_segments(
+    master,
+    mu,
+    nu,
+    list(grads),
+    None if fp32 else list(dtypes),
+    params=params,
+    **step.kwargs(),
+  )
+  return m, a, v, None if fp32 else w
 
 
 _SCALARS = (
@@ -202,99 +211,93 @@ def _on_host_with_scalars(fn, step: BucketStep, *arrays):
   return host_memory.on_host(host_fn, scalars, *arrays)
 
 
+def _delta_or_new(step: BucketStep, new_master, old_master):
+  """Per leaf on the device: the new master, or its change (no params)."""
+  new = [host_memory.to_device(m) for m in new_master]
+  if not step.want_delta:
+    return new
+  old = [host_memory.to_device(m) for m in old_master]
+  return [n - o for n, o in zip(new, old, strict=True)]
+
+
 def step_bucket(
   executor: str,
   step: BucketStep,
-  master: jax.Array,
-  mu: jax.Array,
-  nu: jax.Array,
+  master: Sequence[jax.Array],
+  mu: Sequence[jax.Array],
+  nu: Sequence[jax.Array],
   grads: Sequence[jax.Array],
   dtypes: Sequence[Any],
-):
+  params: Sequence[jax.Array] | None,
+) -> BucketOut:
   """One bucket's step.
 
   Args:
-    executor: "ffi", "xla_host" or "device" (already resolved).
+    executor: "ffi", "xla_host", "device" or "resident" (resolved).
     step: scalars and flags.
-    master: the bucket's fp32 master weights (host memory).
-    mu: its first moment (host memory).
-    nu: its second moment (host memory).
-    grads: the bucket's leaves' flat gradients (device memory), in order.
+    master: the leaves' fp32 master weights (host memory).
+    mu: their first moments (host memory).
+    nu: their second moments (host memory).
+    grads: the leaves' gradients (device memory), in order.
     dtypes: the dtype of each leaf's new weights.
+    params: the parameters the step starts from (see `reseed`), or None.
 
   Returns:
-    `(master, mu, nu)` in host memory and, per leaf, the new flat weights on
-    the device (or, with `step.want_delta`, the fp32 change of the master).
+    The new state (where it was) and the new weights on the device.
   """
-  if executor == 'resident':  # A device bucket: state and math on device.
-    out = _run('reference', step, master, mu, nu, grads, dtypes)
-    weights = out[3]
-    if weights is None:
-      weights = _device_weights(step, out[0], master, grads)
-    return (*out[:3], weights)
-  if executor == 'device':
-    on_device = [host_memory.to_device(x) for x in (master, mu, nu)]
-    out = _run('reference', step, *on_device, grads, dtypes)
-    weights = out[3]
-    if weights is None:
-      weights = _device_weights(step, out[0], on_device[0], grads)
-    return (*(host_memory.to_host(x) for x in out[:3]), weights)
-  out, _ = host_step(executor, step, master, mu, nu, grads, dtypes)
-  return finish(step, out, master, grads)
-
-
-def host_step(executor, step: BucketStep, master, mu, nu, grads, dtypes):
-  """The host-compute part of `step_bucket` ("ffi" or "xla_host").
-
-  Returns the host-side results (state, and the weights copies or None) and
-  the gradients as moved to the host; `finish` brings the weights over.
-  """
-  kernel = 'ffi' if executor == 'ffi' else 'reference'
-  flat_grads = [host_memory.to_host(g) for g in grads]
-  out = _on_host_with_scalars(
-    lambda bound, *arrays: _run(kernel, bound, *arrays, dtypes),
+  master, mu, nu = list(master), list(mu), list(nu)
+  if executor in ('resident', 'device'):
+    move = host_memory.to_device if executor == 'device' else (lambda x: x)
+    on_device = [[move(x) for x in xs] for xs in (master, mu, nu)]
+    m, a, v, w = _math_step(step, *on_device, grads, dtypes, params)
+    if w is None:
+      w = _delta_or_new(step, m, on_device[0])
+    if executor == 'device':
+      m, a, v = ([host_memory.to_host(x) for x in xs] for xs in (m, a, v))
+    return BucketOut(m, a, v, w)
+  kernel = _kernel_step if executor == 'ffi' else _math_step
+  host_grads = [host_memory.to_host(g) for g in grads]
+  host_params = None
+  if params is not None:
+    host_params = [host_memory.to_host(p) for p in params]
+  m, a, v, w = _on_host_with_scalars(
+    lambda bound, m, a, v, g, p: kernel(bound, m, a, v, g, dtypes, p),
     step,
     master,
     mu,
     nu,
-    flat_grads,
+    host_grads,
+    host_params,
   )
-  return out, flat_grads
-
-
-def finish(step: BucketStep, out, master, grads):
-  """Moves a host step's new weights to the device, per leaf."""
-  if out[3] is None:  # fp32: one transfer of the bucket, split on device.
-    weights = _device_weights(
-      step, host_memory.to_device(out[0]), master, grads
-    )
-    return (*out[:3], weights)
-  return (*out[:3], [host_memory.to_device(w) for w in out[3]])
+  if w is None:
+    w = _delta_or_new(step, m, master)
+  else:
+    w = [host_memory.to_device(x) for x in w]
+  return BucketOut(m, a, v, w)
 
 
 class Speculated(NamedTuple):
-  """A double-buffered bucket after its speculative step (host memory)."""
+  """Double-buffered leaves after their speculative step (host memory)."""
 
-  master: jax.Array  # Two rows each: row `row` untouched, the other new.
-  mu: jax.Array
-  nu: jax.Array
-  kept: jax.Array  # The gradients the step read, as fp32.
+  master: list[jax.Array]  # f32[2, *shape]: row `row` untouched.
+  mu: list[jax.Array]
+  nu: list[jax.Array]
+  kept: list[jax.Array]  # The gradients the step read, as fp32.
   sumsq: jax.Array  # f32[1]: their sum of squares (scaled).
   weights: list[jax.Array] | None  # Per leaf; None for fp32 weights.
 
 
 def speculate(
-  step: BucketStep, row, master, mu, nu, kept, grads, dtypes
+  step: BucketStep, row, master, mu, nu, kept, grads, dtypes, params
 ) -> Speculated:
-  """STV's speculative "ffi" step on a double-buffered bucket (see stv.py)."""
-  fp32 = (
-    step.want_delta
-    or step.cast_on_device
-    or all(jnp.dtype(d) == jnp.float32 for d in dtypes)
-  )
-  flat_grads = [host_memory.to_host(g) for g in grads]
+  """STV's speculative "ffi" step on double-buffered leaves (see stv.py)."""
+  fp32 = step.fp32_weights(dtypes)
+  host_grads = [host_memory.to_host(g) for g in grads]
+  host_params = None
+  if params is not None:
+    host_params = [host_memory.to_host(p) for p in params]
 
-  def fn(bound, row, master, mu, nu, kept, grads):
+  def fn(bound, row, master, mu, nu, kept, grads, params):
     m, a, v, k, sumsq, weights = grace_adam.adam_step_speculative(
       master,
       mu,
@@ -303,11 +306,22 @@ def speculate(
       row,
       list(grads),
       None if fp32 else list(dtypes),
+      params=params,
       **bound.kwargs(),
     )
     return Speculated(m, a, v, k, sumsq, None if fp32 else weights)
 
-  return _on_host_with_scalars(fn, step, row, master, mu, nu, kept, flat_grads)
+  return _on_host_with_scalars(
+    fn,
+    step,
+    row,
+    list(master),
+    list(mu),
+    list(nu),
+    list(kept),
+    host_grads,
+    host_params,
+  )
 
 
 def validate_pair(step: BucketStep, out: Speculated, row, redo, skip, scale):
@@ -328,7 +342,7 @@ def validate_pair(step: BucketStep, out: Speculated, row, redo, skip, scale):
       **bound.kwargs(),
     )
 
-  fixed = _on_host_with_scalars(
+  m, a, v, w = _on_host_with_scalars(
     fn,
     step,
     out.master,
@@ -338,39 +352,25 @@ def validate_pair(step: BucketStep, out: Speculated, row, redo, skip, scale):
     out.weights or [],
     (row, redo, skip, scale),
   )
-  weights = fixed[3] if out.weights is not None else None
-  return out._replace(
-    master=fixed[0], mu=fixed[1], nu=fixed[2], weights=weights
-  )
+  weights = w if out.weights is not None else None
+  return out._replace(master=m, mu=a, nu=v, weights=weights)
 
 
-def finish_pair(step: BucketStep, out: Speculated, row, grads):
-  """A double-buffered bucket's new weights on the device, per leaf.
+def finish_pair(step: BucketStep, out: Speculated, row) -> BucketOut:
+  """Double-buffered leaves' new weights on the device, per leaf.
 
   The new master is the row the speculative step wrote (after a skipped
-  step the weights are discarded, so it does not matter which row). The
-  pair is moved whole and cut on the device: on the CPU backend the move
-  is free and the cut fuses into the consumer, which reads one row.
+  step the weights are discarded, so it does not matter which row).
   """
   state = (out.master, out.mu, out.nu)
   if out.weights is not None:
-    return (*state, [host_memory.to_device(w) for w in out.weights])
-  pair = host_memory.to_device(out.master)
-  n = pair.size // 2
+    return BucketOut(*state, [host_memory.to_device(w) for w in out.weights])
   row = jnp.asarray(row, jnp.int32)
-  new = jax.lax.dynamic_slice(pair, ((1 - row) * n,), (n,))
-  weights = _split(new, grads, step.count)
-  if step.want_delta:
-    old = jax.lax.dynamic_slice(pair, (row * n,), (n,))
-    old = _split(old, grads, step.count)
-    weights = [a - b for a, b in zip(weights, old, strict=True)]
-  return (*state, weights)
-
-
-def _device_weights(step: BucketStep, new_master, old_master, grads):
-  """Per-leaf fp32 weights (or changes of the master) from a whole bucket."""
-  new = _split(new_master, grads, step.count)
-  if not step.want_delta:
-    return new
-  old = _split(host_memory.to_device(old_master), grads, step.count)
-  return [n - o for n, o in zip(new, old, strict=True)]
+  weights = []
+  for pair in out.master:
+    pair = host_memory.to_device(pair)
+    new = jax.lax.dynamic_index_in_dim(pair, 1 - row, keepdims=False)
+    if step.want_delta:
+      new = new - jax.lax.dynamic_index_in_dim(pair, row, keepdims=False)
+    weights.append(new)
+  return BucketOut(*state, weights)

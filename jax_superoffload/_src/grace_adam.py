@@ -164,164 +164,155 @@ def stream_roofline(
   return tuple(call(master, grad, mu, nu))
 
 
+def _pack(step: dict) -> jax.Array:
+  """The f32[9] scalars buffer from a step's keyword arguments."""
+  return adam_args.pack_scalars(
+    learning_rate=step['learning_rate'],
+    b1=step['b1'],
+    b2=step['b2'],
+    eps=step['eps'],
+    eps_root=step['eps_root'],
+    weight_decay=step['weight_decay'],
+    grad_scale=step.get('grad_scale', 1.0),
+  )
+
+
+def _like(xs: list[jax.Array], dtype=None) -> list[jax.ShapeDtypeStruct]:
+  return [jax.ShapeDtypeStruct(x.shape, dtype or x.dtype) for x in xs]
+
+
+def _aliases(first_operand: int, first_result: int, n: int) -> dict:
+  return {first_operand + i: first_result + i for i in range(n)}
+
+
 def adam_step_segments(
-  master: jax.Array,
-  mu: jax.Array,
-  nu: jax.Array,
+  master: list[jax.Array],
+  mu: list[jax.Array],
+  nu: list[jax.Array],
   grads: list[jax.Array],
   weight_dtypes: list[jax.typing.DTypeLike] | None,
   *,
-  count: jax.typing.ArrayLike,
-  learning_rate: jax.typing.ArrayLike,
-  b1: jax.typing.ArrayLike,
-  b2: jax.typing.ArrayLike,
-  eps: jax.typing.ArrayLike,
-  eps_root: jax.typing.ArrayLike,
-  weight_decay: jax.typing.ArrayLike,
+  params: list[jax.Array] | None = None,
   nesterov: bool,
-  grad_scale: jax.typing.ArrayLike = 1.0,
   keep_nonfinite: bool = False,
   compute_sumsq: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array], jax.Array]:
-  """One kernel call over a bucket of several leaves (internal).
+  **step,
+) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], list, jax.Array]:
+  """One kernel call over a bucket of k leaves (internal).
 
-  `master`, `mu` and `nu` are the bucket's flat fp32 state; `grads` are the
-  bucket's leaves' flat gradients (f32, bf16 or f16), in order, whose sizes
-  add up to the bucket's. Returns the new state and, per leaf, the new
-  weights in `weight_dtypes` (rounded to nearest even), written by the same
-  pass; with `weight_dtypes=None`, no copies (an empty list). Last, the
-  sum of the squared scaled gradients (f32[1]; zero unless
-  `compute_sumsq`), taken in the same pass for STV's global norm.
+  `master`, `mu` and `nu` are the leaves' own fp32 state arrays, each
+  aliased to its result (updated in place when donated); `grads` their
+  gradients (f32, bf16 or f16), of the same shapes. With `params`, the step
+  starts from them where they differ from the master rounded to their dtype
+  (the parameters are the source of truth). `step` holds count,
+  learning_rate, b1, b2, eps, eps_root, weight_decay and grad_scale.
+  Returns the new master, mu and nu per leaf, the new weights in
+  `weight_dtypes` (or an empty list), and the sum of the squared scaled
+  gradients (f32[1]; zero unless `compute_sumsq`).
   """
-  scalars = adam_args.pack_scalars(
-    learning_rate=learning_rate,
-    b1=b1,
-    b2=b2,
-    eps=eps,
-    eps_root=eps_root,
-    weight_decay=weight_decay,
-    grad_scale=grad_scale,
-  )
-  state_type = jax.ShapeDtypeStruct(master.shape, jnp.float32)
-  out_types = [
-    state_type,
-    state_type,
-    state_type,
-    jax.ShapeDtypeStruct((1,), jnp.float32),
-  ] + [
-    jax.ShapeDtypeStruct(g.shape, d)
-    for g, d in zip(grads, weight_dtypes or [], strict=False)
-  ]
+  k = len(master)
+  out_types = [jax.ShapeDtypeStruct((1,), jnp.float32)]
+  out_types += _like(master) + _like(mu) + _like(nu)
+  if weight_dtypes is not None:
+    out_types += [
+      jax.ShapeDtypeStruct(g.shape, d)
+      for g, d in zip(grads, weight_dtypes, strict=True)
+    ]
   call = jax.ffi.ffi_call(
     ADAM_STEP_SEGMENTS_TARGET,
     out_types,
     vmap_method='sequential',
-    input_output_aliases={0: 0, 1: 1, 2: 2},
+    input_output_aliases=_aliases(2, 1, 3 * k),
   )
   out = call(
-    master,
-    mu,
-    nu,
-    jnp.asarray(count, jnp.int32),
-    scalars,
+    jnp.asarray(step['count'], jnp.int32),
+    _pack(step),
+    *master,
+    *mu,
+    *nu,
     *grads,
+    *(params or []),
     nesterov=bool(nesterov),
     keep_nonfinite=bool(keep_nonfinite),
     compute_sumsq=bool(compute_sumsq),
+    num_leaves=np.int64(k),
+    reseed=params is not None,
   )
-  return out[0], out[1], out[2], list(out[4:]), out[3]
+  runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(3)]
+  return (*runs, list(out[1 + 3 * k :]), out[0])
 
 
 def adam_step_speculative(
-  master: jax.Array,
-  mu: jax.Array,
-  nu: jax.Array,
-  kept_grad: jax.Array,
+  master: list[jax.Array],
+  mu: list[jax.Array],
+  nu: list[jax.Array],
+  kept: list[jax.Array],
   row: jax.Array,
   grads: list[jax.Array],
   weight_dtypes: list[jax.typing.DTypeLike] | None,
   *,
-  count: jax.typing.ArrayLike,
-  learning_rate: jax.typing.ArrayLike,
-  b1: jax.typing.ArrayLike,
-  b2: jax.typing.ArrayLike,
-  eps: jax.typing.ArrayLike,
-  eps_root: jax.typing.ArrayLike,
-  weight_decay: jax.typing.ArrayLike,
+  params: list[jax.Array] | None = None,
   nesterov: bool,
-  grad_scale: jax.typing.ArrayLike = 1.0,
   keep_nonfinite: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, list]:
-  """STV's speculative step on a double-buffered bucket (internal).
+  **step,
+) -> tuple[list, list, list, list, jax.Array, list]:
+  """STV's speculative step on double-buffered leaves (internal).
 
-  `master`, `mu` and `nu` are f32[2n]: two rows of the bucket's state, of
-  which `row` (int32 scalar) is the current one. Reads that row and the
-  leaves' gradients, writes the other row, the gradients as fp32 into
-  `kept_grad` (f32[n + 16], from a shift that gives it the written row's
-  alignment: stv_kernel.h) and, per leaf, the new weights in
-  `weight_dtypes`.
-  Every state buffer aliases its output. Returns the four state buffers,
-  the sum of the squared scaled gradients (f32[1]) and the weights.
+  `master`, `mu` and `nu` are f32[2, *shape] per leaf: two rows, of which
+  `row` (int32 scalar) is current. Reads that row and the gradients, writes
+  the other row, the gradients as fp32 into `kept` (f32[*shape] per leaf)
+  and the new weights in `weight_dtypes`. With `params`, they are copied
+  into the current row first where it does not round to them. Every state
+  buffer aliases its result. Returns master, mu, nu and kept per leaf, the
+  sum of the squared scaled gradients (f32[1]) and the weights.
   """
-  scalars = adam_args.pack_scalars(
-    learning_rate=learning_rate,
-    b1=b1,
-    b2=b2,
-    eps=eps,
-    eps_root=eps_root,
-    weight_decay=weight_decay,
-    grad_scale=grad_scale,
-  )
-  out_types = [
-    jax.ShapeDtypeStruct(x.shape, jnp.float32)
-    for x in (master, mu, nu, kept_grad)
-  ] + [jax.ShapeDtypeStruct((1,), jnp.float32)]
-  out_types += [
-    jax.ShapeDtypeStruct(g.shape, d)
-    for g, d in zip(grads, weight_dtypes or [], strict=False)
-  ]
+  k = len(master)
+  out_types = [jax.ShapeDtypeStruct((1,), jnp.float32)]
+  out_types += _like(master) + _like(mu) + _like(nu) + _like(kept)
+  if weight_dtypes is not None:
+    out_types += [
+      jax.ShapeDtypeStruct(g.shape, d)
+      for g, d in zip(grads, weight_dtypes, strict=True)
+    ]
   call = jax.ffi.ffi_call(
     ADAM_STEP_SPECULATIVE_TARGET,
     out_types,
     vmap_method='sequential',
-    input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
+    input_output_aliases=_aliases(3, 1, 4 * k),
   )
   out = call(
-    master,
-    mu,
-    nu,
-    kept_grad,
-    jnp.asarray(count, jnp.int32),
-    scalars,
+    jnp.asarray(step['count'], jnp.int32),
+    _pack(step),
     jnp.asarray(row, jnp.int32).reshape(1),
+    *master,
+    *mu,
+    *nu,
+    *kept,
     *grads,
+    *(params or []),
     nesterov=bool(nesterov),
     keep_nonfinite=bool(keep_nonfinite),
+    num_leaves=np.int64(k),
+    reseed=params is not None,
   )
-  return out[0], out[1], out[2], out[3], out[4], list(out[5:])
+  runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(4)]
+  return (*runs, out[0], list(out[1 + 4 * k :]))
 
 
 def adam_step_validated(
-  master: jax.Array,
-  mu: jax.Array,
-  nu: jax.Array,
-  kept_grad: jax.Array,
+  master: list[jax.Array],
+  mu: list[jax.Array],
+  nu: list[jax.Array],
+  kept: list[jax.Array],
   row: jax.Array,
   weights: list[jax.Array] | None,
   *,
   redo: jax.Array,
   skip: jax.Array,
   redo_scale: jax.Array,
-  count: jax.typing.ArrayLike,
-  learning_rate: jax.typing.ArrayLike,
-  b1: jax.typing.ArrayLike,
-  b2: jax.typing.ArrayLike,
-  eps: jax.typing.ArrayLike,
-  eps_root: jax.typing.ArrayLike,
-  weight_decay: jax.typing.ArrayLike,
   nesterov: bool,
-  grad_scale: jax.typing.ArrayLike = 1.0,
-) -> tuple[jax.Array, jax.Array, jax.Array, list[jax.Array]]:
+  **step,
+) -> tuple[list, list, list, list]:
   """Finishes `adam_step_speculative` once validation has spoken (internal).
 
   With `redo`, takes the step again from the untouched row `row` with the
@@ -330,41 +321,33 @@ def adam_step_validated(
   returns its inputs (aliased: no copy, no work). A skipped step leaves
   row `row` current, so it needs nothing either.
   """
-  del grad_scale  # The redo scales by redo_scale.
-  scalars = adam_args.pack_scalars(
-    learning_rate=learning_rate,
-    b1=b1,
-    b2=b2,
-    eps=eps,
-    eps_root=eps_root,
-    weight_decay=weight_decay,
-    grad_scale=1.0,
-  )
+  k = len(master)
   weights = list(weights or [])
-  out_types = [
-    jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (master, mu, nu)
-  ]
-  out_types += [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weights]
-  aliases = {0: 0, 1: 1, 2: 2}
-  aliases.update({9 + j: 3 + j for j in range(len(weights))})
+  step = dict(step, grad_scale=1.0)  # The redo scales by redo_scale.
+  out_types = _like(master) + _like(mu) + _like(nu) + _like(weights)
   call = jax.ffi.ffi_call(
     ADAM_STEP_VALIDATED_TARGET,
     out_types,
     vmap_method='sequential',
-    input_output_aliases=aliases,
+    input_output_aliases={
+      **_aliases(5, 0, 3 * k),
+      **_aliases(5 + 4 * k, 3 * k, len(weights)),
+    },
   )
   flags = jnp.stack([redo, skip]).astype(jnp.int32)
   out = call(
-    master,
-    mu,
-    nu,
-    kept_grad,
-    jnp.asarray(count, jnp.int32),
-    scalars,
+    jnp.asarray(step['count'], jnp.int32),
+    _pack(step),
     jnp.asarray(row, jnp.int32).reshape(1),
     flags,
     jnp.asarray(redo_scale, jnp.float32).reshape(1),
+    *master,
+    *mu,
+    *nu,
+    *kept,
     *weights,
     nesterov=bool(nesterov),
+    num_leaves=np.int64(k),
   )
-  return out[0], out[1], out[2], list(out[3:])
+  runs = [list(out[r * k : (r + 1) * k]) for r in range(3)]
+  return (*runs, list(out[3 * k :]))

@@ -1,12 +1,13 @@
-"""Flat fp32 buckets for a parameter tree, and the checks that go with them.
+"""The schedule of kernel calls for a parameter tree, and its checks.
 
 Leaves the kernel covers (float32, bfloat16 and float16 parameters) are
 grouped by (parameter dtype, weight decay on/off), so one kernel call per
-bucket serves every leaf in it; each group's leaves are laid end to end and
+bucket serves every leaf in it; each group's leaves are taken in order and
 split, at leaf boundaries, into buckets of about `bucket_elements` (a leaf
-is never split: one larger than that is a bucket of its own). Whole leaves
-let the kernel read each gradient and write each new weight where it is,
-with no concatenation or slicing on the way. Other floating leaves
+is never split: one larger than that is a bucket of its own). A bucket is
+only a schedule: each leaf keeps its own state arrays, shaped like it, and
+the kernel reads each gradient and writes each new weight where it
+is. Other floating leaves
 (float64, complex) go to an optax fallback. The layout is a pure function of
 the tree's structure, shapes, dtypes and mask, so `init` and `update` build
 the same one without storing it.
@@ -36,13 +37,8 @@ class Group:
   dtype: np.dtype
   decay: bool
   leaves: tuple[int, ...]  # Indices into the flattened tree.
-  offsets: tuple[int, ...]  # Start of each leaf in the group's flat vector.
   sizes: tuple[int, ...]
   buckets: tuple[tuple[int, ...], ...]  # Positions in `leaves` per bucket.
-
-  @property
-  def size(self) -> int:
-    return sum(self.sizes)
 
   @property
   def bucket_sizes(self) -> tuple[int, ...]:
@@ -125,13 +121,11 @@ def build_layout(
     members.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])
   ):
     sizes = tuple(int(np.prod(shapes[i], dtype=np.int64)) for i in idx)
-    offsets = tuple(int(x) for x in np.cumsum((0, *sizes[:-1])))
     groups.append(
       Group(
         dtype,
         group_decay,
         tuple(idx),
-        offsets,
         sizes,
         _split(sizes, bucket_elements),
       )
@@ -190,30 +184,3 @@ def check_tree(layout: Layout, tree: Any, what: str) -> list[Any]:
         f'{what} leaf {path} has non-floating dtype {jnp.result_type(leaf)}'
       )
   return leaves
-
-
-def bucket_leaves(
-  group: Group, bucket: int, leaves: Sequence[jax.Array]
-) -> list[jax.Array]:
-  """The flattened leaves of one bucket, in order."""
-  return [jnp.ravel(leaves[group.leaves[j]]) for j in group.buckets[bucket]]
-
-
-def pack(
-  group: Group, leaves: Sequence[jax.Array], dtype: Any = jnp.float32
-) -> list[jax.Array]:
-  """Each bucket's leaves laid end to end in `dtype`, one array a bucket."""
-  out = []
-  for b in range(len(group.buckets)):
-    parts = [x.astype(dtype) for x in bucket_leaves(group, b, leaves)]
-    out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
-  return out
-
-
-def split(group: Group, bucket: int, flat: jax.Array) -> list[jax.Array]:
-  """Inverse of `pack` for one bucket: one flat slice per leaf."""
-  out, start = [], 0
-  for j in group.buckets[bucket]:
-    out.append(flat[start : start + group.sizes[j]])
-    start += group.sizes[j]
-  return out

@@ -25,22 +25,22 @@ operations as a step taken without speculation.
 
 Cost when nothing triggers: the global norm, which the kernel takes in the
 same pass as the step, and the kept gradients (4 B/param more written by
-that pass). The spare row and the kept gradients are not in cache when the
-kernel writes them, so it writes them with streaming stores (x86: a plain
-store would first read every line, 16 B/param more); the step then moves
-32 B/param against an in-place step's 28. Host memory: +12 B/param for the
-spare row and +4 B/param for the kept gradients, which every step has (as
-temporaries) and which STV needs until validation; keeping them in the
-donated state means no step maps fresh memory for them (XLA:CPU page-faults
-fresh temporaries in every step). Each shard's kept gradients carry
-`KEPT_GRAD_PAD` elements more, so they can be placed with the spare row's
-alignment. A redo costs one more kernel pass (the same 28 B/param as a
-step).
+that pass). The spare row is not in cache when the kernel writes it, so it
+writes it with streaming stores (x86: a plain store would first read every
+line, 12 B/param more), and the kept gradients too where they share the
+spare row's alignment (else plain stores, 4 B/param more); the step then
+moves 32 to 36 B/param against an in-place step's 28. Host memory: +12
+B/param for the spare row and +4 B/param for the kept gradients, which
+every step has (as temporaries) and which STV needs until validation;
+keeping them in the donated state means no step maps fresh memory for them
+(XLA:CPU page-faults fresh temporaries in every step). A redo costs one
+more kernel pass (the same 28 B/param as a step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -48,10 +48,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_superoffload._src import host_memory
-
-# Elements a kept-gradient buffer holds beyond its bucket (per shard): the
-# kernel's kKeptGradPad (stv_kernel.h).
-KEPT_GRAD_PAD = 16
 
 
 def global_norm(
@@ -130,25 +126,151 @@ def clip_serially(g: jax.Array, redo, norm, clip_norm) -> jax.Array:
 
 
 class HostState(NamedTuple):
-  """The current master, mu and nu of every bucket."""
+  """The current master, mu and nu, trees like the parameters."""
 
-  master: tuple[jax.Array | np.ndarray, ...]
-  mu: tuple[jax.Array | np.ndarray, ...]
-  nu: tuple[jax.Array | np.ndarray, ...]
+  master: Any
+  mu: Any
+  nu: Any
 
 
-def two_rows(bucket: jax.Array, shards: int = 1) -> jax.Array:
-  """A bucket doubled into two rows: [row 0 | row 1] on each of `shards`.
+def current_row(x: jax.Array, kept: jax.Array, row: jax.Array) -> jax.Array:
+  """Row `row` of a double-buffered leaf; other leaves as they are.
 
-  With ZeRO the bucket is sharded along its one axis, so each shard's two
-  rows are laid out together and the kernel sees them as its local pair.
+  A double-buffered leaf has shape (2, *shape) and its kept gradients
+  `shape`; the others keep zero-size gradients of another rank.
   """
-  local = bucket.reshape(shards, -1)
-  return jnp.stack([local, local], axis=1).reshape(-1)
+  if np.ndim(x) != np.ndim(kept) + 1 or tuple(np.shape(x)[1:]) != tuple(
+    np.shape(kept)
+  ):
+    return x
+  return jax.lax.dynamic_index_in_dim(
+    jnp.asarray(x), jnp.asarray(row, jnp.int32), keepdims=False
+  )
 
 
-def current_row(pair: jax.Array, row: int) -> np.ndarray:
-  """Row `row` of a concrete double-buffered bucket, as laid by two_rows."""
-  local = pair.sharding.shard_shape(pair.shape)[0]
-  shards = pair.shape[0] // local
-  return np.asarray(pair).reshape(shards, 2, -1)[:, row].reshape(-1)
+class Verdict(NamedTuple):
+  """What validation said of a step."""
+
+  redo: jax.Array  # Take the step again with gradients times `scale`.
+  skip: jax.Array  # Drop the step.
+  scale: jax.Array
+  norm: jax.Array
+
+
+def validate_buckets(opts, inputs, buckets, results, state, bucket_step):
+  """STV's validation of every bucket's speculative step, and its fix.
+
+  Returns the verdict and the buckets' results after the fix: the
+  double-buffered buckets redone in place by the kernel when needed, the
+  others redone from (or reset to) their state before the step.
+  """
+  paired = [b for b in buckets if b.paired]
+  others = [b for b in buckets if not b.paired]
+  # Double-buffered buckets summed their squared gradients in the kernel's
+  # pass (not under ZeRO, where a replicated leaf is summed by every
+  # shard); the rest here.
+  summed = paired if opts.zero is None else []
+  summed_ids = {b.index for b in summed}
+  rest = [g for b in buckets if b.index not in summed_ids for g in b.grads]
+  rest += [inputs.grads[i] for i in inputs.plan.lay.fallback]
+  norm = global_norm(rest, [results[b.index].sumsq for b in summed])
+  finite = jnp.isfinite(norm)
+  if opts.skip_nonfinite:  # Double-buffered buckets kept their gradients.
+    kept = [k for b in summed for k in results[b.index].kept]
+    finite = all_finite(norm, rest + kept)
+  redo, skip, scale = validate(
+    norm, finite, opts.clip_norm, opts.skip_nonfinite
+  )
+  verdict = Verdict(redo, skip, scale, norm)
+  results = dict(results)
+  for b in paired:
+    results[b.index] = _finish_pair(
+      opts, b, state.row, verdict, results[b.index]
+    )
+  if others:
+    st = inputs.state
+    originals = {
+      b.index: tuple(
+        [st[n][i] for i in b.leaves] for n in ('master', 'mu', 'nu')
+      )
+      for b in others
+    }
+    fixed = _fix_if_needed(
+      opts,
+      others,
+      originals,
+      {b.index: results[b.index] for b in others},
+      verdict,
+      bucket_step,
+    )
+    results.update(fixed)
+  return verdict, results
+
+
+def _finish_pair(opts, b, row, verdict, out):
+  """A double-buffered bucket's redo if needed, then its new weights."""
+  from jax_superoffload._src import executors
+  from jax_superoffload._src import zero as zero_lib
+
+  def fn(step, flags, out):
+    row, redo, skip, scale = flags
+    fixed = executors.validate_pair(step, out, row, redo, skip, scale)
+    return executors.finish_pair(step, fixed, row)
+
+  specs = b.specs
+  pairs = None if specs is None else [zero_lib.pair_spec(s) for s in specs]
+  in_spec = executors.Speculated(
+    pairs,
+    pairs,
+    pairs,
+    specs,
+    zero_lib.per_shard_scalar(opts.zero),
+    None if out.weights is None else specs,
+  )
+  wrapped = zero_lib.per_shard(
+    opts.zero,
+    fn,
+    in_specs=(in_spec,),
+    out_specs=executors.BucketOut(pairs, pairs, pairs, specs),
+  )
+  flags = (row, verdict.redo, verdict.skip, verdict.scale)
+  return wrapped(b.step, flags, out)
+
+
+def _fix_if_needed(opts, buckets, originals, results, verdict, bucket_step):
+  """Redoes the steps from their original state if validation failed.
+
+  For buckets whose step wrote new buffers (every executor but "ffi"),
+  the state before the step is still there: a clipped step is taken again
+  from it with the gradients scaled (the kernel's `grad_scale`), exactly
+  as without speculation; a dropped step keeps it. Runs only when needed
+  (`lax.cond`), so a step that validates pays nothing.
+  """
+
+  def keep(results):
+    return results
+
+  def fix(results):
+    def redo_all(_):
+      return {
+        b.index: bucket_step(
+          opts, b, *originals[b.index], grad_scale=verdict.scale
+        )
+        for b in buckets
+      }
+
+    def drop(_):  # The weights do not matter: updates become 0.
+      return {
+        b.index: results[b.index]._replace(
+          master=list(originals[b.index][0]),
+          mu=list(originals[b.index][1]),
+          nu=list(originals[b.index][2]),
+        )
+        for b in buckets
+      }
+
+    return jax.lax.cond(verdict.redo, redo_all, drop, None)
+
+  return jax.lax.cond(
+    jnp.logical_or(verdict.redo, verdict.skip), fix, keep, results
+  )

@@ -1,20 +1,22 @@
-"""ZeRO-style sharding of the host-resident buckets over a mesh axis.
+"""ZeRO-style sharding of the host-resident state over a mesh axis.
 
-With a mesh and a data axis of size N, each bucket's flat state (master, mu,
-nu) is padded to a multiple of N and sharded along that axis in pinned host
-memory, so each device's host memory holds 1/N of it. A step then:
+With a mesh and a data axis of size N, each state leaf (master, mu, nu,
+shaped like its parameter) is split along its first dimension divisible by
+N, in pinned host memory, so each device's host memory holds 1/N of it;
+a leaf with no such dimension stays replicated (`replicated_bytes` says how
+much). A step then:
 
-1. lays the bucket's gradients end to end on the device and constrains the
-   flat vector to the axis, so each device keeps only its slice of the
-   (already data-parallel-reduced) gradient: the SPMD partitioner turns the
-   gradient all-reduce plus slice into a reduce-scatter where it can;
+1. constrains each gradient to its leaf's split on the device, so each
+   device keeps only its block of the (already data-parallel-reduced)
+   gradient: the SPMD partitioner turns the gradient all-reduce plus slice
+   into a reduce-scatter where it can;
 2. runs the bucket's host step per shard, inside `shard_map`, so that XLA
    sees an elementwise per-device call and does not all-gather the state
    around the opaque custom call;
 3. brings the new weights of each shard to the device and all-gathers them
-   there, then splits them into leaves.
+   there.
 
-Other mesh axes (model, sequence) see the bucket replicated: every device
+Other mesh axes (model, sequence) see the state replicated: every device
 along them holds and updates the same shard.
 """
 
@@ -27,7 +29,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -49,32 +50,45 @@ class Zero:
     axes = (self.axis,) if isinstance(self.axis, str) else self.axis
     return math.prod(self.mesh.shape[a] for a in axes)
 
+  def spec_for(self, index: int, shape: Sequence[int]) -> P:
+    """The partition spec of state leaf `index` (of parameter `shape`)."""
+    del index
+    return self.leaf_spec(shape)
+
   @property
-  def spec(self) -> P:
+  def scalar_spec(self) -> P:
+    """The out spec of a per-shard partial result of shape [1]."""
     return P(self.axis)
 
-  def padded(self, n: int) -> int:
-    """`n` rounded up to a whole number of elements per shard."""
-    return -(-n // self.size) * self.size
+  def leaf_spec(self, shape: Sequence[int]) -> P:
+    """A leaf split along its first dimension divisible by the shards."""
+    for d, n in enumerate(shape):
+      if n and n % self.size == 0:
+        return P(*([None] * d), self.axis)
+    return P()
 
-  def bucket_sharding(self, on_host: bool) -> NamedSharding:
-    """A bucket sharded along the axis, in host or device memory."""
-    return NamedSharding(self.mesh, self.spec, memory_kind=_kind(on_host))
+  def sharding(self, spec: P, on_host: bool) -> NamedSharding:
+    """`spec` on the mesh, in host or device memory."""
+    return NamedSharding(self.mesh, spec, memory_kind=memory_kind(on_host))
 
   def replicated(self, on_host: bool) -> NamedSharding:
     """Replicated over the mesh, in host or device memory."""
-    return NamedSharding(self.mesh, P(), memory_kind=_kind(on_host))
+    return NamedSharding(self.mesh, P(), memory_kind=memory_kind(on_host))
 
-  def pad(self, flat: jax.Array) -> jax.Array:
-    """A bucket's flat vector padded to a whole number per shard."""
-    return _pad(flat, self.padded(flat.size))
+  def replicated_bytes(self, params: Any) -> int:
+    """fp32 state bytes (master, mu, nu) per device that are not split."""
+    return sum(
+      12 * math.prod(x.shape)
+      for x in jax.tree.leaves(params)
+      if self.leaf_spec(x.shape) == P()
+    )
 
   def unshard(self, x: jax.Array) -> jax.Array:
     """`x` replicated, if its type carries an explicit sharding.
 
     Arrays sharded over explicit mesh axes (say a tensor-parallel weight)
-    cannot be flattened and concatenated with others as they are; under
-    auto axes XLA picks the layouts itself and `x` is returned as is.
+    are gathered first; under auto axes XLA picks the layouts itself and
+    `x` is returned as is.
     """
     if not _explicit_spec(x):
       return x
@@ -87,40 +101,69 @@ class Zero:
       return x
     return jax.device_put(x, NamedSharding(self.mesh, spec))
 
-  def scatter(self, grads: Sequence[jax.Array], padded: int) -> jax.Array:
-    """One bucket's flat gradient, padded, constrained to the shard axis."""
-    dtypes = {g.dtype for g in grads}
-    dtype = dtypes.pop() if len(dtypes) == 1 else jnp.float32
-    parts = [jnp.ravel(g).astype(dtype) for g in grads]
-    flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    return jax.device_put(
-      _pad(flat, padded), self.bucket_sharding(on_host=False)
-    )
+  def scatter(self, x: jax.Array, spec: P) -> jax.Array:
+    """Moves [*shape] (replicated) to [*shape] split by `spec`, on device."""
+    return jax.device_put(self.unshard(x), self.sharding(spec, on_host=False))
 
-  def gather(
-    self, flat: jax.Array, sizes: Sequence[int], count: Any = None
-  ) -> list[jax.Array]:
-    """All-gathers a sharded flat vector on the device; splits it by size.
+  def gather(self, x: jax.Array) -> jax.Array:
+    """Moves [*shape] split by a spec to [*shape] replicated, on device."""
+    return jax.device_put(x, self.replicated(on_host=False))
 
-    `count` is the step count, for `executors.split_leaves`.
-    """
-    flat = jax.device_put(flat, self.replicated(on_host=False))
-    return executors.split_leaves(flat, sizes, count)
 
-  def map(self, fn: Callable[..., Any], scalars: Any, *arrays):
-    """`fn(scalars, *arrays)` per shard: arrays and outputs split by axis.
+@dataclasses.dataclass(frozen=True)
+class Follow(Zero):
+  """State leaves sharded as their parameters are (FSDP, tensor parallel).
 
-    `scalars` are replicated (a schedule's learning rate, the step count);
-    every array input and output is a flat vector sharded along the axis
-    (a per-shard partial result of shape [1] comes out with shape [N]).
-    """
-    mapped = jax.shard_map(
-      fn,
-      mesh=self.mesh,
-      in_specs=(P(),) + (self.spec,) * len(arrays),
-      out_specs=self.spec,
-    )
-    return mapped(scalars, *arrays)
+  Built by `follow` from the parameters `init` sees; the host step then
+  runs per shard with each leaf's own spec, and the new weights come back
+  sharded as the parameters are: nothing is gathered.
+  """
+
+  specs: tuple[P, ...] = ()
+
+  @property
+  def size(self) -> int:
+    return self.mesh.size
+
+  def spec_for(self, index: int, shape: Sequence[int]) -> P:
+    del shape
+    return self.specs[index]
+
+  @property
+  def scalar_spec(self) -> P:
+    return P(tuple(self.mesh.axis_names))
+
+  def unshard(self, x: jax.Array) -> jax.Array:
+    return x
+
+  def match(self, x: jax.Array, like: jax.Array) -> jax.Array:
+    del like
+    return x
+
+  def gather(self, x: jax.Array) -> jax.Array:
+    return x
+
+
+def follow(params: Any) -> Follow | None:
+  """A `Follow` when concrete parameters are sharded over a mesh, else None."""
+  leaves = jax.tree.leaves(params)
+  meshes = {
+    x.sharding.mesh
+    for x in leaves
+    if isinstance(getattr(x, 'sharding', None), NamedSharding)
+    and x.sharding.mesh.size > 1
+  }
+  if len(meshes) != 1:
+    return None
+  mesh = meshes.pop()
+  specs = []
+  for x in leaves:
+    sharding = x.sharding
+    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+      specs.append(P(*sharding.spec))
+    else:
+      specs.append(P())
+  return Follow(mesh, None, tuple(specs))
 
 
 def _explicit_spec(x: jax.Array) -> P | None:
@@ -132,16 +175,10 @@ def _explicit_spec(x: jax.Array) -> P | None:
   return spec
 
 
-def _kind(on_host: bool) -> str | None:
+def memory_kind(on_host: bool) -> str | None:
   if on_host and host_memory.host_memory_available():
     return host_memory.HOST_MEMORY_KIND
   return None  # The default: device memory.
-
-
-def _pad(flat: jax.Array, n: int) -> jax.Array:
-  if flat.size == n:
-    return flat
-  return jnp.pad(flat, (0, n - flat.size))
 
 
 def make(mesh: Any, shard_axis: Any) -> Zero | None:
@@ -172,12 +209,29 @@ def make(mesh: Any, shard_axis: Any) -> Zero | None:
   return Zero(mesh, shard_axis)
 
 
-def per_shard(zero: Zero | None, fn: Callable[..., Any]) -> Callable[..., Any]:
+def pair_spec(spec: P | None) -> P | None:
+  """The spec of a double-buffered leaf: its two rows unsplit, then `spec`."""
+  return None if spec is None else P(None, *spec)
+
+
+def per_shard_scalar(zero: Zero | None) -> P | None:
+  """The out spec of a per-shard partial result of shape [1]."""
+  return None if zero is None else zero.scalar_spec
+
+
+def per_shard(
+  zero: Zero | None,
+  fn: Callable[..., Any],
+  in_specs: Any = None,
+  out_specs: Any = None,
+) -> Callable[..., Any]:
   """Wraps a bucket function `fn(step, extra, *arrays)` to run per shard.
 
   Without ZeRO, `fn` itself. With it, the step's array scalars and `extra`
   (a pytree of replicated scalars, e.g. STV's flags) enter `shard_map` as
-  replicated arguments and every array as its local shard.
+  replicated arguments, and each of `arrays` (a pytree, with `in_specs` a
+  matching prefix of partition specs) as its local block; `out_specs`
+  likewise for the result.
   """
   if zero is None:
     return fn
@@ -189,6 +243,12 @@ def per_shard(zero: Zero | None, fn: Callable[..., Any]) -> Callable[..., Any]:
       values, extra = scalars
       return fn(executors.bind(step, names, values), extra, *arrays)
 
-    return zero.map(local, (values, extra), *arrays)
+    mapped = jax.shard_map(
+      local,
+      mesh=zero.mesh,
+      in_specs=(P(), *in_specs),
+      out_specs=out_specs,
+    )
+    return mapped((values, extra), *arrays)
 
   return wrapped

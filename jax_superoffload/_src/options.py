@@ -1,0 +1,175 @@
+"""The options of `adam` / `adamw`, validated once into a frozen object."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_superoffload._src import adam_args
+from jax_superoffload._src import executors
+from jax_superoffload._src import layout
+from jax_superoffload._src import placement
+from jax_superoffload._src import zero as zero_lib
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Everything `adam` / `adamw` were built with, checked."""
+
+  learning_rate: optax.ScalarOrSchedule
+  b1: float
+  b2: float
+  eps: float
+  eps_root: float
+  mu_dtype: Any  # None or a dtype; a non-fp32 one takes the optax path.
+  weight_decay: optax.ScalarOrSchedule
+  mask: Any  # optax-style mask of the decayed leaves.
+  nesterov: bool
+  bucket_elements: int  # fp32 elements per kernel call, about.
+  executor: str  # Resolved: "ffi", "xla_host" or "device".
+  clip_norm: Any  # None, a positive number or a scalar float array.
+  skip_nonfinite: bool
+  device_buckets: Any
+  arrival_order: Any
+  cast: str
+  hardware: Any
+  zero: zero_lib.Zero | None
+
+  @property
+  def use_stv(self) -> bool:
+    return self.clip_norm is not None or self.skip_nonfinite
+
+  @property
+  def double_buffered(self) -> bool:
+    """STV on the kernel double-buffers each host leaf (see stv.py)."""
+    return self.use_stv and self.executor == 'ffi'
+
+  @property
+  def use_kernel(self) -> bool:
+    return self.mu_dtype is None or np.dtype(self.mu_dtype) == np.float32
+
+  @property
+  def no_decay(self) -> bool:
+    wd = self.weight_decay
+    return isinstance(wd, (int, float)) and wd == 0.0
+
+  def layout(self, tree: Any) -> layout.Layout:
+    n = len(jax.tree.leaves(tree))
+    decay = (
+      [False] * n if self.no_decay else layout.resolve_mask(self.mask, tree)
+    )
+    return layout.build_layout(
+      tree,
+      decay,
+      bucket_elements=self.bucket_elements,
+      use_kernel=self.use_kernel,
+    )
+
+  def device_bucket_ids(self, lay: layout.Layout, tree: Any) -> frozenset:
+    return placement.device_bucket_ids(
+      lay, self.device_buckets, self.arrival_order, tree, self.hardware
+    )
+
+  def cast_on_device(self, tree: Any) -> bool:
+    return placement.resolve_cast(self.cast, tree, self.hardware)
+
+
+def _check_clip_norm(clip_norm: Any) -> None:
+  # A number, or a scalar array as optax.inject_hyperparams makes of one
+  # (its value is checked unless traced: inject rebuilds us inside update).
+  number = isinstance(clip_norm, (int, float)) and not isinstance(
+    clip_norm, bool
+  )
+  array = isinstance(clip_norm, (jax.Array, np.ndarray, np.generic)) and (
+    np.ndim(clip_norm) == 0 and jnp.issubdtype(clip_norm.dtype, jnp.floating)
+  )
+  if (number or array) and (
+    isinstance(clip_norm, jax.core.Tracer) or clip_norm > 0
+  ):
+    return
+  raise ValueError(
+    f'clip_norm must be a positive number or a scalar float array, got '
+    f'{clip_norm!r}'
+  )
+
+
+def _check_bucket_bytes(bucket_bytes: Any) -> int:
+  if bucket_bytes is None:
+    return DEFAULT_BUCKET_BYTES
+  if (
+    not isinstance(bucket_bytes, (int, np.integer))
+    or isinstance(bucket_bytes, bool)
+    or bucket_bytes < 4
+  ):
+    raise ValueError(
+      f'bucket_bytes must be an integer >= 4, got {bucket_bytes!r}'
+    )
+  return int(bucket_bytes)
+
+
+def make(
+  *,
+  learning_rate: optax.ScalarOrSchedule,
+  b1: float,
+  b2: float,
+  eps: float,
+  eps_root: float,
+  mu_dtype: Any,
+  weight_decay: optax.ScalarOrSchedule,
+  mask: Any,
+  nesterov: bool,
+  bucket_bytes: int | None,
+  executor: str,
+  clip_norm: Any = None,
+  skip_nonfinite: bool = False,
+  device_buckets: Any = None,
+  arrival_order: Any = None,
+  cast: str = 'host',
+  hardware: Any = None,
+  mesh: Any = None,
+  shard_axis: Any = None,
+) -> Options:
+  """Validates the arguments of `adam` / `adamw` into `Options`."""
+  zero = zero_lib.make(mesh, shard_axis)
+  placement.check_device_buckets(device_buckets)
+  if cast not in placement.CASTS:
+    raise ValueError(f'cast must be one of {placement.CASTS}, got {cast!r}')
+  if clip_norm is not None:
+    _check_clip_norm(clip_norm)
+  adam_args.check_hyperparameters(
+    learning_rate=None if callable(learning_rate) else learning_rate,
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    eps_root=eps_root,
+  )
+  if not callable(weight_decay):
+    adam_args.check_hyperparameters(weight_decay=weight_decay)
+  bucket_bytes = _check_bucket_bytes(bucket_bytes)
+  return Options(
+    learning_rate=learning_rate,
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    eps_root=eps_root,
+    mu_dtype=mu_dtype,
+    weight_decay=weight_decay,
+    mask=mask,
+    nesterov=bool(nesterov),
+    bucket_elements=max(1, bucket_bytes // 4),
+    executor=executors.resolve(executor),
+    clip_norm=clip_norm,
+    skip_nonfinite=bool(skip_nonfinite),
+    device_buckets=device_buckets,
+    arrival_order=arrival_order,
+    cast=cast,
+    hardware=hardware,
+    zero=zero,
+  )

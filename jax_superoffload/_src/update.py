@@ -1,0 +1,385 @@
+"""The update of `adam` / `adamw` as a pipeline of short steps.
+
+1. `_inputs`: the plan of the tree, the state checked leaf by leaf against
+   the parameters, the gradients and parameters flattened.
+2. `_step_buckets`: every bucket's host step starts at once (speculatively
+   with STV).
+3. `stv.validate_buckets` (STV only): the global norm, and the redo or drop
+   of the buckets' steps when it says so.
+4. `_assemble`: the updates, in the parameters' dtypes.
+5. `_optax_leaves`: the leaves the kernel does not cover, by optax's math.
+6. `_new_state`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jax_superoffload._src import executors
+from jax_superoffload._src import host_memory
+from jax_superoffload._src import in_place
+from jax_superoffload._src import layout
+from jax_superoffload._src import stv
+from jax_superoffload._src import transform
+from jax_superoffload._src import zero as zero_lib
+
+
+class Inputs(NamedTuple):
+  """An update's inputs, flattened and checked."""
+
+  plan: transform.Plan
+  grads: list[jax.Array]
+  params: list[jax.Array] | None
+  state: dict[str, list[jax.Array]]  # master, mu, nu (, kept_grads).
+
+
+class Bucket(NamedTuple):
+  """One bucket of the schedule."""
+
+  index: int
+  leaves: list[int]
+  executor: str  # "ffi", "xla_host", "device" or "resident".
+  step: executors.BucketStep
+  grads: list[jax.Array]  # As the kernel reads them (ZeRO: this shard's).
+  params: list[jax.Array] | None
+  dtypes: list[Any]
+  specs: list[Any] | None  # ZeRO: each leaf's partition spec.
+  paired: bool
+
+
+def _inputs(opts, updates, state, params) -> Inputs:
+  reference = params if params is not None else updates
+  plan = transform.plan_for(opts, reference)
+  checked = transform.check_state(opts, plan, state, from_grads=params is None)
+  grads = layout.check_tree(plan.lay, updates, 'gradients')
+  leaves = None
+  if params is not None:
+    leaves = layout.check_tree(plan.lay, params, 'params')
+  return Inputs(plan, grads, leaves, checked)
+
+
+def _kernel_grad(g: jax.Array, cast_on_device: bool) -> jax.Array:
+  # The kernel reads f32, bf16 and f16 gradients as stored; others (e.g. a
+  # float64 gradient of an f32 parameter) are converted on the device, and
+  # so is everything when the device is the casting side.
+  if not cast_on_device and g.dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+    return g
+  return g.astype(jnp.float32)
+
+
+def _schedule(opts, inputs: Inputs, count, cast_on_device: bool) -> list:
+  """The buckets of this step, with their gradients ready for the kernel."""
+  plan, zero = inputs.plan, opts.zero
+  lr, wd = transform.step_scalars(opts, count)
+  out = []
+  k = 0
+  for group in plan.lay.groups:
+    step = executors.BucketStep(
+      count=count,
+      learning_rate=lr,
+      b1=opts.b1,
+      b2=opts.b2,
+      eps=opts.eps,
+      eps_root=opts.eps_root,
+      weight_decay=wd if group.decay else 0.0,
+      nesterov=opts.nesterov,
+      want_delta=inputs.params is None,
+      cast_on_device=cast_on_device,
+      want_sumsq=opts.use_stv and zero is None,
+    )
+    for bucket in group.buckets:
+      ids = [group.leaves[j] for j in bucket]
+      grads = [_kernel_grad(inputs.grads[i], cast_on_device) for i in ids]
+      params = None
+      if inputs.params is not None:
+        # In their own dtype even when the device casts: the master is
+        # re-seeded only where it no longer rounds to them.
+        params = [inputs.params[i] for i in ids]
+      specs = None
+      if zero is not None:
+        specs = [zero.spec_for(i, plan.lay.shapes[i]) for i in ids]
+        grads = [zero.scatter(g, s) for g, s in zip(grads, specs, strict=True)]
+        if params is not None:
+          params = [
+            zero.scatter(p, s) for p, s in zip(params, specs, strict=True)
+          ]
+      executor = 'resident' if k in plan.on_device else opts.executor
+      dtypes = [plan.lay.dtypes[i] for i in ids]
+      out.append(
+        Bucket(
+          k, ids, executor, step, grads, params, dtypes, specs, k in plan.paired
+        )
+      )
+      k += 1
+  return out
+
+
+def _pick(leaves: list, ids: list[int]) -> list:
+  return [leaves[i] for i in ids]
+
+
+def _scalars_to(place, xs: list) -> list:
+  """Scalar (0-d) state leaves moved by `place`; the others as they are.
+
+  Scalars live on the device between steps (see transform.on_host) and
+  visit host memory for the host step.
+  """
+  return [place(x) if x.ndim == 0 else x for x in xs]
+
+
+def bucket_step(opts, b: Bucket, master, mu, nu, grad_scale=None):
+  """`executors.step_bucket` for bucket `b` (per shard under ZeRO)."""
+  if b.executor != 'resident':
+    out = _bucket_step(
+      opts,
+      b,
+      *(_scalars_to(host_memory.to_host, xs) for xs in (master, mu, nu)),
+      grad_scale,
+    )
+    return out._replace(
+      **{
+        n: _scalars_to(host_memory.to_device, getattr(out, n))
+        for n in ('master', 'mu', 'nu')
+      }
+    )
+  return _bucket_step(opts, b, master, mu, nu, grad_scale)
+
+
+def _bucket_step(opts, b: Bucket, master, mu, nu, grad_scale):
+  step = b.step
+  if grad_scale is not None:
+    step = dataclasses.replace(step, grad_scale=grad_scale)
+
+  def fn(step, _, master, mu, nu, grads, params):
+    return executors.step_bucket(
+      b.executor, step, master, mu, nu, grads, b.dtypes, params
+    )
+
+  specs = b.specs
+  wrapped = zero_lib.per_shard(
+    opts.zero,
+    fn,
+    in_specs=(specs,) * 4 + (specs if b.params is not None else None,),
+    out_specs=executors.BucketOut(specs, specs, specs, specs),
+  )
+  return wrapped(step, None, master, mu, nu, b.grads, b.params)
+
+
+def _speculate(opts, b: Bucket, row, master, mu, nu, kept):
+  def fn(step, row, master, mu, nu, kept, grads, params):
+    return executors.speculate(
+      step, row, master, mu, nu, kept, grads, b.dtypes, params
+    )
+
+  specs = b.specs
+  pairs = None if specs is None else [zero_lib.pair_spec(s) for s in specs]
+  fp32 = b.step.fp32_weights(b.dtypes)
+  wrapped = zero_lib.per_shard(
+    opts.zero,
+    fn,
+    in_specs=(
+      pairs,
+      pairs,
+      pairs,
+      specs,
+      specs,
+      specs if b.params is not None else None,
+    ),
+    out_specs=executors.Speculated(
+      pairs,
+      pairs,
+      pairs,
+      specs,
+      zero_lib.per_shard_scalar(opts.zero),
+      None if fp32 else specs,
+    ),
+  )
+  return wrapped(b.step, row, master, mu, nu, kept, b.grads, b.params)
+
+
+def _step_buckets(opts, inputs: Inputs, buckets: list, state) -> dict:
+  """Every bucket's step, at once: BucketOut, or Speculated when paired."""
+  st = inputs.state
+  out = {}
+  for b in buckets:
+    master, mu, nu = (_pick(st[n], b.leaves) for n in ('master', 'mu', 'nu'))
+    if b.paired:
+      kept = _scalars_to(host_memory.to_host, _pick(st['kept_grads'], b.leaves))
+      out[b.index] = _speculate(opts, b, state.row, master, mu, nu, kept)
+    else:
+      out[b.index] = bucket_step(opts, b, master, mu, nu)
+  return out
+
+
+def _assemble(opts, inputs: Inputs, buckets, results, skip) -> list:
+  """The updates per leaf: `params + u` is the new master, cast."""
+  plan, zero = inputs.plan, opts.zero
+  ids = [i for b in buckets for i in b.leaves]
+  weights = [w for b in buckets for w in results[b.index].weights]
+  if zero is not None:  # All-gathered on the device.
+    weights = [
+      zero.match(zero.gather(w), inputs.grads[i])
+      for i, w in zip(ids, weights, strict=True)
+    ]
+  if inputs.params is not None:
+    weights = [
+      w.astype(plan.lay.dtypes[i]) for i, w in zip(ids, weights, strict=True)
+    ]
+    if not opts.use_stv and in_place.wanted(zero):
+      masters = [m for b in buckets for m in results[b.index].master]
+      token = in_place.token_after(masters)
+      weights = [in_place.after(w, token) for w in weights]
+  out: list[Any] = [None] * len(inputs.grads)
+  for i, w in zip(ids, weights, strict=True):
+    # Without params, the weights are the fp32 change of the master.
+    u = w if inputs.params is None else _exact_delta(w, inputs.params[i])
+    out[i] = u if skip is None else jnp.where(skip, jnp.zeros_like(u), u)
+  return out
+
+
+def _exact_delta(new: jax.Array, old: jax.Array) -> jax.Array:
+  """An update `u` in `old`'s dtype with `old + u == new`.
+
+  `new - old` alone can round when a weight changes by more than half its
+  magnitude (outside Sterbenz's lemma); one correction step in fp32
+  recovers the residual. Low-precision updates are exact whenever the
+  change is representable (ordinary steps, where new and old are within a
+  factor of two).
+  """
+  new32, old32 = new.astype(jnp.float32), old.astype(jnp.float32)
+  u = new32 - old32
+  u = u + (new32 - (old32 + u))
+  return u.astype(old.dtype)
+
+
+def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
+  """Leaves the kernel does not cover, by optax's own Adam (on device)."""
+  plan = inputs.plan
+  ids = list(plan.lay.fallback)
+  st = inputs.state
+  if not ids:
+    return {}
+  grads = _pick(inputs.grads, ids)
+  old = {
+    n: [host_memory.to_device(x) for x in _pick(st[n], ids)]
+    for n in ('master', 'mu', 'nu')
+  }
+  params = old['master'] if inputs.params is None else _pick(inputs.params, ids)
+  if verdict is not None:  # Serially: these leaves take the optax path.
+    grads = [
+      stv.clip_serially(g, verdict.redo, verdict.norm, opts.clip_norm)
+      for g in grads
+    ]
+  adam = optax.scale_by_adam(
+    opts.b1,
+    opts.b2,
+    opts.eps,
+    opts.eps_root,
+    mu_dtype=opts.mu_dtype,
+    nesterov=opts.nesterov,
+  )
+  u, adam_state = adam.update(
+    grads, optax.ScaleByAdamState(count, old['mu'], old['nu'])
+  )
+  lr, wd = transform.step_scalars(opts, count)
+  decay = plan.lay.fallback_decay
+  u = [x + wd * p if d else x for x, p, d in zip(u, params, decay, strict=True)]
+  u = [(-lr * x).astype(p.dtype) for x, p in zip(u, params, strict=True)]
+  new = {
+    'master': [
+      optax.apply_updates(p, x) for p, x in zip(params, u, strict=True)
+    ],
+    'mu': list(adam_state.mu),
+    'nu': list(adam_state.nu),
+  }
+  if verdict is not None:
+    skip = verdict.skip
+    u = [jnp.where(skip, jnp.zeros_like(x), x) for x in u]
+    new = {
+      n: [jnp.where(skip, o, x) for o, x in zip(old[n], new[n], strict=True)]
+      for n in new
+    }
+  if inputs.params is None:
+    u = [x.astype(jnp.result_type(g)) for x, g in zip(u, grads, strict=True)]
+  for i, x in zip(ids, u, strict=True):
+    out[i] = x
+  return {
+    n: [host_memory.to_host(x) if x.ndim else x for x in xs]
+    for n, xs in new.items()
+  }
+
+
+def _new_state(opts, inputs, state, buckets, results, kept, optax_new, verdict):
+  """The state after the step, trees like the parameters."""
+  st = inputs.state
+  names = ['master', 'mu', 'nu'] + (
+    ['kept_grads'] if opts.double_buffered else []
+  )
+  new = {n: list(st[n]) for n in names}
+  for b in buckets:
+    r = results[b.index]
+    for n in names:
+      if n == 'kept_grads':
+        if b.paired:
+          for i, x in zip(b.leaves, kept[b.index], strict=True):
+            new[n][i] = x
+        continue
+      for i, x in zip(b.leaves, getattr(r, n), strict=True):
+        new[n][i] = host_memory.to_device(x) if x.ndim == 0 else x
+  for n, xs in optax_new.items():
+    for i, x in zip(inputs.plan.lay.fallback, xs, strict=True):
+      new[n][i] = x
+  tree = lambda xs: jax.tree.unflatten(inputs.plan.lay.treedef, xs)  # noqa: E731
+  count = optax.safe_increment(state.count)
+  redone, skipped, row = state.redone, state.skipped, state.row
+  if verdict is not None:
+    count = jnp.where(verdict.skip, state.count, count)
+    redone = redone + verdict.redo.astype(jnp.int32)
+    skipped = skipped + verdict.skip.astype(jnp.int32)
+  if opts.double_buffered:  # The written row is current, unless dropped.
+    row = jnp.where(verdict.skip, row, 1 - row)
+  return transform.SuperOffloadState(
+    count=count,
+    mu=tree(new['mu']),
+    nu=tree(new['nu']),
+    master=tree(new['master']),
+    redone=redone,
+    skipped=skipped,
+    row=row,
+    kept_grads=tree(new['kept_grads']) if opts.double_buffered else None,
+  )
+
+
+def update(opts, updates, state, params):
+  """One step: the updates and the new state."""
+  inputs = _inputs(opts, updates, state, params)
+  reference = params if params is not None else updates
+  buckets = _schedule(opts, inputs, state.count, opts.cast_on_device(reference))
+  results = _step_buckets(opts, inputs, buckets, state)
+  kept = {
+    b.index: _scalars_to(host_memory.to_device, results[b.index].kept)
+    for b in buckets
+    if b.paired
+  }
+  verdict = None
+  if opts.use_stv:
+    verdict, results = stv.validate_buckets(
+      opts, inputs, buckets, results, state, bucket_step
+    )
+  out = _assemble(
+    opts, inputs, buckets, results, None if verdict is None else verdict.skip
+  )
+  optax_new = _optax_leaves(opts, inputs, state.count, verdict, out)
+  for i, u in enumerate(out):  # Zero-size leaves no bucket holds.
+    if u is None:
+      out[i] = jnp.zeros(inputs.plan.lay.shapes[i], inputs.plan.lay.dtypes[i])
+  new_state = _new_state(
+    opts, inputs, state, buckets, results, kept, optax_new, verdict
+  )
+  return jax.tree.unflatten(inputs.plan.lay.treedef, out), new_state
