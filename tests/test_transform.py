@@ -527,6 +527,8 @@ def test_bad_input_errors_name_the_problem():
     (dict(learning_rate=1e-3, eps=-1.0), 'eps must be non-negative'),
     (dict(learning_rate=1e-3, executor='gpu'), 'executor must be one of'),
     (dict(learning_rate=1e-3, bucket_bytes=0), 'bucket_bytes must be'),
+    (dict(learning_rate=1e-3, mu_dtype=jnp.int8), 'mu_dtype must be a float'),
+    (dict(learning_rate=1e-3, mu_dtype='f32x'), "got 'f32x'"),
   ]:
     with pytest.raises(ValueError, match=match):
       superoffload.adamw(**kwargs)

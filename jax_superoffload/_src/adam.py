@@ -78,9 +78,9 @@ def adam(
     executor: Where the update runs: "ffi" (the Grace Adam kernel as host
       compute), "xla_host" (the same math in `jax.numpy` as host compute),
       "device" (state in host memory between steps, update on the
-      accelerator: the MaxText-style baseline) or "auto" ("ffi" on CPU,
-      "xla_host" on accelerators, where a CPU FFI call inside host compute
-      is not expected to work).
+      accelerator: the MaxText-style baseline) or "auto" ("ffi" on CPU, and on
+      an accelerator where the kernel registers with its PJRT plugin's host
+      compute; "xla_host" elsewhere).
     clip_norm: If set, gradients are clipped to this global norm, with the
       result of `optax.chain(optax.clip_by_global_norm(clip_norm), ...)`,
       by speculation-then-validation: each bucket's step starts without

@@ -70,7 +70,6 @@ class BucketStep:
   # Superchip-aware casting: True moves fp32 both ways and casts on the
   # device; False moves gradients as stored and low-precision weights.
   cast_on_device: bool = False
-  want_sumsq: bool = False  # STV: the kernel also sums squared gradients.
 
   def kwargs(self) -> dict[str, Any]:
     return dict(

@@ -114,6 +114,18 @@ def _check_bucket_bytes(bucket_bytes: Any) -> int:
   return int(bucket_bytes)
 
 
+def _check_mu_dtype(mu_dtype: Any) -> None:
+  if mu_dtype is None:
+    return
+  bad = f'mu_dtype must be a floating dtype, got {mu_dtype!r}'
+  try:
+    dtype = jnp.dtype(mu_dtype)
+  except TypeError as e:
+    raise ValueError(bad) from e
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(bad)
+
+
 def make(
   *,
   learning_rate: optax.ScalarOrSchedule,
@@ -153,6 +165,7 @@ def make(
   if not callable(weight_decay):
     adam_args.check_hyperparameters(weight_decay=weight_decay)
   bucket_bytes = _check_bucket_bytes(bucket_bytes)
+  _check_mu_dtype(mu_dtype)
   return Options(
     learning_rate=learning_rate,
     b1=b1,

@@ -24,8 +24,6 @@ from jax_superoffload._src import options as options_lib
 from jax_superoffload._src import stv
 from jax_superoffload._src import zero as zero_lib
 
-DEFAULT_BUCKET_BYTES = options_lib.DEFAULT_BUCKET_BYTES
-
 
 class SuperOffloadState(NamedTuple):
   """State of `superoffload.adam` / `adamw`, shaped like the parameters.

@@ -91,7 +91,6 @@ def _schedule(opts, inputs: Inputs, count, cast_on_device: bool) -> list:
       nesterov=opts.nesterov,
       want_delta=inputs.params is None,
       cast_on_device=cast_on_device,
-      want_sumsq=opts.use_stv and zero is None,
     )
     for bucket in group.buckets:
       ids = [group.leaves[j] for j in bucket]
