@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+import jax_superoffload as superoffload
 from experiments import checkpointing
 from experiments import config as config_lib
 from experiments import optim
@@ -225,6 +226,19 @@ def _summarize(
   }
 
 
+def _zero_text(
+  cfg: config_lib.Config,
+  plan: preflight.RunPlan,
+  trainable: steps_lib.Trainable,
+) -> str:
+  """The mesh text for --zero: the host state bytes it leaves whole."""
+  if not cfg.zero:
+    return ''
+  params = nnx.state(trainable.model, nnx.Param)
+  whole = superoffload.replicated_state_bytes(params, plan.mesh, DATA_AXIS)
+  return f' zero(replicated state {whole / 2**20:,.1f} MiB/device)'
+
+
 def _start_line(
   cfg: config_lib.Config,
   plan: preflight.RunPlan,
@@ -237,7 +251,7 @@ def _start_line(
     f'preset={cfg.preset} params={trainable.num_params:,} '
     f'corpus={plan.corpus_bytes:,} bytes optimizer={cfg.optimizer} '
     f'steps={cfg.steps} batch={cfg.batch_size}{accum}x{cfg.seq_len} '
-    f'mesh={cfg.mesh_data}x{cfg.mesh_seq}{" zero" if cfg.zero else ""} '
+    f'mesh={cfg.mesh_data}x{cfg.mesh_seq}{_zero_text(cfg, plan, trainable)} '
     f'peak={peak_text} TFLOP/s ({loop.peak_source}) out_dir={plan.out_dir}'
   )
 

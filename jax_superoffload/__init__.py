@@ -29,6 +29,7 @@ from jax_superoffload._src.weight_flow import memory_spaces
 from jax_superoffload._src.weight_flow import offload_stacked
 from jax_superoffload._src.weight_flow import update_offloaded
 from jax_superoffload._src.weight_flow import weight_flow_scan
+from jax_superoffload._src.zero import replicated_state_bytes
 
 __version__ = '0.1.0'
 
@@ -54,6 +55,7 @@ __all__ = [
   'memory_spaces',
   'offload_stacked',
   'plan',
+  'replicated_state_bytes',
   'ulysses',
   'update_offloaded',
   'weight_flow_scan',

@@ -245,7 +245,9 @@ def test_mesh_data_sequence_parallel_and_zero_match_one_device(
     '--mesh-seq=2',
     '--zero',
   ]
-  summary = train.train(config.config_from_args(args), log=lambda _: None)
+  lines = []
+  summary = train.train(config.config_from_args(args), log=lines.append)
+  assert any('zero(replicated state ' in line for line in lines), lines[:3]
   assert summary['final_loss'] < 0.6 * summary['first_loss']
   # Sharded batch, Ulysses attention over global RoPE positions, replicated
   # parameters, ZeRO-sharded Adam state: the 1-device losses up to the

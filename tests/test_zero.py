@@ -306,3 +306,28 @@ def test_params_sharded_over_a_model_axis(axis_type):
   p1, _, _ = _train(_adamw(), jax.device_put(params, dev), x, y, steps=10)
   assert _max_diff(p1, pz) < 1e-6
   assert pz['w1'].sharding.spec == P(None, 'model')
+
+
+def test_replicated_state_bytes_are_what_each_device_holds_whole():
+  mesh = _mesh()
+  # w and v split over 8 devices; (3, 5) and the scalar have no dimension
+  # divisible by 8 and stay whole on every device.
+  params = {
+    'w': jnp.ones((16, 6)),
+    'odd': jnp.ones((3, 5)),
+    's': jnp.ones(()),
+    'v': jnp.ones(24),
+  }
+  whole = superoffload.replicated_state_bytes(params, mesh, 'data')
+  assert whole == 12 * (15 + 1)
+  state = superoffload.adamw(1e-3, mesh=mesh, shard_axis='data').init(params)
+  device = mesh.devices.flat[0]
+  held = sum(
+    s.data.nbytes
+    for tree in (state.master, state.mu, state.nu)
+    for leaf in jax.tree.leaves(tree)
+    for s in leaf.addressable_shards
+    if s.device == device
+  )
+  total = 12 * sum(x.size for x in jax.tree.leaves(params))
+  assert held == whole + (total - whole) // 8

@@ -252,3 +252,19 @@ def per_shard(
     return mapped((values, extra), *arrays)
 
   return wrapped
+
+
+def replicated_state_bytes(
+  params: Any, mesh: Mesh, shard_axis: str | tuple[str, ...]
+) -> int:
+  """Host state bytes per device that ZeRO over `shard_axis` cannot split.
+
+  `adam(..., mesh=mesh, shard_axis=shard_axis)` splits each leaf's fp32
+  master, mu and nu (12 bytes per parameter) along the leaf's first
+  dimension divisible by the axis' size; a leaf with no such dimension
+  (a scalar, a bias of odd length) stays whole on every device. Returns the
+  bytes of those whole leaves, which each device's host memory holds in
+  addition to its 1/N share of the rest.
+  """
+  zero = make(mesh, shard_axis)
+  return zero.replicated_bytes(params)
