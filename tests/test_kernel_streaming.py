@@ -8,6 +8,7 @@ import pytest
 
 from experiments import stream_limit
 from jax_superoffload import kernels
+from jax_superoffload._src import grace_adam
 
 ENV = 'JAX_SUPEROFFLOAD_PREFETCH'
 
@@ -77,7 +78,8 @@ def test_lowp_copy_writes_into_the_donated_destination():
   step = jax.jit(_lowp_step, donate_argnums=(0, 2, 3, 4))
   lowp = jnp.full(n, 7.0, jnp.bfloat16)
   hlo = step.lower(master, grad, mu, nu, lowp).compile().as_text()
-  assert 'custom_call_target="jax_superoffload_adam_step_lowp_into"' in hlo
+  target = grace_adam.ADAM_STEP_LOWP_INTO_TARGET
+  assert f'custom_call_target="{target}"' in hlo
   assert ' copy(' not in hlo and ' copy-start(' not in hlo
   pointer = lowp.unsafe_buffer_pointer()
   out = step(master, grad, mu, nu, lowp)

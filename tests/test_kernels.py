@@ -241,7 +241,7 @@ def test_donation_updates_in_place():
   grad = jnp.ones(n)
   compiled = step.lower(args[0], grad, args[1], args[2]).compile()
   hlo = compiled.as_text()
-  assert 'custom_call_target="jax_superoffload_adam_step"' in hlo
+  assert f'custom_call_target="{grace_adam.ADAM_STEP_TARGET}"' in hlo
   # The custom call's outputs alias its inputs, and the entry computation's
   # outputs alias the donated parameters: no copies of the state.
   assert 'output_to_operand_aliasing' in hlo

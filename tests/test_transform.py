@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jax_superoffload as superoffload
+from jax_superoffload._src import grace_adam
 
 HOST = 'pinned_host'
 
@@ -213,7 +214,7 @@ def test_compiled_step_runs_the_kernel_as_host_compute():
   calls = [
     line
     for line in hlo.splitlines()
-    if 'custom_call_target="jax_superoffload_adam_step' in line
+    if f'custom_call_target="{grace_adam.ADAM_STEP_SEGMENTS_TARGET}"' in line
   ]
   assert calls, 'no Grace Adam custom call in the compiled step'
   for line in calls:

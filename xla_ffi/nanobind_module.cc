@@ -23,21 +23,16 @@ NB_MODULE(_grace_adam, m) {
   m.doc() = "Grace Adam: XLA FFI handlers of the fused CPU Adam kernel.";
   m.def("registrations", []() {
     nb::dict handlers;
-    handlers["jax_superoffload_adam_step"] = EncapsulateFfiHandler(JsoAdamStep);
-    handlers["jax_superoffload_adam_step_lowp"] =
-        EncapsulateFfiHandler(JsoAdamStepLowp);
-    handlers["jax_superoffload_adam_step_lowp_into"] =
-        EncapsulateFfiHandler(JsoAdamStepLowpInto);
-    handlers["jax_superoffload_adam_step_segments"] =
-        EncapsulateFfiHandler(JsoAdamStepSegments);
-    handlers["jax_superoffload_adam_step_speculative"] =
-        EncapsulateFfiHandler(JsoAdamStepSpeculative);
-    handlers["jax_superoffload_adam_step_validated"] =
-        EncapsulateFfiHandler(JsoAdamStepValidated);
-    handlers["jax_superoffload_stream_roofline"] =
-        EncapsulateFfiHandler(JsoStreamRoofline);
+    for (const jax_superoffload::FfiTarget& target :
+         jax_superoffload::kFfiTargets) {
+      handlers[target.name] = EncapsulateFfiHandler(target.handler);
+    }
     return handlers;
   });
+  for (const jax_superoffload::FfiTarget& target :
+       jax_superoffload::kFfiTargets) {
+    m.attr(target.attr) = target.name;
+  }
   m.def("instruction_set",
         []() { return jax_superoffload::IsaName(jax_superoffload::BestIsa()); },
         "The instruction set the kernel dispatches to on this CPU.");

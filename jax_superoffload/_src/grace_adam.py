@@ -9,14 +9,14 @@ import numpy as np
 from jax_superoffload import _grace_adam
 from jax_superoffload._src import adam_args
 
-_PREFIX = 'jax_superoffload_'
-ADAM_STEP_TARGET = _PREFIX + 'adam_step'
-ADAM_STEP_LOWP_TARGET = _PREFIX + 'adam_step_lowp'
-ADAM_STEP_LOWP_INTO_TARGET = _PREFIX + 'adam_step_lowp_into'
-STREAM_ROOFLINE_TARGET = _PREFIX + 'stream_roofline'
-ADAM_STEP_SEGMENTS_TARGET = _PREFIX + 'adam_step_segments'
-ADAM_STEP_SPECULATIVE_TARGET = _PREFIX + 'adam_step_speculative'
-ADAM_STEP_VALIDATED_TARGET = _PREFIX + 'adam_step_validated'
+# The target names are declared once, in xla_ffi/adam_ffi.h.
+ADAM_STEP_TARGET = _grace_adam.ADAM_STEP_TARGET
+ADAM_STEP_LOWP_TARGET = _grace_adam.ADAM_STEP_LOWP_TARGET
+ADAM_STEP_LOWP_INTO_TARGET = _grace_adam.ADAM_STEP_LOWP_INTO_TARGET
+STREAM_ROOFLINE_TARGET = _grace_adam.STREAM_ROOFLINE_TARGET
+ADAM_STEP_SEGMENTS_TARGET = _grace_adam.ADAM_STEP_SEGMENTS_TARGET
+ADAM_STEP_SPECULATIVE_TARGET = _grace_adam.ADAM_STEP_SPECULATIVE_TARGET
+ADAM_STEP_VALIDATED_TARGET = _grace_adam.ADAM_STEP_VALIDATED_TARGET
 
 for _name, _capsule in _grace_adam.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform='cpu')
