@@ -47,7 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_superoffload._src import executors
 from jax_superoffload._src import host_memory
+from jax_superoffload._src import zero as zero_lib
 
 
 def global_norm(
@@ -157,6 +159,40 @@ class Verdict(NamedTuple):
   norm: jax.Array
 
 
+def speculate_bucket(opts, b, row, master, mu, nu, kept):
+  """A double-buffered bucket's speculative step (per shard under ZeRO)."""
+
+  def fn(step, row, master, mu, nu, kept, grads, params):
+    return executors.speculate(
+      step, row, master, mu, nu, kept, grads, b.dtypes, params
+    )
+
+  specs = b.specs
+  pairs = None if specs is None else [zero_lib.pair_spec(s) for s in specs]
+  fp32 = b.step.fp32_weights(b.dtypes)
+  wrapped = zero_lib.per_shard(
+    opts.zero,
+    fn,
+    in_specs=(
+      pairs,
+      pairs,
+      pairs,
+      specs,
+      specs,
+      specs if b.params is not None else None,
+    ),
+    out_specs=executors.Speculated(
+      pairs,
+      pairs,
+      pairs,
+      specs,
+      zero_lib.per_shard_scalar(opts.zero),
+      None if fp32 else specs,
+    ),
+  )
+  return wrapped(b.step, row, master, mu, nu, kept, b.grads, b.params)
+
+
 def validate_buckets(opts, inputs, buckets, results, state, bucket_step):
   """STV's validation of every bucket's speculative step, and its fix.
 
@@ -209,8 +245,6 @@ def validate_buckets(opts, inputs, buckets, results, state, bucket_step):
 
 def _finish_pair(opts, b, row, verdict, out):
   """A double-buffered bucket's redo if needed, then its new weights."""
-  from jax_superoffload._src import executors
-  from jax_superoffload._src import zero as zero_lib
 
   def fn(step, flags, out):
     row, redo, skip, scale = flags

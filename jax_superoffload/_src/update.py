@@ -170,38 +170,6 @@ def _bucket_step(opts, b: Bucket, master, mu, nu, grad_scale):
   return wrapped(step, None, master, mu, nu, b.grads, b.params)
 
 
-def _speculate(opts, b: Bucket, row, master, mu, nu, kept):
-  def fn(step, row, master, mu, nu, kept, grads, params):
-    return executors.speculate(
-      step, row, master, mu, nu, kept, grads, b.dtypes, params
-    )
-
-  specs = b.specs
-  pairs = None if specs is None else [zero_lib.pair_spec(s) for s in specs]
-  fp32 = b.step.fp32_weights(b.dtypes)
-  wrapped = zero_lib.per_shard(
-    opts.zero,
-    fn,
-    in_specs=(
-      pairs,
-      pairs,
-      pairs,
-      specs,
-      specs,
-      specs if b.params is not None else None,
-    ),
-    out_specs=executors.Speculated(
-      pairs,
-      pairs,
-      pairs,
-      specs,
-      zero_lib.per_shard_scalar(opts.zero),
-      None if fp32 else specs,
-    ),
-  )
-  return wrapped(b.step, row, master, mu, nu, kept, b.grads, b.params)
-
-
 def _step_buckets(opts, inputs: Inputs, buckets: list, state) -> dict:
   """Every bucket's step, at once: BucketOut, or Speculated when paired."""
   st = inputs.state
@@ -210,7 +178,9 @@ def _step_buckets(opts, inputs: Inputs, buckets: list, state) -> dict:
     master, mu, nu = (_pick(st[n], b.leaves) for n in ('master', 'mu', 'nu'))
     if b.paired:
       kept = _scalars_to(host_memory.to_host, _pick(st['kept_grads'], b.leaves))
-      out[b.index] = _speculate(opts, b, state.row, master, mu, nu, kept)
+      out[b.index] = stv.speculate_bucket(
+        opts, b, state.row, master, mu, nu, kept
+      )
     else:
       out[b.index] = bucket_step(opts, b, master, mu, nu)
   return out
