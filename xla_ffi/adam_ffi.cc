@@ -343,6 +343,31 @@ ffi::Error GetArg(ffi::RemainingArgs& args, int64_t k, int64_t run, size_t j,
   return ffi::Error::Success();
 }
 
+// Operand `run * k + j`, `n` elements of f32, bf16 or f16 (a gradient or a
+// parameter, named by `what`): its data and element type.
+ffi::Error GetTyped(ffi::RemainingArgs& args, int64_t k, int64_t run, size_t j,
+                    int64_t n, const char* what, const void** data,
+                    ElementType* type) {
+  ffi::AnyBuffer buffer(nullptr);
+  if (ffi::Error e = GetArg(args, k, run, j, n, &buffer); e.failure()) {
+    return e;
+  }
+  if (!ToElementType(buffer.element_type(), type)) {
+    return LeafError(j, std::string(what) + " dtype must be f32, bf16 or f16");
+  }
+  *data = buffer.untyped_data();
+  return ffi::Error::Success();
+}
+
+// The per-chunk partial sums of squares added in chunk order (independent of
+// threads), into the f32[1] result.
+void TotalInChunkOrder(const std::vector<double>& partial,
+                       ffi::ResultBuffer<ffi::F32>& sumsq) {
+  double total = 0.0;
+  for (double p : partial) total += p;
+  sumsq->typed_data()[0] = static_cast<float>(total);
+}
+
 ffi::Error GetRet(ffi::RemainingRets& rets, int64_t k, int64_t run, size_t j,
                   int64_t n, void** data, ElementType* type = nullptr) {
   auto buffer = rets.get<ffi::AnyBuffer>(run * k + j);
@@ -542,22 +567,22 @@ ffi::Error AdamStepSegmentsHandler(
   std::vector<const void*> params(k, nullptr);
   std::vector<ElementType> param_types(k, ElementType::kF32);
   for (int64_t j = 0; j < k; ++j) {
-    ffi::AnyBuffer master(nullptr), mu(nullptr), nu(nullptr), grad(nullptr);
+    ffi::AnyBuffer master(nullptr), mu(nullptr), nu(nullptr);
     if (ffi::Error e = GetArg(args, k, 0, j, -1, &master); e.failure()) return e;
     const int64_t n = static_cast<int64_t>(master.element_count());
     if (ffi::Error e = GetArg(args, k, 1, j, n, &mu); e.failure()) return e;
     if (ffi::Error e = GetArg(args, k, 2, j, n, &nu); e.failure()) return e;
-    if (ffi::Error e = GetArg(args, k, 3, j, n, &grad); e.failure()) return e;
     for (const ffi::AnyBuffer* x : {&master, &mu, &nu}) {
       if (ffi::Error e = F32(*x, j, "state"); e.failure()) return e;
     }
     AdamBuffers& b = leaves[j];
     b.size = n;
     b.prefetch = prefetch;
-    if (!ToElementType(grad.element_type(), &b.grad_type)) {
-      return LeafError(j, "gradient dtype must be f32, bf16 or f16");
+    if (ffi::Error e =
+            GetTyped(args, k, 3, j, n, "gradient", &b.grad, &b.grad_type);
+        e.failure()) {
+      return e;
     }
-    b.grad = grad.untyped_data();
     b.master_in = static_cast<const float*>(master.untyped_data());
     b.mu_in = static_cast<const float*>(mu.untyped_data());
     b.nu_in = static_cast<const float*>(nu.untyped_data());
@@ -575,14 +600,11 @@ ffi::Error AdamStepSegmentsHandler(
       }
     }
     if (reseed) {
-      ffi::AnyBuffer param(nullptr);
-      if (ffi::Error e = GetArg(args, k, 4, j, n, &param); e.failure()) {
+      if (ffi::Error e = GetTyped(args, k, 4, j, n, "parameter", &params[j],
+                                  &param_types[j]);
+          e.failure()) {
         return e;
       }
-      if (!ToElementType(param.element_type(), &param_types[j])) {
-        return LeafError(j, "parameter dtype must be f32, bf16 or f16");
-      }
-      params[j] = param.untyped_data();
     }
     if (const char* error = ValidateAdamBuffers(b)) {
       return LeafError(j, error);
@@ -644,9 +666,7 @@ ffi::Error AdamStepSegmentsHandler(
       step(fixed, from, to);
     }
   });
-  double total = 0.0;
-  for (double p : partial) total += p;
-  sumsq->typed_data()[0] = static_cast<float>(total);
+  TotalInChunkOrder(partial, sumsq);
   return ffi::Error::Success();
 }
 
@@ -745,29 +765,22 @@ ffi::Error AdamStepSpeculativeHandler(
     if (kept_out != pairs[j].kept_grad) {
       return LeafError(j, "kept gradients must alias their result");
     }
-    ffi::AnyBuffer grad(nullptr);
-    if (ffi::Error e = GetArg(args, k, 4, j, sizes[j], &grad); e.failure()) {
+    if (ffi::Error e = GetTyped(args, k, 4, j, sizes[j], "gradient",
+                                &pairs[j].grad, &pairs[j].grad_type);
+        e.failure()) {
       return e;
     }
-    if (!ToElementType(grad.element_type(), &pairs[j].grad_type)) {
-      return LeafError(j, "gradient dtype must be f32, bf16 or f16");
-    }
-    pairs[j].grad = grad.untyped_data();
     if (copy_weights) {
       if (ffi::Error e = PairWeights(rets, k, 4, j, &pairs[j]); e.failure()) {
         return e;
       }
     }
     if (reseed) {
-      ffi::AnyBuffer param(nullptr);
-      if (ffi::Error e = GetArg(args, k, 5, j, sizes[j], &param);
+      if (ffi::Error e = GetTyped(args, k, 5, j, sizes[j], "parameter",
+                                  &params[j], &param_types[j]);
           e.failure()) {
         return e;
       }
-      if (!ToElementType(param.element_type(), &param_types[j])) {
-        return LeafError(j, "parameter dtype must be f32, bf16 or f16");
-      }
-      params[j] = param.untyped_data();
     }
   }
   AdamConstants constants;
@@ -801,9 +814,7 @@ ffi::Error AdamStepSpeculativeHandler(
           SpeculativeStepRange(constants, pairs[j], from, lo, hi, isa);
     }
   });
-  double total = 0.0;
-  for (double p : partial) total += p;
-  sumsq->typed_data()[0] = static_cast<float>(total);
+  TotalInChunkOrder(partial, sumsq);
   return ffi::Error::Success();
 }
 
