@@ -321,24 +321,17 @@ def test_low_precision_params_are_the_fp32_master_cast_down():
 )
 def test_one_compile_for_three_calls_from_uncommitted_params():
   params = {'w': jnp.ones((4, 3)), 'b': jnp.zeros(3)}  # Uncommitted.
-  grads = {'w': jnp.full((4, 3), 0.1), 'b': jnp.full(3, -0.1)}
-  tx = superoffload.adamw(1e-3)
-  state = tx.init(params)
-
-  @jax.jit
-  def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  for _ in range(3):
-    params, state = step(params, state, grads)
-  jax.block_until_ready(params)
-  assert step._cache_size() == 1
+  assert _compiles_for_three_calls(params) == 1
 
 
 def test_one_compile_for_three_calls_from_committed_params():
-  device = jax.devices()[0]
-  params = jax.device_put({'w': jnp.ones((4, 3)), 'b': jnp.zeros(3)}, device)
+  params = {'w': jnp.ones((4, 3)), 'b': jnp.zeros(3)}
+  params = jax.device_put(params, jax.devices()[0])
+  assert _compiles_for_three_calls(params) == 1
+
+
+def _compiles_for_three_calls(params) -> int:
+  """Compilations of a jitted adamw step over three calls from `params`."""
   grads = {'w': jnp.full((4, 3), 0.1), 'b': jnp.full(3, -0.1)}
   tx = superoffload.adamw(1e-3)
   state = tx.init(params)
@@ -351,7 +344,7 @@ def test_one_compile_for_three_calls_from_committed_params():
   for _ in range(3):
     params, state = step(params, state, grads)
   jax.block_until_ready(params)
-  assert step._cache_size() == 1
+  return step._cache_size()
 
 
 # 4. The state is shaped like the params, as optax's.

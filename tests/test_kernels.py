@@ -311,6 +311,19 @@ def _per_leaf(flat, grads):
   ]
 
 
+# The step of the segment tests.
+SEGMENT_STEP = dict(
+  count=2,
+  learning_rate=1e-3,
+  b1=0.9,
+  b2=0.999,
+  eps=1e-8,
+  eps_root=0.0,
+  weight_decay=0.01,
+  nesterov=False,
+)
+
+
 def segments_step(master, mu, nu, grads, *, keep_nonfinite, compute_sumsq):
   """One kernel call over the leaves; the state comes back flat again."""
   out = grace_adam.adam_step_segments(
@@ -319,14 +332,7 @@ def segments_step(master, mu, nu, grads, *, keep_nonfinite, compute_sumsq):
     _per_leaf(nu, grads),
     grads,
     None,
-    count=2,
-    learning_rate=1e-3,
-    b1=0.9,
-    b2=0.999,
-    eps=1e-8,
-    eps_root=0.0,
-    weight_decay=0.01,
-    nesterov=False,
+    **SEGMENT_STEP,
     grad_scale=0.5,
     keep_nonfinite=keep_nonfinite,
     compute_sumsq=compute_sumsq,
@@ -376,16 +382,7 @@ def test_fp32_params_read_as_the_master_give_the_plain_step(grad_dtype):
   sizes = [100003, 7, 2**18 + 5, 1, 4099, 16]
   master, mu, nu = random_state(sum(sizes))
   grads = [random_grad(rng, (s,), grad_dtype) for s in sizes]
-  kw = dict(
-    count=2,
-    learning_rate=1e-3,
-    b1=0.9,
-    b2=0.999,
-    eps=1e-8,
-    eps_root=0.0,
-    weight_decay=0.01,
-    nesterov=False,
-  )
+  kw = SEGMENT_STEP
   cut = functools.partial(_per_leaf, grads=grads)
   plain = grace_adam.adam_step_segments(
     cut(master), cut(mu), cut(nu), grads, None, **kw

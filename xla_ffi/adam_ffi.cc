@@ -537,6 +537,24 @@ void StepStreamingState(const AdamConstants& constants, AdamBuffers b,
   AdamStepSumSquaresRange(constants, b, begin + head, end, isa);
 }
 
+// A bucket's constants (one scalar set for all its leaves), its f32[1] sum
+// of squares checked, and the number of fixed work chunks over its
+// `starts.back()` elements.
+ffi::Error BucketSetup(ffi::Buffer<ffi::S32> count,
+                       ffi::Buffer<ffi::F32> scalars, bool nesterov,
+                       bool keep_nonfinite, const std::vector<int64_t>& starts,
+                       ffi::ResultBuffer<ffi::F32>& sumsq,
+                       AdamConstants* constants, int64_t* num_chunks) {
+  if (ffi::Error error = OneScalarSet(count, scalars, nesterov, keep_nonfinite,
+                                      starts.back(), constants);
+      error.failure()) {
+    return error;
+  }
+  if (sumsq->element_count() != 1) return InvalidArgument("sumsq is a scalar");
+  *num_chunks = (starts.back() + kChunkElements - 1) / kChunkElements;
+  return ffi::Error::Success();
+}
+
 // One bucket of k leaves, each with its own fp32 state. Operands: k masters,
 // k mu, k nu, k gradients (f32, bf16 or f16) and, with `reseed`, the k
 // parameters the step starts from (see ReseedRange). Results: the sum of
@@ -613,14 +631,13 @@ ffi::Error AdamStepSegmentsHandler(
   }
   AdamConstants constants;
   const std::vector<int64_t> starts = Starts(sizes);
-  if (ffi::Error error = OneScalarSet(count, scalars, nesterov, keep_nonfinite,
-                                      starts.back(), &constants);
+  int64_t num_chunks = 0;
+  if (ffi::Error error =
+          BucketSetup(count, scalars, nesterov, keep_nonfinite, starts, sumsq,
+                      &constants, &num_chunks);
       error.failure()) {
     return error;
   }
-  if (sumsq->element_count() != 1) return InvalidArgument("sumsq is a scalar");
-  const int64_t num_chunks = (starts.back() + kChunkElements - 1) /
-                             kChunkElements;
   // Per-chunk sums of squared (scaled) gradients, for speculation-then-
   // validation's global norm: taken by the step's own pass over the chunk,
   // and added in chunk order. Chunks are fixed, so the result does not
@@ -785,14 +802,13 @@ ffi::Error AdamStepSpeculativeHandler(
   }
   AdamConstants constants;
   const std::vector<int64_t> starts = Starts(sizes);
-  if (ffi::Error error = OneScalarSet(count, scalars, nesterov, keep_nonfinite,
-                                      starts.back(), &constants);
+  int64_t num_chunks = 0;
+  if (ffi::Error error =
+          BucketSetup(count, scalars, nesterov, keep_nonfinite, starts, sumsq,
+                      &constants, &num_chunks);
       error.failure()) {
     return error;
   }
-  if (sumsq->element_count() != 1) return InvalidArgument("sumsq is a scalar");
-  const int64_t num_chunks = (starts.back() + kChunkElements - 1) /
-                             kChunkElements;
   // Per-chunk partial sums, added in chunk order: independent of threads.
   std::vector<double> partial(num_chunks, 0.0);
   const Isa isa = BestIsa();
