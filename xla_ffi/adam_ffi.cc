@@ -521,17 +521,11 @@ ffi::Error OneScalarSet(ffi::Buffer<ffi::S32> count,
 // written are those of the plain step.
 void StepStreamingState(const AdamConstants& constants, AdamBuffers b,
                         int64_t begin, int64_t end, Isa isa) {
-  const auto phase = [begin](const float* x) {
-    return reinterpret_cast<uintptr_t>(x + begin) % 64;
-  };
-  const uintptr_t master = phase(b.master_out);
-  if (!IsaStreams(isa) || master % sizeof(float) != 0 ||
-      phase(b.mu_out) != master || phase(b.nu_out) != master) {
+  const int64_t head = IsaStreams(isa) ? AlignedOutputsHead(b, begin, end) : -1;
+  if (head < 0) {
     AdamStepRange(constants, b, begin, end, isa);
     return;
   }
-  const int64_t head = std::min<int64_t>(
-      end - begin, static_cast<int64_t>((64 - master) % 64 / sizeof(float)));
   AdamStepRange(constants, b, begin, begin + head, isa);
   b.stream_state = true;
   AdamStepSumSquaresRange(constants, b, begin + head, end, isa);

@@ -224,6 +224,10 @@ int64_t StreamableHead(const AdamBuffers& b, int64_t begin, int64_t end) {
       b.nu_out == b.nu_in) {
     return -1;
   }
+  return AlignedOutputsHead(b, begin, end);
+}
+
+int64_t AlignedOutputsHead(const AdamBuffers& b, int64_t begin, int64_t end) {
   const auto phase = [begin](const float* p) {
     return reinterpret_cast<uintptr_t>(p + begin) % 64;
   };
