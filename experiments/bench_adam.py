@@ -40,6 +40,7 @@ from experiments.report import markdown_table
 from experiments.report import plt
 from jax_superoffload import kernels
 from jax_superoffload._src import grace_adam as grace_adam_ffi
+from jax_superoffload._src import moments
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -57,7 +58,7 @@ class Candidate:
 
   name: str
   step: Callable[[], None]
-  bytes_per_param: int
+  bytes_per_param: float
   group: str  # Which baseline the candidate is compared with.
 
 
@@ -134,6 +135,67 @@ def grace_adam_lowp(n: int) -> Callable[[], None]:
 
   def run():
     out = step(*box, grad, jnp.int32(count[0]))
+    jax.block_until_ready(out)
+    box[:] = out
+    count[0] += 1
+
+  return run
+
+
+# Moment storage formats: (mu dtype, nu dtype, 8-bit blockwise).
+MOMENT_FORMATS = {
+  'bf16 mu': (jnp.bfloat16, jnp.float32, False),
+  'bf16 moments': (jnp.bfloat16, jnp.bfloat16, False),
+  '8-bit moments': (jnp.uint8, jnp.uint8, True),
+}
+
+
+def moment_bytes(name: str) -> tuple[float, float]:
+  """(bytes moved per step, host bytes per param) of a moment format.
+
+  Host bytes count what the issue's table does: master, gradient, mu, nu
+  (and 8-bit scales), 4 B each in fp32.
+  """
+  mu, nu, blockwise = MOMENT_FORMATS[name]
+  state = jnp.dtype(mu).itemsize + jnp.dtype(nu).itemsize
+  scales = 2 * 4 / moments.BLOCK if blockwise else 0.0
+  return 12 + 2 * state + 2 * scales, 8 + state + scales
+
+
+def grace_adam_moments(n: int, name: str) -> Callable[[], None]:
+  """The step on low-precision moments, state donated and stepped in place."""
+  params, grads = _state(n, 0)
+  mu_t, nu_t, blockwise = MOMENT_FORMATS[name]
+  box = [jnp.asarray(params), jnp.zeros(n, mu_t), jnp.zeros(n, nu_t)]
+  if blockwise:
+    box += [jnp.zeros(moments.num_blocks(n), jnp.float32) for _ in range(2)]
+  grad = jnp.asarray(grads)
+
+  def step(state, grad, count):
+    master, mu, nu, *scales = state
+    m, a, v, s, _, _ = grace_adam_ffi.adam_step_lowp_segments(
+      [master],
+      [mu],
+      [nu],
+      ([scales[0]], [scales[1]]) if scales else None,
+      [grad],
+      None,
+      nesterov=False,
+      count=count,
+      learning_rate=LR,
+      b1=0.9,
+      b2=0.999,
+      eps=1e-8,
+      eps_root=0.0,
+      weight_decay=WEIGHT_DECAY,
+    )
+    return [m[0], a[0], v[0], *([s[0][0], s[1][0]] if s else [])]
+
+  step = jax.jit(step, donate_argnums=(0,))
+  count = [0]
+
+  def run():
+    out = step(box, grad, jnp.int32(count[0]))
     jax.block_until_ready(out)
     box[:] = out
     count[0] += 1
@@ -306,13 +368,40 @@ def torch_candidates(n: int) -> list[Candidate]:
 
 
 def limit_candidates(n: int, threads: int) -> tuple[list[Candidate], str]:
-  """The independent limit's variants, and how they were compiled."""
+  """The independent limit's variants, and how they were compiled.
+
+  Group "limit" moves fp32 moments (28 B/param); "limit_m2" and "limit_m1"
+  moments of 2 and 1 bytes (20 and 16 B/param), the limits of bf16 and
+  8-bit moments.
+  """
   lib, command = stream_limit.build()
-  limit = stream_limit.StreamLimit(lib, n, threads)
+  out = []
+  limits = ((4, 'limit', ''), (2, 'limit_m2', ' (2 B moments)'))
+  limits += ((1, 'limit_m1', ' (1 B moments)'),)
+  for width, group, label in limits:
+    limit = stream_limit.StreamLimit(lib, n, threads, width)
+    out += [
+      Candidate(f'limit{label}: {name}', run, limit.bytes_per_param, group)
+      for name, run in limit.runs.items()
+    ]
+  return out, command
+
+
+def _group(moment_format: str) -> str:
+  """The ratios' key of a moment format: "bf16 moments" -> bf16_moments."""
+  return moment_format.replace(' ', '_').replace('-', '')
+
+
+def moment_candidates(n: int) -> list[Candidate]:
   return [
-    Candidate(f'limit: {name}', run, BYTES_PER_PARAM, 'limit')
-    for name, run in limit.runs.items()
-  ], command
+    Candidate(
+      f'grace adam, {name}',
+      grace_adam_moments(n, name),
+      moment_bytes(name)[0],
+      f'ours_{_group(name)}',
+    )
+    for name in MOMENT_FORMATS
+  ]
 
 
 def build_candidates(n: int, threads: int) -> tuple[list[Candidate], str]:
@@ -368,6 +457,7 @@ def build_candidates(n: int, threads: int) -> tuple[list[Candidate], str]:
       BYTES_PER_PARAM_STV,
       'ours_stv',
     ),
+    *moment_candidates(n),
     *torch_candidates(n),
   ]
   return candidates, command
@@ -421,6 +511,7 @@ def ratios(
     # over the plain one's; its traffic alone would give 32 / 28).
     'stv_step_over_plain': median[groups['ours_stv'][0]] / ours,
   }
+  out.update(_moment_ratios(groups, median, ours))
   for group, names in groups.items():
     if group.startswith('ours_prefetch_'):
       out[f'default_vs_{group[len("ours_") :]}'] = median[names[0]] / ours
@@ -428,6 +519,30 @@ def ratios(
     fastest_peer = min(groups['peer'], key=lambda name: median[name])
     out['fastest_peer'] = fastest_peer
     out['ours_vs_fastest_peer'] = median[fastest_peer] / ours
+  return out
+
+
+def _moment_ratios(groups: dict, median: dict, ours: float) -> dict:
+  """Each moment format against fp32 Grace Adam and its own traffic's limit."""
+  out = {}
+  own_limit = {
+    'bf16_moments': ('limit_m2', 20),
+    '8bit_moments': ('limit_m1', 16),
+  }
+  for name in MOMENT_FORMATS:
+    key = _group(name)
+    if f'ours_{key}' not in groups:
+      continue
+    t = median[groups[f'ours_{key}'][0]]
+    out[f'{key}_vs_fp32'] = ours / t
+    out[f'{key}_host_bytes_per_param'] = moment_bytes(name)[1]
+    limit, limit_bytes = own_limit.get(key, (None, 0))
+    if limit in groups:
+      fastest = min(median[c] for c in groups[limit])
+      # The limit moves no scales: 8-bit's 1/16 B/param more is charged.
+      out[f'{key}_vs_own_limit'] = (
+        fastest / t * moment_bytes(name)[0] / limit_bytes
+      )
   return out
 
 

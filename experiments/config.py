@@ -125,6 +125,9 @@ class Config:
   # superoffload: bucket size in MiB (None: the library's 256). Small
   # buckets start their host step while the backward pass still runs.
   bucket_mib: float | None = 4.0
+  # superoffload: how Adam's moments are stored: "fp32", "bf16" (mu and
+  # nu) or "8bit" (blockwise, one fp32 scale per 256).
+  moments: str = 'fp32'
   # Block weights: "stationary" (device) or "flow" (host, streamed; scanned).
   weights_policy: str = 'stationary'
   # Data-parallel size: mesh axis 'data', which shards the batch.
@@ -177,6 +180,7 @@ POS_ENCODINGS = ('rope', 'learned')
 WEIGHTS_POLICIES = ('stationary', 'flow')
 EXECUTORS = ('auto', 'ffi', 'xla_host', 'device')
 CASTS = ('host', 'device', 'auto')
+MOMENTS = ('fp32', 'bf16', '8bit')
 SCHEDULES = ('cosine', 'linear', 'constant', 'wsd')
 ON_NONFINITE = ('stop', 'continue')
 DTYPES = ('float32', 'bfloat16', 'float16')
@@ -188,6 +192,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
   'param_dtype': DTYPES,
   'executor': EXECUTORS,
   'cast': CASTS,
+  'moments': MOMENTS,
   'pos_encoding': POS_ENCODINGS,
   'weights_policy': WEIGHTS_POLICIES,
 }
@@ -498,6 +503,8 @@ def _validate_optimizer(cfg: Config) -> None:
     _finite('bucket_mib', cfg.bucket_mib)
   if cfg.zero and cfg.optimizer == 'optax':
     raise ConfigError('--zero needs --optimizer superoffload or device')
+  if cfg.moments != 'fp32' and cfg.optimizer != 'superoffload':
+    raise ConfigError('--moments bf16/8bit needs --optimizer superoffload')
 
 
 def _validate_model_and_mesh(cfg: Config) -> None:

@@ -8,6 +8,7 @@ only in where the optimizer state lives and where its step runs.
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
@@ -93,6 +94,14 @@ def make_schedule(cfg: config_lib.Config) -> optax.Schedule:
   return optax.join_schedules([warmup, after], [warmup_steps])
 
 
+# --moments as superoffload.adamw's options.
+MOMENT_OPTIONS = {
+  'fp32': {},
+  'bf16': dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+  '8bit': dict(moments_8bit=True),
+}
+
+
 def make_optimizer(
   cfg: config_lib.Config,
   learning_rate: optax.ScalarOrSchedule,
@@ -164,6 +173,7 @@ def _adamw(
       bucket_bytes=(
         None if cfg.bucket_mib is None else int(cfg.bucket_mib * 2**20)
       ),
+      **MOMENT_OPTIONS[cfg.moments],
     )
     if cfg.zero:
       if mesh is None:

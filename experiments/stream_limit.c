@@ -11,6 +11,8 @@
 //   1 t0     prefetch 1 KiB ahead into all cache levels (locality 3)
 //   2 nta    prefetch 1 KiB ahead, non-temporal (locality 0)
 //   3 ntst   no software prefetch, non-temporal (streaming) stores
+// With low-precision moments (2 or 1 bytes each, bf16 or 8-bit) the moment
+// streams move that many bytes per element: 20 or 16 bytes per element.
 
 #include <pthread.h>
 #include <stdint.h>
@@ -35,6 +37,7 @@ typedef struct {
   const Streams* s;
   int64_t begin, end;
   int variant;
+  int moment_bytes;  // 4, 2 or 1.
 } Part;
 
 // One 64-byte line: GCC/Clang lower this vector type to whatever the target
@@ -71,8 +74,75 @@ static inline void MoveLineStreaming(float* master, const float* grad,
 #endif
 }
 
+static inline void StoreLine(float* dst, Line value, int streaming) {
+#if defined(__AVX512F__)
+  if (streaming) {
+    _mm512_stream_ps(dst, (__m512)value);
+    return;
+  }
+#elif defined(__AVX__)
+  if (streaming) {
+    __m256 half[2];
+    memcpy(half, &value, sizeof(half));
+    _mm256_stream_ps(dst, half[0]);
+    _mm256_stream_ps(dst + 8, half[1]);
+    return;
+  }
+#endif
+  *(Line*)dst = value;
+}
+
+// Elements per step of the narrow-moment loop: 4 lines of master and grad,
+// `moment_bytes` lines of each moment.
+enum { kNarrowStep = 4 * kLine };
+
+static inline void Prefetch(const void* p, int variant) {
+  if (variant == 1) __builtin_prefetch(p, 1, 3);
+  if (variant == 2) __builtin_prefetch(p, 1, 0);
+}
+
+// A pass with moments of p->moment_bytes (< 4) per element: the same
+// master += grad, and the moments' bytes swapped line by line.
+static void RunNarrowPart(const Part* p) {
+  const Streams* s = p->s;
+  const int64_t w = p->moment_bytes;
+  char* mu = (char*)s->mu;
+  char* nu = (char*)s->nu;
+  const int64_t ahead = kAheadLines * kLine;
+  for (int64_t i = p->begin; i < p->end; i += kNarrowStep) {
+    for (int64_t j = 0; j < kNarrowStep; j += kLine) {
+      Prefetch(s->master + i + j + ahead, p->variant);
+      Prefetch(s->grad + i + j + ahead, p->variant);
+    }
+    for (int64_t b = 0; b < w * kNarrowStep; b += 64) {
+      Prefetch(mu + (i + ahead) * w + b, p->variant);
+      Prefetch(nu + (i + ahead) * w + b, p->variant);
+    }
+    const int streaming = p->variant == 3;
+    for (int64_t j = 0; j < kNarrowStep; j += kLine) {
+      float* master = s->master + i + j;
+      StoreLine(master, *(const Line*)master + *(const Line*)(s->grad + i + j),
+                streaming);
+    }
+    for (int64_t b = 0; b < w * kNarrowStep; b += 64) {
+      float* m = (float*)(mu + i * w + b);
+      float* v = (float*)(nu + i * w + b);
+      const Line old = *(const Line*)m;
+      StoreLine(m, *(const Line*)v, streaming);
+      StoreLine(v, old, streaming);
+    }
+  }
+}
+
 static void* RunPart(void* arg) {
   const Part* p = (const Part*)arg;
+  if (p->moment_bytes != 4) {
+    RunNarrowPart(p);
+#if defined(__AVX__)
+    if (p->variant == 3) _mm_sfence();
+#endif
+    return NULL;
+  }
   const Streams* s = p->s;
   const int64_t ahead = kAheadLines * kLine;
   for (int64_t i = p->begin; i < p->end; i += kLine) {
@@ -146,19 +216,25 @@ float* stream_limit_stream(Streams* s, int k) {
 }
 
 // One pass of `variant` over all elements on `threads` threads, each taking
-// one contiguous, line-aligned part. Returns 0, or -1 on bad arguments.
-int stream_limit_pass(Streams* s, int variant, int threads) {
-  if (s == NULL || variant < 0 || variant > 3 || threads < 1 || threads > 256) {
+// one contiguous, line-aligned part, with moments of `moment_bytes` per
+// element. Returns 0, or -1 on bad arguments.
+// With moment_bytes 2 or 1, n must be a multiple of kNarrowStep (64).
+int stream_limit_pass(Streams* s, int variant, int threads, int moment_bytes) {
+  if (s == NULL || variant < 0 || variant > 3 || threads < 1 || threads > 256 ||
+      (moment_bytes != 4 && moment_bytes != 2 && moment_bytes != 1) ||
+      (moment_bytes != 4 && s->n % kNarrowStep != 0)) {
     return -1;
   }
   pthread_t ids[256];
   Part parts[256];
-  const int64_t lines = s->n / kLine;
+  const int64_t unit = moment_bytes == 4 ? kLine : kNarrowStep;
+  const int64_t units = s->n / unit;
   for (int t = 0; t < threads; ++t) {
     parts[t].s = s;
     parts[t].variant = variant;
-    parts[t].begin = lines * t / threads * kLine;
-    parts[t].end = lines * (t + 1) / threads * kLine;
+    parts[t].moment_bytes = moment_bytes;
+    parts[t].begin = units * t / threads * unit;
+    parts[t].end = units * (t + 1) / threads * unit;
   }
   int started = 1;
   while (started < threads &&

@@ -65,7 +65,12 @@ def build(cache_dir: str = 'build/stream_limit') -> tuple[ctypes.CDLL, str]:
   lib.stream_limit_stream.restype = ctypes.POINTER(ctypes.c_float)
   lib.stream_limit_stream.argtypes = [ctypes.c_void_p, ctypes.c_int]
   lib.stream_limit_pass.restype = ctypes.c_int
-  lib.stream_limit_pass.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+  lib.stream_limit_pass.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+  ]
   return lib, ' '.join([*command, out.name])
 
 
@@ -73,12 +78,18 @@ class StreamLimit:
   """The limit's streams of `n` floats (rounded up to whole 64-byte lines).
 
   `runs` maps each variant this build has to a callable that makes one pass
-  on `threads` threads; `stream(k)` views stream k (0 master, 1 grad, 2 mu,
-  3 nu) as a NumPy array, for tests.
+  on `threads` threads, moving `moment_bytes` (4, 2 or 1) per element of
+  each moment: 28, 20 or 16 bytes per element in all. `stream(k)` views
+  stream k (0 master, 1 grad, 2 mu, 3 nu) as a NumPy array, for tests.
   """
 
-  def __init__(self, lib: ctypes.CDLL, n: int, threads: int):
-    self.n = -(-n // 16) * 16
+  def __init__(
+    self, lib: ctypes.CDLL, n: int, threads: int, moment_bytes: int = 4
+  ):
+    unit = 16 if moment_bytes == 4 else 64  # Elements per step of a pass.
+    self.n = -(-n // unit) * unit
+    self.moment_bytes = moment_bytes
+    self.bytes_per_param = 12 + 4 * moment_bytes
     self._lib = lib
     self._threads = threads
     self._handle = lib.stream_limit_alloc(self.n)
@@ -91,7 +102,12 @@ class StreamLimit:
 
   def _pass(self, code: int) -> Callable[[], None]:
     def run() -> None:
-      if self._lib.stream_limit_pass(self._handle, code, self._threads) != 0:
+      if (
+        self._lib.stream_limit_pass(
+          self._handle, code, self._threads, self.moment_bytes
+        )
+        != 0
+      ):
         raise RuntimeError('stream limit pass failed')
 
     return run

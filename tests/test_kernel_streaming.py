@@ -138,6 +138,27 @@ def test_independent_limit_moves_an_adam_steps_bytes(limit_lib, threads):
     np.testing.assert_array_equal(arrays[3], before[2], name)
 
 
+@pytest.mark.parametrize('moment_bytes', [2, 1])
+@pytest.mark.parametrize('threads', [1, 3])
+def test_narrow_moment_limit_moves_its_bytes(limit_lib, threads, moment_bytes):
+  n = 64 * 37  # An odd number of steps, split unevenly between threads.
+  limit = stream_limit.StreamLimit(limit_lib, n, threads, moment_bytes)
+  assert limit.bytes_per_param == 12 + 4 * moment_bytes
+  arrays = [limit.stream(k) for k in range(4)]
+  rng = np.random.default_rng(threads)
+  moved = n * moment_bytes // 4  # The floats' worth of moment bytes moved.
+  for name, run in limit.runs.items():
+    for a in arrays:
+      a[:] = rng.standard_normal(n).astype(np.float32)
+    before = [a.copy() for a in arrays]
+    run()
+    np.testing.assert_array_equal(arrays[0], before[0] + before[1], name)
+    np.testing.assert_array_equal(arrays[1], before[1], name)
+    np.testing.assert_array_equal(arrays[2][:moved], before[3][:moved], name)
+    np.testing.assert_array_equal(arrays[3][:moved], before[2][:moved], name)
+    np.testing.assert_array_equal(arrays[2][moved:], before[2][moved:], name)
+
+
 def test_independent_limit_shares_no_code_with_the_kernel():
   source = stream_limit.SOURCE.read_text()
   assert '#include "xla_ffi' not in source

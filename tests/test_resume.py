@@ -83,9 +83,11 @@ def _tiny(run_dir: pathlib.Path, ckpt_dir: pathlib.Path, steps: int) -> list:
   ]
 
 
-@pytest.fixture(scope='module')
-def killed_run(tmp_path_factory, env):
+@pytest.fixture(scope='module', params=['fp32', '8bit'])
+def killed_run(tmp_path_factory, env, request):
   """The acceptance scenario: a 40-step run killed -9 after step 25, resumed.
+
+  Once with fp32 moments and once with 8-bit ones (`--moments`).
 
   Returns:
     ``(args, tmp)``: the flags of the killed (and resumed) run and the
@@ -94,7 +96,8 @@ def killed_run(tmp_path_factory, env):
   """
   tmp = tmp_path_factory.mktemp('kill9')
   run_dir, ckpt_dir = tmp / 'run', tmp / 'ckpt'
-  args = _tiny(run_dir, ckpt_dir, 40)
+  moments = f'--moments={request.param}'
+  args = [*_tiny(run_dir, ckpt_dir, 40), moments]
   victim = _start(args, tmp / 'victim.log', env)
   seen = []
 
@@ -105,7 +108,11 @@ def killed_run(tmp_path_factory, env):
   killer = threading.Thread(target=kill_after_step_25)
   killer.start()
   # Meanwhile, the uninterrupted run, in this process.
-  ref_args = [*_tiny(tmp / 'ref', tmp / 'ref_ckpt', 40), '--no-progress']
+  ref_args = [
+    *_tiny(tmp / 'ref', tmp / 'ref_ckpt', 40),
+    moments,
+    '--no-progress',
+  ]
   assert train.main(ref_args) == 0
   killer.join(_TIMEOUT_S)
   victim.wait(_TIMEOUT_S)

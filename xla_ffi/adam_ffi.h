@@ -11,6 +11,7 @@ XLA_FFI_Error* JsoAdamStepLowp(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepLowpInto(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoStreamRoofline(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepSegments(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JsoAdamStepLowpSegments(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepSpeculative(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepValidated(XLA_FFI_CallFrame* call_frame);
 }
@@ -33,6 +34,8 @@ inline constexpr FfiTarget kFfiTargets[] = {
      JsoAdamStepLowpInto},
     {"ADAM_STEP_SEGMENTS_TARGET", "jax_superoffload_adam_step_segments",
      JsoAdamStepSegments},
+    {"ADAM_STEP_LOWP_SEGMENTS_TARGET",
+     "jax_superoffload_adam_step_lowp_segments", JsoAdamStepLowpSegments},
     {"ADAM_STEP_SPECULATIVE_TARGET", "jax_superoffload_adam_step_speculative",
      JsoAdamStepSpeculative},
     {"ADAM_STEP_VALIDATED_TARGET", "jax_superoffload_adam_step_validated",

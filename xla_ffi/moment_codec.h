@@ -68,7 +68,9 @@ inline constexpr uint32_t kNuBias = 31;
 // The code in the low 8 bits of a uint32 (the width the encoding loops
 // vectorise at).
 inline uint32_t EncodeMu(float y) {
-  const uint32_t sign = FloatBits(y) >> 31;
+  // A NaN's sign is the hardware's choice (x86's default NaN is negative,
+  // Arm's positive): NaN encodes as code 0 on every instruction set.
+  const uint32_t sign = y == y ? FloatBits(y) >> 31 : 0u;
   const float magnitude = BitsToFloat(FloatBits(y) & 0x7fffffffu);
   return (sign << 7) | EncodeMagnitude<kMuBias>(magnitude);
 }

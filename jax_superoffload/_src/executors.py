@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax_superoffload._src import adam_reference
 from jax_superoffload._src import grace_adam
 from jax_superoffload._src import host_memory
+from jax_superoffload._src import moments
 from jax_superoffload._src import plugin_ffi
 
 EXECUTORS = ('auto', 'ffi', 'xla_host', 'device')
@@ -135,15 +136,20 @@ def reseed(
 
 
 def _math_step(step: BucketStep, master, mu, nu, grads, dtypes, params):
-  """The step in `jax.numpy` on whatever memory its inputs are in."""
+  """The step in `jax.numpy` on whatever memory its inputs are in.
+
+  bf16 moments are read exactly, the step taken in fp32 and the new
+  moments stored rounded to nearest even, as the kernel does.
+  """
   if params is not None:
     master = [
       reseed(m, p, step.learning_rate)
       for m, p in zip(master, params, strict=True)
     ]
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
   out = [
     adam_reference.adam_step_reference(
-      m, g.astype(jnp.float32), a, v, **step.kwargs()
+      m, f32(g), f32(a), f32(v), **step.kwargs()
     )
     for m, g, a, v in zip(master, grads, mu, nu, strict=True)
   ]
@@ -151,12 +157,16 @@ def _math_step(step: BucketStep, master, mu, nu, grads, dtypes, params):
   weights = None
   if not step.fp32_weights(dtypes):
     weights = [m.astype(d) for m, d in zip(new_master, dtypes, strict=True)]
-  return new_master, [o[1] for o in out], [o[2] for o in out], weights
+  new_mu = [o[1].astype(a.dtype) for o, a in zip(out, mu, strict=True)]
+  new_nu = [o[2].astype(v.dtype) for o, v in zip(out, nu, strict=True)]
+  return new_master, new_mu, new_nu, weights
 
 
 def _kernel_step(step: BucketStep, master, mu, nu, grads, dtypes, params):
   """The step by the Grace Adam kernel (inside host compute)."""
   fp32 = step.fp32_weights(dtypes)
+  if any(x.dtype != jnp.float32 for x in jax.tree.leaves((mu, nu))):
+    return _lowp_kernel_step(step, master, mu, nu, grads, dtypes, params)
   m, a, v, w, _ = grace_adam.adam_step_segments(
     master,
     mu,
@@ -166,6 +176,30 @@ def _kernel_step(step: BucketStep, master, mu, nu, grads, dtypes, params):
     params=params,
     **step.kwargs(),
   )
+  return m, a, v, None if fp32 else w
+
+
+def _lowp_kernel_step(step: BucketStep, master, mu, nu, grads, dtypes, params):
+  """`_kernel_step` with bf16 or 8-bit blockwise moments."""
+  fp32 = step.fp32_weights(dtypes)
+  blockwise = isinstance(mu[0], moments.Blockwise)
+  scales = None
+  if blockwise:
+    scales = ([x.scales for x in mu], [x.scales for x in nu])
+    mu, nu = [x.codes for x in mu], [x.codes for x in nu]
+  m, a, v, s, w, _ = grace_adam.adam_step_lowp_segments(
+    list(master),
+    list(mu),
+    list(nu),
+    scales,
+    list(grads),
+    None if fp32 else list(dtypes),
+    params=params,
+    **step.kwargs(),
+  )
+  if blockwise:
+    a = [moments.Blockwise(c, x) for c, x in zip(a, s[0], strict=True)]
+    v = [moments.Blockwise(c, x) for c, x in zip(v, s[1], strict=True)]
   return m, a, v, None if fp32 else w
 
 

@@ -15,6 +15,7 @@ ADAM_STEP_LOWP_TARGET = _grace_adam.ADAM_STEP_LOWP_TARGET
 ADAM_STEP_LOWP_INTO_TARGET = _grace_adam.ADAM_STEP_LOWP_INTO_TARGET
 STREAM_ROOFLINE_TARGET = _grace_adam.STREAM_ROOFLINE_TARGET
 ADAM_STEP_SEGMENTS_TARGET = _grace_adam.ADAM_STEP_SEGMENTS_TARGET
+ADAM_STEP_LOWP_SEGMENTS_TARGET = _grace_adam.ADAM_STEP_LOWP_SEGMENTS_TARGET
 ADAM_STEP_SPECULATIVE_TARGET = _grace_adam.ADAM_STEP_SPECULATIVE_TARGET
 ADAM_STEP_VALIDATED_TARGET = _grace_adam.ADAM_STEP_VALIDATED_TARGET
 
@@ -240,6 +241,65 @@ def adam_step_segments(
   )
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(3)]
   return (*runs, list(out[1 + 3 * k :]), out[0])
+
+
+def adam_step_lowp_segments(
+  master: list[jax.Array],
+  mu: list[jax.Array],
+  nu: list[jax.Array],
+  scales: tuple[list[jax.Array], list[jax.Array]] | None,
+  grads: list[jax.Array],
+  weight_dtypes: list[jax.typing.DTypeLike] | None,
+  *,
+  params: list[jax.Array] | None = None,
+  nesterov: bool,
+  keep_nonfinite: bool = False,
+  compute_sumsq: bool = False,
+  **step,
+) -> tuple[list, list, list, tuple | None, list, jax.Array]:
+  """`adam_step_segments` with low-precision moments (internal).
+
+  `mu` and `nu` per leaf are bf16 and f32, bf16 and bf16, or uint8 codes
+  with `scales` = (mu scales, nu scales), f32[ceil(size / 256)] per leaf
+  (moments.py describes the 8-bit format). The moments are decoded, the
+  step taken in fp32 and the new moments stored rounded. Returns the new
+  master, mu, nu and scales (or None) per leaf, the new weights in
+  `weight_dtypes` (or an empty list) and the sum of the squared scaled
+  gradients (f32[1]; zero unless `compute_sumsq`).
+  """
+  k = len(master)
+  state = [master, mu, nu] + (list(scales) if scales is not None else [])
+  out_types = [jax.ShapeDtypeStruct((1,), jnp.float32)]
+  for run in state:
+    out_types += _like(run)
+  if weight_dtypes is not None:
+    out_types += [
+      jax.ShapeDtypeStruct(g.shape, d)
+      for g, d in zip(grads, weight_dtypes, strict=True)
+    ]
+  call = jax.ffi.ffi_call(
+    ADAM_STEP_LOWP_SEGMENTS_TARGET,
+    out_types,
+    vmap_method='sequential',
+    input_output_aliases=_aliases(2, 1, len(state) * k),
+  )
+  out = call(
+    jnp.asarray(step['count'], jnp.int32),
+    _pack(step),
+    *(x for run in state for x in run),
+    *grads,
+    *(params or []),
+    nesterov=bool(nesterov),
+    keep_nonfinite=bool(keep_nonfinite),
+    compute_sumsq=bool(compute_sumsq),
+    num_leaves=np.int64(k),
+    reseed=params is not None,
+    quantized=scales is not None,
+  )
+  runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(len(state))]
+  new_scales = (runs[3], runs[4]) if scales is not None else None
+  weights = list(out[1 + len(state) * k :])
+  return runs[0], runs[1], runs[2], new_scales, weights, out[0]
 
 
 def adam_step_speculative(

@@ -13,10 +13,12 @@ import optax
 from jax_superoffload._src import adam_args
 from jax_superoffload._src import executors
 from jax_superoffload._src import layout
+from jax_superoffload._src import moments
 from jax_superoffload._src import placement
 from jax_superoffload._src import zero as zero_lib
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
+KERNEL_MU_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +30,9 @@ class Options:
   b2: float
   eps: float
   eps_root: float
-  mu_dtype: Any  # None or a dtype; a non-fp32 one takes the optax path.
+  mu_dtype: Any  # None or a dtype; the kernel stores fp32 or bf16.
+  nu_dtype: Any  # None, float32 or bfloat16 (kernel leaves only).
+  moments_8bit: bool  # 8-bit blockwise mu and nu (moments.py).
   weight_decay: optax.ScalarOrSchedule
   mask: Any  # optax-style mask of the decayed leaves.
   nesterov: bool
@@ -53,7 +57,27 @@ class Options:
 
   @property
   def use_kernel(self) -> bool:
-    return self.mu_dtype is None or np.dtype(self.mu_dtype) == np.float32
+    if self.mu_dtype is None or np.dtype(self.mu_dtype) == np.float32:
+      return True
+    # bf16 mu alone: the kernel where it supports it, optax's path with
+    # STV or sharded state (as before the kernel stored bf16).
+    return np.dtype(self.mu_dtype) in KERNEL_MU_DTYPES and (
+      self.moments_8bit
+      or self.nu_dtype is not None
+      or (not self.use_stv and self.zero is None)
+    )
+
+  @property
+  def moment_dtypes(self) -> tuple[np.dtype, np.dtype]:
+    """The dtypes the kernel's leaves store mu and nu in."""
+    return moments.storage_dtypes(
+      self.mu_dtype, self.nu_dtype, self.moments_8bit
+    )
+
+  @property
+  def kernel_only_moments(self) -> bool:
+    """nu_dtype or moments_8bit: formats only the kernel stores."""
+    return self.moments_8bit or self.nu_dtype is not None
 
   @property
   def no_decay(self) -> bool:
@@ -126,6 +150,40 @@ def _check_mu_dtype(mu_dtype: Any) -> None:
     raise ValueError(bad)
 
 
+def _check_moments(
+  mu_dtype: Any, nu_dtype: Any, moments_8bit: bool, executor: str, **others
+) -> None:
+  """Low-precision moments: the formats the kernel stores, where it runs."""
+  if nu_dtype is not None and np.dtype(nu_dtype) not in KERNEL_MU_DTYPES:
+    raise ValueError(f'nu_dtype must be float32 or bfloat16, got {nu_dtype!r}')
+  if moments_8bit and (mu_dtype is not None or nu_dtype is not None):
+    raise ValueError(
+      'moments_8bit=True stores both moments in 8 bits: leave mu_dtype and '
+      f'nu_dtype unset (got {mu_dtype!r}, {nu_dtype!r})'
+    )
+  mu, nu = moments.storage_dtypes(mu_dtype, nu_dtype, moments_8bit)
+  if nu == jnp.bfloat16 and mu == np.float32:
+    raise ValueError('nu_dtype=bfloat16 needs mu_dtype=bfloat16 as well')
+  if mu_dtype is not None and np.dtype(mu_dtype) not in KERNEL_MU_DTYPES:
+    if nu_dtype is not None:
+      raise ValueError(
+        f"nu_dtype is a kernel option; mu_dtype={mu_dtype!r} takes optax's "
+        "path, which keeps nu in the parameters' dtype"
+      )
+    return
+  if not (moments_8bit or nu_dtype is not None):
+    return  # fp32, or bf16 mu: optax's path where the kernel cannot.
+  # Not built yet for these: say so rather than take another path.
+  unsupported = [name for name, on in others.items() if on]
+  if moments_8bit and executor not in ('auto', 'ffi'):
+    unsupported.append(f'executor={executor!r}')
+  if unsupported:
+    raise ValueError(
+      f'low-precision moments (mu {mu}, nu {nu}) are not supported with '
+      f'{", ".join(unsupported)}'
+    )
+
+
 def make(
   *,
   learning_rate: optax.ScalarOrSchedule,
@@ -139,6 +197,8 @@ def make(
   nesterov: bool,
   bucket_bytes: int | None,
   executor: str,
+  nu_dtype: Any = None,
+  moments_8bit: bool = False,
   clip_norm: Any = None,
   skip_nonfinite: bool = False,
   device_buckets: Any = None,
@@ -166,6 +226,16 @@ def make(
     adam_args.check_hyperparameters(weight_decay=weight_decay)
   bucket_bytes = _check_bucket_bytes(bucket_bytes)
   _check_mu_dtype(mu_dtype)
+  _check_moments(
+    mu_dtype,
+    nu_dtype,
+    bool(moments_8bit),
+    executor,
+    clip_norm=clip_norm is not None,
+    skip_nonfinite=bool(skip_nonfinite),
+    mesh=mesh is not None,
+    device_buckets=bool(moments_8bit) and device_buckets not in (None, 0),
+  )
   return Options(
     learning_rate=learning_rate,
     b1=b1,
@@ -173,6 +243,8 @@ def make(
     eps=eps,
     eps_root=eps_root,
     mu_dtype=mu_dtype,
+    nu_dtype=nu_dtype,
+    moments_8bit=bool(moments_8bit),
     weight_decay=weight_decay,
     mask=mask,
     nesterov=bool(nesterov),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 from typing import NamedTuple
 
@@ -20,6 +21,7 @@ import optax
 
 from jax_superoffload._src import host_memory
 from jax_superoffload._src import layout
+from jax_superoffload._src import moments
 from jax_superoffload._src import options as options_lib
 from jax_superoffload._src import stv
 from jax_superoffload._src import zero as zero_lib
@@ -46,6 +48,10 @@ class SuperOffloadState(NamedTuple):
     kept_grads: With STV on the "ffi" executor, a tree like the parameters
       of the fp32 gradients the speculative step read (zero-size arrays for
       leaves that are not double-buffered); else None.
+    mu_scales: With `moments_8bit`, a tree like the parameters of the
+      float32 per-block scales of `mu` (whose leaves are then uint8 codes;
+      `moments.py`), zero-size for leaves on optax's path; else None.
+    nu_scales: Likewise for `nu`.
 
   With STV on the "ffi" executor, the host leaves of `master`, `mu` and
   `nu` have shape `(2, *param.shape)`: row `row` is the current state, the
@@ -62,6 +68,8 @@ class SuperOffloadState(NamedTuple):
   skipped: jax.Array
   row: jax.Array | None = None
   kept_grads: Any = None
+  mu_scales: Any = None
+  nu_scales: Any = None
 
   def current(self) -> stv.HostState:
     """The current master, mu and nu, trees like the parameters."""
@@ -86,6 +94,11 @@ class Plan(NamedTuple):
 
 
 def plan_for(opts: options_lib.Options, tree: Any) -> Plan:
+  if opts.zero is not None and opts.kernel_only_moments:
+    raise ValueError(
+      'nu_dtype and moments_8bit do not support sharded parameters or a '
+      'mesh yet'
+    )
   lay = opts.layout(tree)
   on_device = opts.device_bucket_ids(lay, tree)
   paired = frozenset()
@@ -119,9 +132,18 @@ def _leaf_state_types(opts, plan: Plan) -> list[tuple]:
       continue
     paired = k in plan.paired
     state_shape = (2, *shape) if paired else shape
-    f32 = np.dtype(np.float32)
-    out.append((state_shape, f32, f32, f32, paired))
+    mu, nu = opts.moment_dtypes
+    out.append((state_shape, np.dtype(np.float32), mu, nu, paired))
   return out
+
+
+def _scales_shape(opts, plan: Plan, i: int) -> tuple[int, ...] | None:
+  """The shape of leaf i's 8-bit scales, None without 8-bit moments."""
+  if not opts.moments_8bit:
+    return None
+  if i not in plan.bucket_of:  # optax's path: no scales.
+    return (0,)
+  return (moments.num_blocks(math.prod(plan.lay.shapes[i])),)
 
 
 def _on_host(plan: Plan, i: int) -> bool:
@@ -145,7 +167,7 @@ def _build_state(opts, params: Any) -> SuperOffloadState:
   if opts.zero is not None:
     leaves = [opts.zero.unshard(x) for x in leaves]
   # Placed by init's out_shardings (_state_shardings) as well.
-  master, mu, nu, kept = [], [], [], []
+  master, mu, nu, kept, mu_scales, nu_scales = [], [], [], [], [], []
   for i, (shape, m_t, mu_t, nu_t, paired) in enumerate(
     _leaf_state_types(opts, plan)
   ):
@@ -159,8 +181,11 @@ def _build_state(opts, params: Any) -> SuperOffloadState:
     # Moved to host memory inside too: jit's out_shardings alone leave the
     # arrays typed as device memory (JAX 0.10), which host compute refuses.
     master.append(host_memory.to_host(m) if on_host(m, host) else m)
-    moments = ((mu, shape, mu_t), (nu, shape, nu_t), (kept, kshape, 'f4'))
-    for out, sh, dt in moments:
+    made = [(mu, shape, mu_t), (nu, shape, nu_t), (kept, kshape, 'f4')]
+    scales_shape = _scales_shape(opts, plan, i)
+    if scales_shape is not None:
+      made += [(mu_scales, scales_shape, 'f4'), (nu_scales, scales_shape, 'f4')]
+    for out, sh, dt in made:
       if not (host and len(sh) > 0):
         out.append(jnp.zeros(sh, dt))
       elif opts.zero is None:  # Made by host compute where they live.
@@ -177,6 +202,8 @@ def _build_state(opts, params: Any) -> SuperOffloadState:
     skipped=jnp.zeros([], jnp.int32),
     row=jnp.zeros([], jnp.int32) if opts.double_buffered else None,
     kept_grads=tree(kept) if opts.double_buffered else None,
+    mu_scales=tree(mu_scales) if opts.moments_8bit else None,
+    nu_scales=tree(nu_scales) if opts.moments_8bit else None,
   )
 
 
@@ -207,7 +234,7 @@ def _state_shardings(opts, params: Any) -> SuperOffloadState:
       return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
   else:
     sharding = zero.sharding
-  master, kept = [], []
+  master, kept, scales = [], [], []
   for i, (shape, *_, paired) in enumerate(_leaf_state_types(opts, plan)):
     host = _on_host(plan, i)
     spec = zero_lib.P()
@@ -217,6 +244,7 @@ def _state_shardings(opts, params: Any) -> SuperOffloadState:
     master.append(sharding(state_spec, host and len(shape) > 0))
     kept_host = host and (not paired or len(shape) > 1)
     kept.append(sharding(spec if paired else zero_lib.P(), kept_host))
+    scales.append(sharding(zero_lib.P(), host))
   tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
   counter = sharding(zero_lib.P(), False)
   return SuperOffloadState(
@@ -228,6 +256,8 @@ def _state_shardings(opts, params: Any) -> SuperOffloadState:
     skipped=counter,
     row=counter if opts.double_buffered else None,
     kept_grads=tree(kept) if opts.double_buffered else None,
+    mu_scales=tree(scales) if opts.moments_8bit else None,
+    nu_scales=tree(scales) if opts.moments_8bit else None,
   )
 
 
@@ -244,6 +274,16 @@ def check_state(opts, plan: Plan, state: Any, from_grads: bool):
   fields = {'master': state.master, 'mu': state.mu, 'nu': state.nu}
   if opts.double_buffered:
     fields['kept_grads'] = state.kept_grads
+  if opts.moments_8bit != (state.mu_scales is not None):
+    raise ValueError(
+      'optimizer state was built with'
+      + ('out' if opts.moments_8bit else '')
+      + ' 8-bit moments, this transformation has moments_8bit='
+      + str(opts.moments_8bit)
+    )
+  if opts.moments_8bit:
+    fields['mu_scales'] = state.mu_scales
+    fields['nu_scales'] = state.nu_scales
   out = {}
   types = _leaf_state_types(opts, plan)
   for name, tree in fields.items():
@@ -260,6 +300,8 @@ def check_state(opts, plan: Plan, state: Any, from_grads: bool):
       want_dtype = {'master': m_t, 'mu': mu_t, 'nu': nu_t}.get(name, np.float32)
       if name == 'kept_grads':
         want_shape = shape[1:] if paired else (0,) * (len(shape) + 2)
+      if name.endswith('_scales'):
+        want_shape = _scales_shape(opts, plan, i)
       got = (tuple(np.shape(x)), np.dtype(x.dtype))
       if got != (tuple(want_shape), np.dtype(want_dtype)):
         raise ValueError(
@@ -271,6 +313,13 @@ def check_state(opts, plan: Plan, state: Any, from_grads: bool):
     out[name] = leaves
   if opts.zero is not None:
     _check_on_mesh(opts.zero, plan, out['master'])
+  if opts.moments_8bit:  # The kernel's leaves as codes with their scales.
+    for name in ('mu', 'nu'):
+      scales = out.pop(f'{name}_scales')
+      out[name] = [
+        moments.Blockwise(x, s) if i in plan.bucket_of else x
+        for i, (x, s) in enumerate(zip(out[name], scales, strict=True))
+      ]
   return out
 
 

@@ -25,6 +25,7 @@ from jax_superoffload._src import executors
 from jax_superoffload._src import host_memory
 from jax_superoffload._src import in_place
 from jax_superoffload._src import layout
+from jax_superoffload._src import moments
 from jax_superoffload._src import stv
 from jax_superoffload._src import transform
 from jax_superoffload._src import zero as zero_lib
@@ -129,7 +130,7 @@ def _scalars_to(place, xs: list) -> list:
   Scalars live on the device between steps (see transform.on_host) and
   visit host memory for the host step.
   """
-  return [place(x) if x.ndim == 0 else x for x in xs]
+  return jax.tree.map(lambda x: place(x) if x.ndim == 0 else x, list(xs))
 
 
 def bucket_step(opts, b: Bucket, master, mu, nu, grad_scale=None):
@@ -300,10 +301,11 @@ def _new_state(opts, inputs, state, buckets, results, kept, optax_new, verdict):
             new[n][i] = x
         continue
       for i, x in zip(b.leaves, getattr(r, n), strict=True):
-        new[n][i] = host_memory.to_device(x) if x.ndim == 0 else x
+        new[n][i] = _scalars_to(host_memory.to_device, [x])[0]
   for n, xs in optax_new.items():
     for i, x in zip(inputs.plan.lay.fallback, xs, strict=True):
       new[n][i] = x
+  scales = _split_blockwise(opts, state, new)
   tree = lambda xs: jax.tree.unflatten(inputs.plan.lay.treedef, xs)  # noqa: E731
   count = optax.safe_increment(state.count)
   redone, skipped, row = state.redone, state.skipped, state.row
@@ -322,7 +324,26 @@ def _new_state(opts, inputs, state, buckets, results, kept, optax_new, verdict):
     skipped=skipped,
     row=row,
     kept_grads=tree(new['kept_grads']) if opts.double_buffered else None,
+    mu_scales=tree(scales['mu']) if scales else None,
+    nu_scales=tree(scales['nu']) if scales else None,
   )
+
+
+def _split_blockwise(opts, state, new: dict) -> dict:
+  """8-bit moments: `new`'s codes in place, and the scales of mu and nu."""
+  if not opts.moments_8bit:
+    return {}
+  scales = {}
+  for n in ('mu', 'nu'):
+    old = jax.tree.leaves(getattr(state, f'{n}_scales'))
+    scales[n] = [
+      x.scales if isinstance(x, moments.Blockwise) else s
+      for x, s in zip(new[n], old, strict=True)
+    ]
+    new[n] = [
+      x.codes if isinstance(x, moments.Blockwise) else x for x in new[n]
+    ]
+  return scales
 
 
 def update(opts, updates, state, params):

@@ -1,0 +1,113 @@
+"""How Adam's moments are stored: fp32, bf16, or 8-bit blockwise.
+
+8-bit blockwise (`moments_8bit=True`): each leaf's moment, flattened in
+row-major order, is cut into blocks of `BLOCK` elements (the last one
+shorter). A block is stored as one fp32 scale, its largest magnitude, and
+one byte per element: the element divided by the scale, rounded to the
+nearest value of a small floating-point code map, ties to the even code.
+
+- mu (signed): bit 7 is the sign; bits 0-6 a magnitude with 3 mantissa
+  bits and exponent bias 15: code c >= 8 means 2^((c >> 3) - 15) *
+  (1 + (c & 7) / 8), c < 8 means c * 2^-17.
+- nu (non-negative): 8 bits of magnitude, 3 mantissa bits, bias 31.
+
+So each moment keeps a relative precision of 2^-4 over many octaves below
+its block's largest value, which Adam's second moment needs. A block with
+a NaN or an infinity stores that as its scale, and decodes to NaN.
+
+The codes are decoded exactly; a moment is the decoded code times the
+scale (one fp32 rounding). The Grace Adam kernel (moment_codec.h) and the
+`jax.numpy` codec below give the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 256  # Elements per scale; kQuantBlock in lowp_moments.h.
+
+
+class Blockwise(NamedTuple):
+  """One leaf's 8-bit moment: codes shaped like the leaf, one scale a block."""
+
+  codes: jax.Array  # uint8, the leaf's shape.
+  scales: jax.Array  # float32[num_blocks(size)].
+
+
+def num_blocks(size: int) -> int:
+  return -(-int(size) // BLOCK)
+
+
+@functools.cache
+def code_values(signed: bool) -> np.ndarray:
+  """The magnitude of each code (float32, increasing; 128 or 256 codes)."""
+  bias, count = (15, 128) if signed else (31, 256)
+  c = np.arange(count)
+  normal = np.ldexp(1.0 + (c & 7) / 8.0, (c >> 3) - bias)
+  subnormal = c * 2.0 ** (-2 - bias)
+  return np.where(c < 8, subnormal, normal).astype(np.float32)
+
+
+def _encode_magnitude(y: jax.Array, signed: bool) -> jax.Array:
+  """Nearest code of y in [0, 1] (NaN: 0), ties to the even code."""
+  values = jnp.asarray(code_values(signed))
+  # Midpoints of neighbours have 5 significant bits: exact in fp32.
+  mids = (values[:-1] + values[1:]) * 0.5
+  y = jnp.where(jnp.isnan(y), 0.0, y)
+  below = jnp.searchsorted(mids, y, side='left')  # Midpoints < y.
+  tie = jnp.take(mids, jnp.minimum(below, mids.shape[0] - 1)) == y
+  code = jnp.where(tie & (below % 2 == 1), below + 1, below)
+  return code.astype(jnp.uint32)
+
+
+def quantize(x: jax.Array, signed: bool) -> Blockwise:
+  """`x` (any float shape) as 8-bit blockwise codes and fp32 scales."""
+  flat = x.astype(jnp.float32).reshape(-1)
+  n = flat.shape[0]
+  pad = num_blocks(n) * BLOCK - n
+  blocks = jnp.pad(flat, (0, pad)).reshape(-1, BLOCK)
+  magnitude = jnp.abs(blocks)
+  # The largest magnitude, a NaN if there is one (as in the kernel).
+  scales = jnp.where(
+    jnp.isnan(magnitude).any(axis=1), jnp.nan, magnitude.max(axis=1)
+  )
+  y = blocks / scales[:, None]  # 0 / 0 and x / NaN: NaN, code 0.
+  code = _encode_magnitude(jnp.abs(y), signed)
+  if signed:
+    negative = (jax.lax.bitcast_convert_type(y, jnp.uint32) >> 31) == 1
+    code = jnp.where(negative & ~jnp.isnan(y), code | 128, code)
+  codes = code.astype(jnp.uint8).reshape(-1)[:n].reshape(x.shape)
+  return Blockwise(codes, scales.reshape(-1))
+
+
+def dequantize(q: Blockwise, signed: bool) -> jax.Array:
+  """The fp32 moment that `q` stores, shaped like its codes."""
+  values = jnp.asarray(code_values(signed))
+  codes = q.codes.reshape(-1).astype(jnp.int32)
+  magnitude = jnp.take(values, codes & 127 if signed else codes)
+  if signed:
+    magnitude = jnp.where(codes >= 128, -magnitude, magnitude)
+  n = codes.shape[0]
+  scale = jnp.repeat(q.scales, BLOCK, total_repeat_length=num_blocks(n) * BLOCK)
+  return (magnitude * scale[:n]).reshape(q.codes.shape)
+
+
+def empty_scales() -> jax.Array:
+  """The scales of a leaf without 8-bit moments (optax-path leaves)."""
+  return jnp.zeros((0,), jnp.float32)
+
+
+def storage_dtypes(mu_dtype: Any, nu_dtype: Any, moments_8bit: bool) -> tuple:
+  """The dtypes the kernel's leaves store mu and nu in."""
+  if moments_8bit:
+    return np.dtype(np.uint8), np.dtype(np.uint8)
+  f32 = np.dtype(np.float32)
+  mu = f32 if mu_dtype is None else np.dtype(mu_dtype)
+  nu = f32 if nu_dtype is None else np.dtype(nu_dtype)
+  return mu, nu

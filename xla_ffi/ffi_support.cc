@@ -1,0 +1,277 @@
+// Definitions of ffi_support.h.
+
+#include "xla_ffi/ffi_support.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "xla_ffi/adam_kernel.h"
+#include "xla_ffi/float_convert.h"
+
+namespace jax_superoffload {
+namespace {
+
+// Layout of the f32 scalars buffer's last dimension.
+enum ScalarIndex : int64_t {
+  kLearningRate = 0,
+  kB1,
+  kOneMinusB1,
+  kB2,
+  kOneMinusB2,
+  kEps,
+  kEpsRoot,
+  kWeightDecay,
+  kGradScale,
+  kNumScalars,
+};
+
+// Whether two 16-bit floats are equal or adjacent. A low-precision update
+// cannot always land exactly on the rounded master (a weight that crosses
+// zero or more than halves), so a parameter one unit in the last place away
+// is still the one the last step produced.
+inline int Ordered(uint16_t x) {
+  const int magnitude = x & 0x7fff;
+  const int sign = x >> 15;  // 0 or 1.
+  return magnitude - 2 * sign * magnitude;
+}
+
+}  // namespace
+
+ffi::Error InvalidArgument(const std::string& message) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    "jax_superoffload adam_step: " + message);
+}
+
+// The kernel's prefetch policy, or the one JAX_SUPEROFFLOAD_PREFETCH names
+// (t0, nta or none), for experiments. Read on every call: the environment is
+// the only state, and a getenv costs nothing beside a step.
+ffi::Error ReadPrefetch(Prefetch* out) {
+  const char* name = std::getenv("JAX_SUPEROFFLOAD_PREFETCH");
+  if (ParsePrefetch(name, out)) return ffi::Error::Success();
+  return InvalidArgument(std::string("JAX_SUPEROFFLOAD_PREFETCH must be t0, "
+                                     "nta, none or unset, not '") +
+                         name + "'");
+}
+
+bool ToElementType(ffi::DataType dtype, ElementType* out) {
+  switch (dtype) {
+    case ffi::DataType::F32:
+      *out = ElementType::kF32;
+      return true;
+    case ffi::DataType::BF16:
+      *out = ElementType::kBF16;
+      return true;
+    case ffi::DataType::F16:
+      *out = ElementType::kF16;
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Checks the scalars and splits the arrays into one block per scalar set.
+ffi::Error ReadScalarSets(ffi::Buffer<ffi::S32> count,
+                          ffi::Buffer<ffi::F32> scalars, bool nesterov,
+                          int64_t size, std::vector<AdamConstants>* sets,
+                          int64_t* block, bool keep_nonfinite) {
+  const int64_t num_sets = static_cast<int64_t>(count.element_count());
+  if (num_sets < 1 ||
+      static_cast<int64_t>(scalars.element_count()) != num_sets * kNumScalars) {
+    return InvalidArgument("expected " + std::to_string(kNumScalars) +
+                           " scalars per count, got " +
+                           std::to_string(scalars.element_count()) + " for " +
+                           std::to_string(num_sets) + " counts");
+  }
+  if (size % num_sets != 0) {
+    return InvalidArgument("array size " + std::to_string(size) +
+                           " is not a multiple of the scalar sets " +
+                           std::to_string(num_sets));
+  }
+  *block = size / num_sets;
+  sets->resize(num_sets);
+  for (int64_t s = 0; s < num_sets; ++s) {
+    const float* x = scalars.typed_data() + s * kNumScalars;
+    AdamConfig config;
+    config.learning_rate = x[kLearningRate];
+    config.b1 = x[kB1];
+    config.one_minus_b1 = x[kOneMinusB1];
+    config.b2 = x[kB2];
+    config.one_minus_b2 = x[kOneMinusB2];
+    config.eps = x[kEps];
+    config.eps_root = x[kEpsRoot];
+    config.weight_decay = x[kWeightDecay];
+    config.grad_scale = x[kGradScale];
+    config.nesterov = nesterov;
+    config.keep_nonfinite = keep_nonfinite;
+    config.count = count.typed_data()[s];
+    (*sets)[s] = MakeAdamConstants(config);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error LeafError(size_t j, const std::string& message) {
+  return InvalidArgument("leaf " + std::to_string(j) + ": " + message);
+}
+
+// Operand `run * k + j` as a buffer of `n` elements (n < 0: any size).
+ffi::Error GetArg(ffi::RemainingArgs& args, int64_t k, int64_t run, size_t j,
+                  int64_t n, ffi::AnyBuffer* out) {
+  auto buffer = args.get<ffi::AnyBuffer>(run * k + j);
+  if (buffer.has_error()) return buffer.error();
+  if (n >= 0 && static_cast<int64_t>(buffer->element_count()) != n) {
+    return LeafError(j, "operand " + std::to_string(run) + " has " +
+                            std::to_string(buffer->element_count()) +
+                            " elements, expected " + std::to_string(n));
+  }
+  *out = *buffer;
+  return ffi::Error::Success();
+}
+
+// Operand `run * k + j`, `n` elements of f32, bf16 or f16 (a gradient or a
+// parameter, named by `what`): its data and element type.
+ffi::Error GetTyped(ffi::RemainingArgs& args, int64_t k, int64_t run, size_t j,
+                    int64_t n, const char* what, const void** data,
+                    ElementType* type) {
+  ffi::AnyBuffer buffer(nullptr);
+  if (ffi::Error e = GetArg(args, k, run, j, n, &buffer); e.failure()) {
+    return e;
+  }
+  if (!ToElementType(buffer.element_type(), type)) {
+    return LeafError(j, std::string(what) + " dtype must be f32, bf16 or f16");
+  }
+  *data = buffer.untyped_data();
+  return ffi::Error::Success();
+}
+
+// The per-chunk partial sums of squares added in chunk order (independent of
+// threads), into the f32[1] result.
+void TotalInChunkOrder(const std::vector<double>& partial,
+                       ffi::ResultBuffer<ffi::F32>& sumsq) {
+  double total = 0.0;
+  for (double p : partial) total += p;
+  sumsq->typed_data()[0] = static_cast<float>(total);
+}
+
+ffi::Error GetRet(ffi::RemainingRets& rets, int64_t k, int64_t run, size_t j,
+                  int64_t n, void** data, ElementType* type) {
+  auto buffer = rets.get<ffi::AnyBuffer>(run * k + j);
+  if (buffer.has_error()) return buffer.error();
+  if (static_cast<int64_t>((*buffer)->element_count()) != n) {
+    return LeafError(j, "result " + std::to_string(run) + " has " +
+                            std::to_string((*buffer)->element_count()) +
+                            " elements, expected " + std::to_string(n));
+  }
+  if (type != nullptr && !ToElementType((*buffer)->element_type(), type)) {
+    return LeafError(j, "weights dtype must be f32, bf16 or f16");
+  }
+  *data = (*buffer)->untyped_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error F32(const ffi::AnyBuffer& buffer, size_t j, const char* what) {
+  if (buffer.element_type() != ffi::DataType::F32) {
+    return LeafError(j, std::string(what) + " must be f32");
+  }
+  return ffi::Error::Success();
+}
+
+// The parameters as the source of truth: over [begin, end), `out` receives
+// the master where it rounds to the parameter, or to a neighbour of it for
+// 16-bit parameters (keeping its extra precision), and the parameter
+// otherwise (weights loaded, surgery, an EMA swap). `out`
+// may be `master`.
+void ReseedRange(const float* master, const void* params, ElementType type,
+                 float tolerance, float* out, int64_t begin, int64_t end,
+                 Isa isa) {
+  if (type == ElementType::kF32) {  // The master is the parameter itself.
+    const float* p = static_cast<const float*>(params);
+    if (out != master) {
+      std::memcpy(out + begin, p + begin, (end - begin) * sizeof(float));
+      return;
+    }
+    // In place, a line's worth at a time, written only where it differs:
+    // STV's current row is otherwise only read, and a write would make it
+    // dirty (4 B/param more traffic when the line is evicted).
+    for (int64_t i = begin; i < end; i += 16) {
+      const int64_t stop = std::min(end, i + 16);
+      uint32_t differ = 0;
+      for (int64_t j = i; j < stop; ++j) {
+        uint32_t a, b;
+        std::memcpy(&a, out + j, sizeof(a));
+        std::memcpy(&b, p + j, sizeof(b));
+        differ |= a ^ b;
+      }
+      if (differ != 0) {
+        std::memcpy(out + i, p + i, (stop - i) * sizeof(float));
+      }
+    }
+    return;
+  }
+  // Branch-free, so that the compiler vectorizes it: the range is then
+  // stepped while it is still in cache, and the parameters' read is the
+  // only traffic this adds.
+  const uint16_t* p = static_cast<const uint16_t*>(params);
+  if (type == ElementType::kBF16) {
+    if (out != master) {
+      std::memcpy(out + begin, master + begin, (end - begin) * sizeof(float));
+    }
+    ReseedBf16Range(out, p, tolerance, begin, end, isa);
+    return;
+  }
+  for (int64_t i = begin; i < end; ++i) {
+    const float m = master[i];
+    const float w = F16BitsToFloat(p[i]);
+    const int diff = Ordered(FloatToF16Bits(m)) - Ordered(p[i]);
+    const bool same = (diff >= -1 && diff <= 1) || std::fabs(w - m) <= tolerance;
+    out[i] = same ? m : w;
+  }
+}
+
+std::vector<int64_t> Starts(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> starts(sizes.size() + 1, 0);
+  for (size_t j = 0; j < sizes.size(); ++j) starts[j + 1] = starts[j] + sizes[j];
+  return starts;
+}
+
+ffi::Error OneScalarSet(ffi::Buffer<ffi::S32> count,
+                        ffi::Buffer<ffi::F32> scalars, bool nesterov,
+                        bool keep_nonfinite, int64_t size,
+                        AdamConstants* constants) {
+  std::vector<AdamConstants> sets;
+  int64_t block = 0;
+  // Any positive size: the leaves are one block of one scalar set.
+  if (ffi::Error error = ReadScalarSets(count, scalars, nesterov,
+                                       std::max<int64_t>(size, 1), &sets,
+                                       &block, keep_nonfinite);
+      error.failure()) {
+    return error;
+  }
+  if (sets.size() != 1) return InvalidArgument("leaves cannot be batched");
+  *constants = sets[0];
+  return ffi::Error::Success();
+}
+
+// A bucket's constants (one scalar set for all its leaves), its f32[1] sum
+// of squares checked, and the number of fixed work chunks over its
+// `starts.back()` elements.
+ffi::Error BucketSetup(ffi::Buffer<ffi::S32> count,
+                       ffi::Buffer<ffi::F32> scalars, bool nesterov,
+                       bool keep_nonfinite, const std::vector<int64_t>& starts,
+                       ffi::ResultBuffer<ffi::F32>& sumsq,
+                       AdamConstants* constants, int64_t* num_chunks) {
+  if (ffi::Error error = OneScalarSet(count, scalars, nesterov, keep_nonfinite,
+                                      starts.back(), constants);
+      error.failure()) {
+    return error;
+  }
+  if (sumsq->element_count() != 1) return InvalidArgument("sumsq is a scalar");
+  *num_chunks = (starts.back() + kChunkElements - 1) / kChunkElements;
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_superoffload

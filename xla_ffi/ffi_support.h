@@ -1,0 +1,193 @@
+// Shared by the FFI handlers of the Grace Adam kernels (adam_ffi.cc,
+// lowp_ffi.cc): the scalars and the per-leaf operand runs read and checked,
+// the parallel loop over fixed work chunks, and the master re-seeded from
+// the parameters.
+
+#ifndef JAX_SUPEROFFLOAD_XLA_FFI_FFI_SUPPORT_H_
+#define JAX_SUPEROFFLOAD_XLA_FFI_FFI_SUPPORT_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/adam_kernel.h"
+
+namespace jax_superoffload {
+
+namespace ffi = xla::ffi;
+
+// Runs fn(chunk) for chunk in [0, num_chunks) on the calling thread and up to
+// `pool.num_threads() - 1` pool threads. The caller takes chunks too, so it
+// never blocks on work nobody has started; a pool task that starts after all
+// chunks are claimed returns without touching `fn`.
+template <class Fn>
+void ParallelChunks(ffi::ThreadPool& pool, int64_t num_chunks, const Fn& fn) {
+  const int64_t helpers =
+      std::min<int64_t>(pool.num_threads() - 1, num_chunks - 1);
+  if (helpers <= 0) {
+    for (int64_t c = 0; c < num_chunks; ++c) fn(c);
+    return;
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    int64_t done = 0;  // Guarded by mutex.
+    std::mutex mutex;
+    std::condition_variable all_done;
+  };
+  auto shared = std::make_shared<Shared>();
+  auto work = [shared, num_chunks, &fn]() {
+    int64_t finished = 0;
+    for (int64_t c = shared->next.fetch_add(1); c < num_chunks;
+         c = shared->next.fetch_add(1)) {
+      fn(c);
+      ++finished;
+    }
+    if (finished == 0) return;
+    std::lock_guard<std::mutex> lock(shared->mutex);
+    shared->done += finished;
+    if (shared->done == num_chunks) shared->all_done.notify_all();
+  };
+  for (int64_t i = 0; i < helpers; ++i) {
+    auto task = work;  // Schedule takes ownership of its own copy.
+    pool.Schedule(std::move(task));
+  }
+  work();
+  std::unique_lock<std::mutex> lock(shared->mutex);
+  shared->all_done.wait(lock, [&] { return shared->done == num_chunks; });
+}
+
+ffi::Error InvalidArgument(const std::string& message);
+
+// The kernel's prefetch policy, or the one JAX_SUPEROFFLOAD_PREFETCH names
+// (t0, nta or none), for experiments. Read on every call: the environment is
+// the only state, and a getenv costs nothing beside a step.
+ffi::Error ReadPrefetch(Prefetch* out);
+
+bool ToElementType(ffi::DataType dtype, ElementType* out);
+
+// Checks the scalars and splits the arrays into one block per scalar set.
+ffi::Error ReadScalarSets(ffi::Buffer<ffi::S32> count,
+                          ffi::Buffer<ffi::F32> scalars, bool nesterov,
+                          int64_t size, std::vector<AdamConstants>* sets,
+                          int64_t* block, bool keep_nonfinite = false);
+
+// The per-leaf buffers of a bucket arrive as runs of `num_leaves` buffers
+// each in the variadic operands and results (all masters, then all mu, ...),
+// so the state of every leaf is its own array, shaped like its parameter,
+// and nothing is concatenated or sliced on the way in or out.
+class LeafRuns {
+ public:
+  LeafRuns(int64_t num_leaves, int64_t num_args, int64_t num_rets)
+      : k_(num_leaves), num_args_(num_args), num_rets_(num_rets) {}
+
+  // Checks that there are `args` runs of operands and `rets` of results.
+  ffi::Error Expect(int64_t args, int64_t rets) const {
+    if (k_ < 0 || num_args_ != args * k_ || num_rets_ != rets * k_) {
+      return InvalidArgument(
+          "expected " + std::to_string(args) + " and " + std::to_string(rets) +
+          " runs of " + std::to_string(k_) + " leaves, got " +
+          std::to_string(num_args_) + " operands and " +
+          std::to_string(num_rets_) + " results");
+    }
+    return ffi::Error::Success();
+  }
+
+  int64_t k() const { return k_; }
+
+ private:
+  int64_t k_;
+  int64_t num_args_;
+  int64_t num_rets_;
+};
+
+ffi::Error LeafError(size_t j, const std::string& message);
+
+// Operand `run * k + j` as a buffer of `n` elements (n < 0: any size).
+ffi::Error GetArg(ffi::RemainingArgs& args, int64_t k, int64_t run, size_t j,
+                  int64_t n, ffi::AnyBuffer* out);
+
+// Operand `run * k + j`, `n` elements of f32, bf16 or f16 (a gradient or a
+// parameter, named by `what`): its data and element type.
+ffi::Error GetTyped(ffi::RemainingArgs& args, int64_t k, int64_t run, size_t j,
+                    int64_t n, const char* what, const void** data,
+                    ElementType* type);
+
+// The per-chunk partial sums of squares added in chunk order (independent of
+// threads), into the f32[1] result.
+void TotalInChunkOrder(const std::vector<double>& partial,
+                       ffi::ResultBuffer<ffi::F32>& sumsq);
+
+ffi::Error GetRet(ffi::RemainingRets& rets, int64_t k, int64_t run, size_t j,
+                  int64_t n, void** data, ElementType* type = nullptr);
+
+ffi::Error F32(const ffi::AnyBuffer& buffer, size_t j, const char* what);
+
+// How far a 16-bit parameter may be from the master and still be the one
+// the last step produced: a 16-bit update cannot always land on the rounded
+// master when the step is larger than the weight (its own rounding, 2^-8 of
+// the step for bf16, is then more than an ulp of the weight). Adam's step
+// is a few learning rates at most, so lr / 16 covers steps up to 16 lr.
+inline float ReseedTolerance(const AdamConstants& constants) {
+  return std::fabs(constants.learning_rate) * 0.0625f;
+}
+
+// Elements re-seeded and then stepped at a time: 16K floats (64 KiB of
+// master) stay in L2 between the two.
+inline constexpr int64_t kReseedBlock = 1 << 14;
+
+// The parameters as the source of truth: over [begin, end), `out` receives
+// the master where it rounds to the parameter, or to a neighbour of it for
+// 16-bit parameters (keeping its extra precision), and the parameter
+// otherwise (weights loaded, surgery, an EMA swap). `out`
+// may be `master`.
+void ReseedRange(const float* master, const void* params, ElementType type,
+                 float tolerance, float* out, int64_t begin, int64_t end,
+                 Isa isa);
+
+// Runs fn(leaf, begin, end, chunk) over every leaf piece of every chunk of
+// the leaves laid (virtually) end to end; `starts` are their offsets.
+template <class Fn>
+void ForEachPiece(ffi::ThreadPool& pool, const std::vector<int64_t>& starts,
+                  const Fn& fn) {
+  const int64_t size = starts.back();
+  const int64_t num_chunks = (size + kChunkElements - 1) / kChunkElements;
+  ParallelChunks(pool, num_chunks, [&](int64_t chunk) {
+    const int64_t begin = chunk * kChunkElements;
+    const int64_t end = std::min(size, begin + kChunkElements);
+    size_t j = std::upper_bound(starts.begin(), starts.end(), begin) -
+               starts.begin() - 1;
+    for (int64_t i = begin; i < end; ++j) {
+      const int64_t stop = std::min(end, starts[j + 1]);
+      if (stop > i) fn(j, i - starts[j], stop - starts[j], chunk);
+      i = stop;
+    }
+  });
+}
+
+std::vector<int64_t> Starts(const std::vector<int64_t>& sizes);
+
+ffi::Error OneScalarSet(ffi::Buffer<ffi::S32> count,
+                        ffi::Buffer<ffi::F32> scalars, bool nesterov,
+                        bool keep_nonfinite, int64_t size,
+                        AdamConstants* constants);
+
+// A bucket's constants (one scalar set for all its leaves), its f32[1] sum
+// of squares checked, and the number of fixed work chunks over its
+// `starts.back()` elements.
+ffi::Error BucketSetup(ffi::Buffer<ffi::S32> count,
+                       ffi::Buffer<ffi::F32> scalars, bool nesterov,
+                       bool keep_nonfinite, const std::vector<int64_t>& starts,
+                       ffi::ResultBuffer<ffi::F32>& sumsq,
+                       AdamConstants* constants, int64_t* num_chunks);
+
+}  // namespace jax_superoffload
+
+#endif  // JAX_SUPEROFFLOAD_XLA_FFI_FFI_SUPPORT_H_

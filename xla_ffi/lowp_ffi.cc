@@ -1,0 +1,247 @@
+// The XLA FFI handler of Grace Adam with low-precision moments
+// (lowp_moments.h): one bucket of leaves, each with its own fp32 master and
+// its bf16 or 8-bit blockwise moments, shaped like its parameter.
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/adam_ffi.h"
+#include "xla_ffi/adam_kernel.h"
+#include "xla_ffi/ffi_support.h"
+#include "xla_ffi/lowp_moments.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_superoffload {
+namespace {
+
+// A moment's storage format from its buffer's dtype.
+bool ToMomentFormat(ffi::DataType dtype, MomentFormat* out) {
+  switch (dtype) {
+    case ffi::DataType::F32:
+      *out = MomentFormat::kF32;
+      return true;
+    case ffi::DataType::BF16:
+      *out = MomentFormat::kBF16;
+      return true;
+    case ffi::DataType::U8:
+      *out = MomentFormat::kQ8;
+      return true;
+    default:
+      return false;
+  }
+}
+
+int64_t NumBlocks(int64_t n) { return (n + kQuantBlock - 1) / kQuantBlock; }
+
+// The operand and result runs of one call, in order (see the handler).
+struct LowpRuns {
+  bool quantized;
+  bool reseed;
+  bool copy_weights;
+  int64_t mu_scale() const { return 3; }
+  int64_t nu_scale() const { return 4; }
+  int64_t grad() const { return quantized ? 5 : 3; }
+  int64_t params() const { return grad() + 1; }
+  int64_t weights() const { return quantized ? 5 : 3; }
+  int64_t args() const { return params() + (reseed ? 1 : 0); }
+  int64_t rets() const { return weights() + (copy_weights ? 1 : 0); }
+};
+
+// Leaf j's state: master (f32), mu and nu (f32, bf16 or u8 codes) and, for
+// 8-bit moments, their f32 scales (one per block of kQuantBlock).
+ffi::Error GetLowpState(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
+                        const LowpRuns& runs, int64_t k, size_t j,
+                        LowpMomentBuffers* b) {
+  ffi::AnyBuffer master(nullptr), mu(nullptr), nu(nullptr);
+  if (ffi::Error e = GetArg(args, k, 0, j, -1, &master); e.failure()) return e;
+  if (ffi::Error e = F32(master, j, "master"); e.failure()) return e;
+  const int64_t n = static_cast<int64_t>(master.element_count());
+  if (ffi::Error e = GetArg(args, k, 1, j, n, &mu); e.failure()) return e;
+  if (ffi::Error e = GetArg(args, k, 2, j, n, &nu); e.failure()) return e;
+  if (!ToMomentFormat(mu.element_type(), &b->mu_format) ||
+      !ToMomentFormat(nu.element_type(), &b->nu_format) ||
+      !LowpFormatsSupported(b->mu_format, b->nu_format) ||
+      (b->mu_format == MomentFormat::kQ8) != runs.quantized) {
+    return LeafError(j, std::string("moments must be (bf16, f32), (bf16, "
+                                    "bf16)") +
+                            (runs.quantized ? " or (u8, u8) with scales"
+                                            : ""));
+  }
+  b->size = n;
+  b->master_in = static_cast<const float*>(master.untyped_data());
+  b->mu_in = mu.untyped_data();
+  b->nu_in = nu.untyped_data();
+  void* out = nullptr;
+  if (ffi::Error e = GetRet(rets, k, 0, j, n, &out); e.failure()) return e;
+  b->master_out = static_cast<float*>(out);
+  if (ffi::Error e = GetRet(rets, k, 1, j, n, &b->mu_out); e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = GetRet(rets, k, 2, j, n, &b->nu_out); e.failure()) {
+    return e;
+  }
+  if (!runs.quantized) return ffi::Error::Success();
+  const int64_t blocks = NumBlocks(n);
+  const float** scales_in[2] = {&b->mu_scale_in, &b->nu_scale_in};
+  float** scales_out[2] = {&b->mu_scale_out, &b->nu_scale_out};
+  const int64_t run[2] = {runs.mu_scale(), runs.nu_scale()};
+  for (int m = 0; m < 2; ++m) {
+    ffi::AnyBuffer scale(nullptr);
+    if (ffi::Error e = GetArg(args, k, run[m], j, blocks, &scale);
+        e.failure()) {
+      return e;
+    }
+    if (ffi::Error e = F32(scale, j, "scales"); e.failure()) return e;
+    *scales_in[m] = static_cast<const float*>(scale.untyped_data());
+    if (ffi::Error e = GetRet(rets, k, run[m], j, blocks, &out); e.failure()) {
+      return e;
+    }
+    *scales_out[m] = static_cast<float*>(out);
+  }
+  return ffi::Error::Success();
+}
+
+// Leaf j's buffers: its state, gradient, optional weights copy and
+// optional parameters (`params`, `param_type`).
+ffi::Error GetLowpLeaf(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
+                       const LowpRuns& runs, int64_t k, size_t j,
+                       LowpMomentBuffers* b, const void** params,
+                       ElementType* param_type) {
+  if (ffi::Error e = GetLowpState(args, rets, runs, k, j, b); e.failure()) {
+    return e;
+  }
+  const int64_t n = b->size;
+  if (ffi::Error e = GetTyped(args, k, runs.grad(), j, n, "gradient", &b->grad,
+                              &b->grad_type);
+      e.failure()) {
+    return e;
+  }
+  if (runs.copy_weights) {
+    if (ffi::Error e = GetRet(rets, k, runs.weights(), j, n, &b->lowp_out,
+                              &b->lowp_type);
+        e.failure()) {
+      return e;
+    }
+  }
+  if (runs.reseed) {
+    if (ffi::Error e = GetTyped(args, k, runs.params(), j, n, "parameter",
+                                params, param_type);
+        e.failure()) {
+      return e;
+    }
+  }
+  if (const char* error = ValidateLowpMomentBuffers(*b)) {
+    return LeafError(j, error);
+  }
+  return ffi::Error::Success();
+}
+
+// Leaf `b`'s step over [begin, end) (block-aligned for 8-bit moments),
+// starting from `params` where the master no longer rounds to them.
+double StepLowpPiece(const AdamConstants& constants, const LowpMomentBuffers& b,
+                     const void* params, ElementType param_type,
+                     int64_t begin, int64_t end, Isa isa, bool sum_squares) {
+  if (params == nullptr) {
+    return LowpAdamStepRange(constants, b, begin, end, isa, sum_squares);
+  }
+  LowpMomentBuffers from = b;
+  if (param_type == ElementType::kF32) {  // The parameters are the master.
+    from.master_in = static_cast<const float*>(params);
+    return LowpAdamStepRange(constants, from, begin, end, isa, sum_squares);
+  }
+  // Re-seeded into the output a block at a time and stepped there from
+  // cache, as the fp32-moment handler does.
+  from.master_in = b.master_out;
+  double total = 0.0;
+  for (int64_t i = begin; i < end; i += kReseedBlock) {
+    const int64_t stop = std::min(end, i + kReseedBlock);
+    ReseedRange(b.master_in, params, param_type, ReseedTolerance(constants),
+                b.master_out, i, stop, isa);
+    total += LowpAdamStepRange(constants, from, i, stop, isa, sum_squares);
+  }
+  return total;
+}
+
+// One bucket of k leaves with low-precision moments. Operands: the count
+// and scalars, then runs of k: masters (f32), mu, nu (bf16 and f32, bf16
+// and bf16, or u8 and u8), with `quantized` mu scales and nu scales (f32,
+// one per block of kQuantBlock), gradients (f32, bf16 or f16) and, with
+// `reseed`, the parameters the step starts from. Results: the sum of the
+// squared scaled gradients (f32[1], zero unless `compute_sumsq`), the new
+// masters, mu, nu (and scales), aliased to their operands, and optionally
+// the new weights in the parameters' dtypes. Work is split in fixed chunks
+// over the leaves laid end to end, each leaf padded to whole blocks, so
+// that a piece of a leaf starts on a block and nothing depends on the
+// number of threads.
+ffi::Error AdamStepLowpSegmentsHandler(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
+    ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
+    ffi::ResultBuffer<ffi::F32> sumsq, ffi::RemainingRets rets,
+    bool nesterov, bool keep_nonfinite, bool compute_sumsq,
+    int64_t num_leaves, bool reseed, bool quantized) {
+  LowpRuns runs{quantized, reseed, false};
+  runs.copy_weights =
+      num_leaves > 0 &&
+      static_cast<int64_t>(rets.size()) == (runs.weights() + 1) * num_leaves;
+  const LeafRuns leaf_runs(num_leaves, args.size(), rets.size());
+  if (ffi::Error e = leaf_runs.Expect(runs.args(), runs.rets()); e.failure()) {
+    return e;
+  }
+  const int64_t k = leaf_runs.k();
+  std::vector<LowpMomentBuffers> leaves(k);
+  std::vector<const void*> params(k, nullptr);
+  std::vector<ElementType> param_types(k, ElementType::kF32);
+  std::vector<int64_t> padded(k);
+  for (int64_t j = 0; j < k; ++j) {
+    if (ffi::Error e = GetLowpLeaf(args, rets, runs, k, j, &leaves[j],
+                                   &params[j], &param_types[j]);
+        e.failure()) {
+      return e;
+    }
+    padded[j] = NumBlocks(leaves[j].size) * kQuantBlock;
+  }
+  AdamConstants constants;
+  const std::vector<int64_t> starts = Starts(padded);
+  int64_t num_chunks = 0;
+  if (ffi::Error error =
+          BucketSetup(count, scalars, nesterov, keep_nonfinite, starts, sumsq,
+                      &constants, &num_chunks);
+      error.failure()) {
+    return error;
+  }
+  std::vector<double> partial(num_chunks, 0.0);
+  const Isa isa = BestIsa();
+  ForEachPiece(pool, starts, [&](size_t j, int64_t begin, int64_t end,
+                                 int64_t chunk) {
+    end = std::min(end, leaves[j].size);  // The padding is not stepped.
+    if (begin >= end) return;
+    partial[chunk] +=
+        StepLowpPiece(constants, leaves[j], params[j], param_types[j], begin,
+                      end, isa, compute_sumsq);
+  });
+  TotalInChunkOrder(partial, sumsq);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_superoffload
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowpSegments,
+                              jax_superoffload::AdamStepLowpSegmentsHandler,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets()
+                                  .Attr<bool>("nesterov")
+                                  .Attr<bool>("keep_nonfinite")
+                                  .Attr<bool>("compute_sumsq")
+                                  .Attr<int64_t>("num_leaves")
+                                  .Attr<bool>("reseed")
+                                  .Attr<bool>("quantized"));
