@@ -192,6 +192,8 @@ ffi::Error AdamStepLowpSegmentsHandler(
     return e;
   }
   const int64_t k = leaf_runs.k();
+  Prefetch prefetch;
+  if (ffi::Error e = ReadPrefetch(&prefetch); e.failure()) return e;
   std::vector<LowpMomentBuffers> leaves(k);
   std::vector<const void*> params(k, nullptr);
   std::vector<ElementType> param_types(k, ElementType::kF32);
@@ -202,6 +204,7 @@ ffi::Error AdamStepLowpSegmentsHandler(
         e.failure()) {
       return e;
     }
+    leaves[j].prefetch = prefetch;
     padded[j] = NumBlocks(leaves[j].size) * kQuantBlock;
   }
   AdamConstants constants;

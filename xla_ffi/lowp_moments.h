@@ -60,6 +60,7 @@ struct LowpMomentBuffers {
   float* nu_scale_out = nullptr;
   void* lowp_out = nullptr;  // Copy of the new master, as in AdamBuffers.
   ElementType lowp_type = ElementType::kNone;
+  Prefetch prefetch = kDefaultPrefetch;  // As in AdamBuffers.
 };
 
 // The pairs of formats supported: (kBF16, kF32) (optax's mu_dtype=bf16),

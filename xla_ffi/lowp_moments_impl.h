@@ -23,6 +23,7 @@ namespace {
 // through fp32 (`x`, n values from element `start`, which begins a block).
 struct F32Codec {
   static constexpr bool kElementwise = true;
+  static constexpr int kBytes = 4;
   template <class Ops>
   static JSO_INLINE typename Ops::V Load(const void* p, int64_t i) {
     return Ops::Load(static_cast<const float*>(p) + i);
@@ -35,6 +36,7 @@ struct F32Codec {
 
 struct Bf16Codec {
   static constexpr bool kElementwise = true;
+  static constexpr int kBytes = 2;
   template <class Ops>
   static JSO_INLINE typename Ops::V Load(const void* p, int64_t i) {
     return Ops::LoadBf16(static_cast<const uint16_t*>(p) + i);
@@ -54,12 +56,36 @@ struct Q8Codec {
                      int64_t n, float* x) {
     const uint8_t* code = static_cast<const uint8_t*>(in) + start;
     const float scale = scales[start / kQuantBlock];
-    for (int64_t i = 0; i < n; ++i) {
-      x[i] = (kSigned ? DecodeMu(code[i]) : DecodeNu(code[i])) * scale;
+    // A whole block as a constant trip count: no epilogue, no aliasing
+    // check, full-width vectors.
+    if (n == kQuantBlock) {
+      DecodeCodes(code, scale, kQuantBlock, x);
+    } else {
+      DecodeCodes(code, scale, n, x);
     }
   }
   static void Encode(const float* x, int64_t n, void* out, float* scales,
                      int64_t start) {
+    uint8_t* code = static_cast<uint8_t*>(out) + start;
+    float* scale = scales + start / kQuantBlock;
+    if (n == kQuantBlock) {
+      EncodeCodes(x, kQuantBlock, code, scale);
+    } else {
+      EncodeCodes(x, n, code, scale);
+    }
+  }
+
+ private:
+  static JSO_INLINE void DecodeCodes(const uint8_t* __restrict code,
+                                     float scale, int64_t n,
+                                     float* __restrict x) {
+    for (int64_t i = 0; i < n; ++i) {
+      x[i] = (kSigned ? DecodeMu(code[i]) : DecodeNu(code[i])) * scale;
+    }
+  }
+  static JSO_INLINE void EncodeCodes(const float* __restrict x, int64_t n,
+                                     uint8_t* __restrict code,
+                                     float* __restrict scale_out) {
     // The largest magnitude, by its bits (ordered as the values are for
     // non-negative floats; a NaN's bits exceed every number's, so a NaN
     // becomes the scale). Order-free.
@@ -69,18 +95,50 @@ struct Q8Codec {
       largest = magnitude > largest ? magnitude : largest;
     }
     const float scale = BitsToFloat(largest);
-    scales[start / kQuantBlock] = scale;
-    // 0 / 0 and x / NaN give NaN, which encodes as code 0. In 32 bits
-    // first, then narrowed: loops of one element width vectorise.
+    *scale_out = scale;
+    // 0 * (1 / 0) and x * (1 / NaN) give NaN, which encodes as code 0; an
+    // infinite scale gives 0 * x. In 32 bits first, then narrowed: loops
+    // of one element width vectorise.
+    const float inverse = 1.0f / scale;
     alignas(64) uint32_t wide[kQuantBlock];
     for (int64_t i = 0; i < n; ++i) {
-      const float y = x[i] / scale;
+      const float y = x[i] * inverse;
       wide[i] = kSigned ? EncodeMu(y) : EncodeNu(y);
     }
-    uint8_t* code = static_cast<uint8_t*>(out) + start;
     for (int64_t i = 0; i < n; ++i) code[i] = static_cast<uint8_t>(wide[i]);
   }
 };
+
+// Prefetches each input stream `kPrefetchElements` past element i (as
+// PrefetchLines does for fp32 moments), the moments at their own width.
+template <ElementType kGrad, int kMuBytes, int kNuBytes, int kLocality>
+JSO_INLINE void PrefetchLowpLines(const LowpMomentBuffers& b, int64_t i) {
+  const int64_t ahead = i + kPrefetchElements;
+  constexpr int64_t kGradBytes = kGrad == ElementType::kF32 ? 4 : 2;
+  __builtin_prefetch(b.master_in + ahead, 1, kLocality);
+  __builtin_prefetch(static_cast<const char*>(b.grad) + ahead * kGradBytes, 0,
+                     kLocality);
+  // Once per fp32 line: a line of a narrower moment is prefetched twice or
+  // more, which costs an instruction and no traffic.
+  __builtin_prefetch(static_cast<const char*>(b.mu_in) + ahead * kMuBytes, 1,
+                     kLocality);
+  __builtin_prefetch(static_cast<const char*>(b.nu_in) + ahead * kNuBytes, 1,
+                     kLocality);
+}
+
+template <ElementType kGrad, int kMuBytes, int kNuBytes>
+JSO_INLINE void PrefetchLowp(const LowpMomentBuffers& b, int64_t i) {
+  switch (b.prefetch) {
+    case Prefetch::kT0:
+      PrefetchLowpLines<kGrad, kMuBytes, kNuBytes, 3>(b, i);
+      break;
+    case Prefetch::kNta:
+      PrefetchLowpLines<kGrad, kMuBytes, kNuBytes, 0>(b, i);
+      break;
+    case Prefetch::kNone:
+      break;
+  }
+}
 
 // The step over [begin, end) with elementwise moment formats: one loop of
 // vectors, as AdamLoop, reading and writing the moments in their storage.
@@ -99,6 +157,9 @@ double LowpElementwiseLoop(const AdamConstants& k, const LowpMomentBuffers& b,
     V sum = Ops::Set(0.0f);
 #pragma GCC unroll 4
     for (; i + kLanes <= stop; i += kLanes) {
+      if (StartsLine(i, kLanes)) {
+        PrefetchLowp<kGrad, MuCodec::kBytes, NuCodec::kBytes>(b, i);
+      }
       V master = Ops::Load(b.master_in + i);
       V mu = MuCodec::template Load<Ops>(b.mu_in, i);
       V nu = NuCodec::template Load<Ops>(b.nu_in, i);
@@ -163,6 +224,16 @@ double LowpBlockMath(const AdamConstants& k, const LowpMomentBuffers& b,
   return total;
 }
 
+// The lines of the 8-bit block starting at element `start` (one block
+// ahead: kPrefetchElements), with the policy's locality.
+template <ElementType kGrad>
+JSO_INLINE void PrefetchBlock(const LowpMomentBuffers& b, int64_t start) {
+  static_assert(kQuantBlock % kLineElements == 0);
+  for (int64_t i = start; i < start + kQuantBlock; i += kLineElements) {
+    PrefetchLowp<kGrad, 1, 1>(b, i - kPrefetchElements);
+  }
+}
+
 template <class Ops, ElementType kGrad, ElementType kLowp, bool kNesterov,
           bool kDecay, class MuCodec, class NuCodec, bool kSumSquares>
 double LowpLoop(const AdamConstants& constants,
@@ -178,6 +249,7 @@ double LowpLoop(const AdamConstants& constants,
     alignas(64) float nu[kQuantBlock];
     double total = 0.0;
     for (int64_t start = begin; start < end; start += kQuantBlock) {
+      PrefetchBlock<kGrad>(b, start + kQuantBlock);
       const int64_t n = std::min(kQuantBlock, end - start);
       MuCodec::Decode(b.mu_in, b.mu_scale_in, start, n, mu);
       NuCodec::Decode(b.nu_in, b.nu_scale_in, start, n, nu);

@@ -4,7 +4,8 @@
 //
 // 8-bit blockwise: a block of kQuantBlock moments is stored as one fp32
 // scale, the largest magnitude in the block, and one byte per moment: the
-// moment divided by the scale (so |y| <= 1), rounded to the nearest value of
+// moment times the scale's fp32 reciprocal (so |y| <= 1 up to rounding; a
+// multiply, not a division per element), rounded to the nearest value of
 // a small floating-point format, ties to the even code (an fp8-like
 // exponent-aware code map: relative precision 2^-4 over many octaves below
 // the block's largest value):
@@ -57,9 +58,13 @@ template <uint32_t kBias>
 inline float DecodeMagnitude(uint32_t code) {
   const float subnormal = static_cast<float>(static_cast<int32_t>(code)) *
                           BitsToFloat((125u - kBias) << 23);
-  const float normal = BitsToFloat((((code >> 3) + 127u - kBias) << 23) |
-                                   ((code & 7u) << 20));
-  return code < 8 ? subnormal : normal;
+  const uint32_t normal = (((code >> 3) + 127u - kBias) << 23) |
+                          ((code & 7u) << 20);
+  // Selected by a mask, not a branch or `?:` on floats, which GCC does
+  // not vectorise here.
+  const uint32_t is_subnormal = 0u - static_cast<uint32_t>(code < 8);
+  return BitsToFloat((FloatBits(subnormal) & is_subnormal) |
+                     (normal & ~is_subnormal));
 }
 
 inline constexpr uint32_t kMuBias = 15;

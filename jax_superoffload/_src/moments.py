@@ -3,8 +3,9 @@
 8-bit blockwise (`moments_8bit=True`): each leaf's moment, flattened in
 row-major order, is cut into blocks of `BLOCK` elements (the last one
 shorter). A block is stored as one fp32 scale, its largest magnitude, and
-one byte per element: the element divided by the scale, rounded to the
-nearest value of a small floating-point code map, ties to the even code.
+one byte per element: the element times the scale's fp32 reciprocal,
+rounded to the nearest value of a small floating-point code map, ties to
+the even code.
 
 - mu (signed): bit 7 is the sign; bits 0-6 a magnitude with 3 mantissa
   bits and exponent bias 15: code c >= 8 means 2^((c >> 3) - 15) *
@@ -77,7 +78,8 @@ def quantize(x: jax.Array, signed: bool) -> Blockwise:
   scales = jnp.where(
     jnp.isnan(magnitude).any(axis=1), jnp.nan, magnitude.max(axis=1)
   )
-  y = blocks / scales[:, None]  # 0 / 0 and x / NaN: NaN, code 0.
+  # Times the reciprocal, as the kernel (0 * inf and x * NaN: NaN, code 0).
+  y = blocks * (1.0 / scales)[:, None]
   code = _encode_magnitude(jnp.abs(y), signed)
   if signed:
     negative = (jax.lax.bitcast_convert_type(y, jnp.uint32) >> 31) == 1
