@@ -35,6 +35,9 @@ SIZES_B = (1, 2, 4, 8, 13, 20, 25)
 # Batches for the sensitivity of the speedup (tokens per step matter most).
 SENSITIVITY_BATCHES = (1, 2, 4, 8, 16)
 SENSITIVITY_SIZE_B = 13
+# Low-precision moment formats (`plan(moments=...)`), predicted without STV:
+# the library does not combine them with STV yet.
+LOWP_MOMENTS = ('bf16', '8bit')
 # Scan for the largest model that fits, in billions of parameters.
 SCAN_B = np.round(np.arange(0.5, 60.0 + 1e-9, 0.1), 1)
 # (name, what the paper or its blog reports); from the project notes.
@@ -73,16 +76,22 @@ def largest_fits(seq_len: int, batch: int) -> dict[str, float]:
     'superoffload': 0.0,
     'superoffload_no_stv': 0.0,
   }
+  best.update({f'superoffload_{m}_no_stv': 0.0 for m in LOWP_MOMENTS})
   for size in SCAN_B:
-    p = planner.plan(spec(size, seq_len, batch), HW)
-    no_stv = planner.plan(spec(size, seq_len, batch), HW, stv=False)
-    for name, fits in (
-      ('device_adam', p.device_adam.fits),
-      ('zero_offload', p.zero_offload.fits),
-      ('superoffload', p.fits),
-      ('superoffload_no_stv', no_stv.fits),
-    ):
-      if fits:
+    model = spec(size, seq_len, batch)
+    p = planner.plan(model, HW)
+    fits = {
+      'device_adam': p.device_adam.fits,
+      'zero_offload': p.zero_offload.fits,
+      'superoffload': p.fits,
+      'superoffload_no_stv': planner.plan(model, HW, stv=False).fits,
+    }
+    for m in LOWP_MOMENTS:
+      fits[f'superoffload_{m}_no_stv'] = planner.plan(
+        model, HW, stv=False, moments=m
+      ).fits
+    for name, fit in fits.items():
+      if fit:
         best[name] = float(size)
   return best
 
@@ -205,6 +214,14 @@ def markdown(result: dict) -> str:
     f'~{PAPER["largest_zero_offload_b"]}B | {fit["zero_offload"]:.1f}B |',
     f'| largest model, one GH200, device-resident Adam | (not given) '
     f'| {fit["device_adam"]:.1f}B |',
+    '| largest model, one GH200, SuperOffload without STV, bf16 moments | '
+    f'(not given) | {fit["superoffload_bf16_no_stv"]:.1f}B '
+    f'({fit["superoffload_bf16_no_stv"] / fit["superoffload_no_stv"]:.2f}x '
+    'fp32 moments) |',
+    '| largest model, one GH200, SuperOffload without STV, 8-bit moments | '
+    f'(not given) | {fit["superoffload_8bit_no_stv"]:.1f}B '
+    f'({fit["superoffload_8bit_no_stv"] / fit["superoffload_no_stv"]:.2f}x '
+    'fp32 moments) |',
     '| speedup over ZeRO-Offload | '
     f'up to {PAPER["max_speedup_vs_zero_offload"]}x | '
     f'{_span([r["speedup_vs_zero_offload"] for r in both], "{:.2f}x")} at '
@@ -223,13 +240,16 @@ def markdown(result: dict) -> str:
     'busy fraction) |',
     '',
     'Largest model that fits, by sequence x batch (B params; device Adam / '
-    'ZeRO-Offload-style / SuperOffload with exact STV / without STV):',
+    'ZeRO-Offload-style / SuperOffload with exact STV / without STV / '
+    'without STV with bf16 moments / with 8-bit moments):',
     '',
   ]
   for key, f in result['largest_fits'].items():
     out.append(
       f'- {key}: {f["device_adam"]:.1f} / {f["zero_offload"]:.1f} / '
-      f'{f["superoffload"]:.1f} / {f["superoffload_no_stv"]:.1f}'
+      f'{f["superoffload"]:.1f} / {f["superoffload_no_stv"]:.1f} / '
+      f'{f.get("superoffload_bf16_no_stv", 0):.1f} / '
+      f'{f.get("superoffload_8bit_no_stv", 0):.1f}'
     )
   out += [
     '',

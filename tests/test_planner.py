@@ -188,6 +188,41 @@ def test_largest_models_on_gh200_are_ordered():
   assert fits(13e9, 'so', stv=True) and not fits(20e9, 'so', stv=True)
 
 
+def test_low_precision_moments_in_the_plan():
+  spec = ModelSpec.from_params(13e9, seq_len=4096, batch=8)
+  plans = {
+    m: plan(spec, GH200, stv=False, device_buckets=0, moments=m)
+    for m in ('fp32', 'bf16', '8bit')
+  }
+  n = spec.params
+  # Host bytes: master 4 + gradient 4 + m and v (8, 4, or 2 + 8 / 256).
+  fp32 = plans['fp32'].host_bytes
+  assert fp32 - plans['bf16'].host_bytes == pytest.approx(4 * n)
+  assert fp32 - plans['8bit'].host_bytes == pytest.approx((6 - 8 / 256) * n)
+  # Host Adam moves 28, 20 and 16 + 16 / 256 bytes per parameter.
+  adam = plans['fp32'].host_adam_s
+  assert plans['bf16'].host_adam_s == pytest.approx(adam * 20 / 28)
+  assert plans['8bit'].host_adam_s == pytest.approx(adam * (16 + 1 / 16) / 28)
+  assert '8bit moments' in str(plans['8bit'])
+
+  def largest(moments):
+    fits = [
+      b
+      for b in range(5, 80)
+      if plan(
+        ModelSpec.from_params(b * 1e9, seq_len=4096, batch=8),
+        GH200,
+        stv=False,
+        moments=moments,
+      ).fits
+    ]
+    return max(fits)
+
+  assert largest('8bit') >= 1.5 * largest('fp32')
+  with pytest.raises(ValueError, match='moments must be one of'):
+    plan(spec, GH200, moments='int4')
+
+
 def test_stv_host_bytes_and_redo_in_the_plan():
   spec = ModelSpec.from_params(13e9, seq_len=4096, batch=8)
   plain, armed = plan(spec, GH200, stv=False), plan(spec, GH200, stv=True)

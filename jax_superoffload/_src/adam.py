@@ -83,8 +83,8 @@ def adam(
       about 6 B/param of host state instead of 12 with the master, and 18
       instead of 28 bytes moved per step. The step decodes the moments,
       updates in fp32 and encodes them again (`moments.py` gives the code
-      maps). Only on the "ffi" executor, and not yet with STV, `mesh`,
-      sharded parameters or device buckets.
+      maps; "xla_host", "device" and device buckets use its `jax.numpy`
+      codec). Not yet with STV, `mesh` or sharded parameters.
     bucket_bytes: About how many fp32 bytes of state one kernel call steps
       (default 256 MiB); the number of kernel calls per step is the number
       of buckets. Only a schedule: the state does not depend on it.

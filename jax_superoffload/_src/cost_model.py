@@ -24,7 +24,9 @@ Model (N parameters, T = seq_len x batch tokens per step):
   the gradient is kept so that a failed speculation can be redone), plus
   one bucket in flight each way (fp32, or bf16 when casting on the host).
   STV adds the spare row of its double-buffered state, fp32 master, m and
-  v (+12 B on the host, 28 B in all).
+  v (+12 B on the host, 28 B in all). With low-precision moments
+  (`moments`) m and v take 2 B each (bf16) or 1 B each plus an fp32 scale
+  per 256 (8-bit): 12 or about 10 B on the host instead of 16.
   Weight-flow keeps two layers' bf16 weights and gradients on the device
   and a bf16 (host cast) copy of the weights on the host (+2 B). A bucket
   kept on the device adds its fp32 master, m and v there (12 B; with
@@ -39,7 +41,9 @@ Model (N parameters, T = seq_len x batch tokens per step):
 * **Casts.** Device: grads up, weights down, 6 B per element per cast at HBM
   bandwidth. Host: the same 12 B per parameter at `host_cast_gbs`.
 * **Host Adam** streams 28 B per parameter at `host_bandwidth_gbs x
-  host_adam_efficiency`; with STV the speculative pass also writes the
+  host_adam_efficiency` (20 B with bf16 moments, about 16 B with 8-bit
+  ones: the step is assumed memory-bound in every format, as it measured
+  on 2 cores for bf16; see the README for 8-bit); with STV the speculative pass also writes the
   gradients it read, as fp32 (+4 B, 32 B in all), so that a clipped step
   can be taken again from the untouched state after validation: that redo
   is one more 28 B pass over the host buckets, after backward, on the
@@ -82,6 +86,23 @@ DEVICE_BUCKET_STATE_BYTES_PER_PARAM = 12
 STV_SPARE_HOST_BYTES_PER_PARAM = 12
 # STV's speculative pass also writes the gradients it read, as fp32.
 STV_KEPT_GRAD_BYTES_PER_PARAM = 4
+# Bytes per parameter of m and v together, by storage format (`moments`).
+MOMENT_BYTES_PER_PARAM = {'fp32': 8.0, 'bf16': 4.0, '8bit': 2.0 + 8.0 / 256}
+
+
+def moment_bytes(moments: str) -> float:
+  if moments not in MOMENT_BYTES_PER_PARAM:
+    raise ValueError(
+      f'moments must be one of {tuple(MOMENT_BYTES_PER_PARAM)}, got {moments!r}'
+    )
+  return MOMENT_BYTES_PER_PARAM[moments]
+
+
+def host_adam_bytes_per_param(moments: str = 'fp32') -> float:
+  """Bytes a host Adam step moves: master and moments both ways, grad in."""
+  return ADAM_BYTES_PER_PARAM - 2 * (8.0 - moment_bytes(moments))
+
+
 # Weight-flow keeps this many layers of weights and gradients on the device.
 FLOW_WINDOW_LAYERS = 2
 
@@ -206,11 +227,11 @@ def stationary_device_bytes(
   )
 
 
-def offload_host_bytes_per_param(stv: bool) -> int:
+def offload_host_bytes_per_param(stv: bool, moments: str = 'fp32') -> float:
   """Host bytes per parameter of a host bucket (weight-stationary)."""
-  return OFFLOAD_HOST_BYTES_PER_PARAM + (
-    STV_SPARE_HOST_BYTES_PER_PARAM if stv else 0
-  )
+  smaller = 8.0 - moment_bytes(moments)  # Than fp32 m and v.
+  spare = STV_SPARE_HOST_BYTES_PER_PARAM - smaller if stv else 0.0
+  return OFFLOAD_HOST_BYTES_PER_PARAM - smaller + spare
 
 
 def _offload_bytes(
@@ -220,12 +241,13 @@ def _offload_bytes(
   bucket: int,
   n_dev: int,
   stv: bool,
+  moments: str = 'fp32',
 ) -> tuple[float, float]:
   """Device and host bytes of an offloaded configuration."""
   n = model.params
   fixed = activation_bytes(model) + _staging_bytes(bucket, cast)
   state = DEVICE_BUCKET_STATE_BYTES_PER_PARAM * n_dev
-  host = offload_host_bytes_per_param(stv) * (n - n_dev)
+  host = offload_host_bytes_per_param(stv, moments) * (n - n_dev)
   if weights == 'flow':
     window = min(n, FLOW_WINDOW_LAYERS * n / model.layers)
     device = OFFLOAD_DEVICE_BYTES_PER_PARAM * (window + n_dev)
@@ -326,6 +348,7 @@ def offload_step(
   sizes: list[int],
   device_buckets: int,
   stv: bool,
+  moments: str = 'fp32',
 ) -> OffloadStep:
   """Predicts one SuperOffload step (see the module docstring)."""
   n = model.params
@@ -346,7 +369,7 @@ def offload_step(
   host_cast_pp = (
     CAST_BYTES_PER_PARAM / (hw.host_cast_gbs * 1e9) if cast == 'host' else 0.0
   )
-  adam_bytes = ADAM_BYTES_PER_PARAM + (
+  adam_bytes = host_adam_bytes_per_param(moments) + (
     STV_KEPT_GRAD_BYTES_PER_PARAM if stv else 0
   )
   adam_pp = adam_bytes / hw.host_adam_bytes_per_s
@@ -360,7 +383,7 @@ def offload_step(
   )
   device_end = fwd + bwd + device_cast + device_adam
   device_bytes, host_bytes = _offload_bytes(
-    model, weights, cast, sizes[-1], n_dev, stv
+    model, weights, cast, sizes[-1], n_dev, stv, moments
   )
   return OffloadStep(
     compute=compute,
@@ -375,7 +398,9 @@ def offload_step(
     host_bytes=host_bytes,
     device_params=n_dev,
     stv_redo=(
-      n_host * ADAM_BYTES_PER_PARAM / hw.host_adam_bytes_per_s if stv else 0.0
+      n_host * host_adam_bytes_per_param(moments) / hw.host_adam_bytes_per_s
+      if stv
+      else 0.0
     ),
   )
 

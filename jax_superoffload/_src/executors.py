@@ -138,28 +138,46 @@ def reseed(
 def _math_step(step: BucketStep, master, mu, nu, grads, dtypes, params):
   """The step in `jax.numpy` on whatever memory its inputs are in.
 
-  bf16 moments are read exactly, the step taken in fp32 and the new
-  moments stored rounded to nearest even, as the kernel does.
+  Low-precision moments are decoded, the step taken in fp32 and the new
+  moments stored rounded (bf16 to nearest even; 8-bit by `moments.py`'s
+  codec), as the kernel does.
   """
   if params is not None:
     master = [
       reseed(m, p, step.learning_rate)
       for m, p in zip(master, params, strict=True)
     ]
-  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
   out = [
     adam_reference.adam_step_reference(
-      m, f32(g), f32(a), f32(v), **step.kwargs()
-    )
+      m,
+      g.astype(jnp.float32),
+      _decoded(a, True),
+      _decoded(v, False),
+      **step.kwargs(),
+    )  # fmt: skip
     for m, g, a, v in zip(master, grads, mu, nu, strict=True)
   ]
   new_master = [o[0] for o in out]
   weights = None
   if not step.fp32_weights(dtypes):
     weights = [m.astype(d) for m, d in zip(new_master, dtypes, strict=True)]
-  new_mu = [o[1].astype(a.dtype) for o, a in zip(out, mu, strict=True)]
-  new_nu = [o[2].astype(v.dtype) for o, v in zip(out, nu, strict=True)]
+  new_mu = [_stored(o[1], a, True) for o, a in zip(out, mu, strict=True)]
+  new_nu = [_stored(o[2], v, False) for o, v in zip(out, nu, strict=True)]
   return new_master, new_mu, new_nu, weights
+
+
+def _decoded(moment, signed: bool) -> jax.Array:
+  """A stored moment (fp32, bf16 or 8-bit blockwise) as fp32."""
+  if isinstance(moment, moments.Blockwise):
+    return moments.dequantize(moment, signed)
+  return moment.astype(jnp.float32)
+
+
+def _stored(new: jax.Array, old, signed: bool):
+  """The new fp32 moment in `old`'s storage, rounded as the kernel does."""
+  if isinstance(old, moments.Blockwise):
+    return moments.quantize(new, signed)
+  return new.astype(old.dtype)
 
 
 def _kernel_step(step: BucketStep, master, mu, nu, grads, dtypes, params):

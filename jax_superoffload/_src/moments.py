@@ -55,16 +55,41 @@ def code_values(signed: bool) -> np.ndarray:
   return np.where(c < 8, subnormal, normal).astype(np.float32)
 
 
-def _encode_magnitude(y: jax.Array, signed: bool) -> jax.Array:
-  """Nearest code of y in [0, 1] (NaN: 0), ties to the even code."""
-  values = jnp.asarray(code_values(signed))
-  # Midpoints of neighbours have 5 significant bits: exact in fp32.
-  mids = (values[:-1] + values[1:]) * 0.5
-  y = jnp.where(jnp.isnan(y), 0.0, y)
-  below = jnp.searchsorted(mids, y, side='left')  # Midpoints < y.
-  tie = jnp.take(mids, jnp.minimum(below, mids.shape[0] - 1)) == y
-  code = jnp.where(tie & (below % 2 == 1), below + 1, below)
-  return code.astype(jnp.uint32)
+_MU_BIAS, _NU_BIAS = 15, 31
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _float(bits: jax.Array) -> jax.Array:
+  return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32), jnp.float32)
+
+
+def _encode_magnitude(y: jax.Array, bias: int) -> jax.Array:
+  """Nearest code of y in [0, 1] (NaN: 0), ties to the even code.
+
+  Integer arithmetic on y's bits, no table: tables would be constants in
+  device memory, which host compute (the "xla_host" executor) cannot read.
+  """
+  bits = _bits(y)
+  # Codes below 8 are multiples of 2^(-2 - bias): adding 2^(21 - bias),
+  # whose ulp that is, rounds y to one by the FPU's nearest-even.
+  magic = float(2.0 ** (21 - bias))
+  subnormal = _bits(y + magic) - np.float32(magic).view(np.uint32)
+  rebiased = bits - np.uint32((127 - bias) << 23)
+  normal = (rebiased + np.uint32(0x7FFFF) + ((rebiased >> 20) & 1)) >> 20
+  code = jnp.where(bits < np.uint32((128 - bias) << 23), subnormal, normal)
+  return code * (y >= 0).astype(jnp.uint32)  # NaN: 0.
+
+
+def _decode_magnitude(code: jax.Array, bias: int) -> jax.Array:
+  code = code.astype(jnp.uint32)
+  subnormal = code.astype(jnp.float32) * float(2.0 ** (-2 - bias))
+  normal = _float(
+    ((code >> 3) + np.uint32(127 - bias)) << 23 | (code & 7) << 20
+  )
+  return jnp.where(code < 8, subnormal, normal)
 
 
 def quantize(x: jax.Array, signed: bool) -> Blockwise:
@@ -73,16 +98,14 @@ def quantize(x: jax.Array, signed: bool) -> Blockwise:
   n = flat.shape[0]
   pad = num_blocks(n) * BLOCK - n
   blocks = jnp.pad(flat, (0, pad)).reshape(-1, BLOCK)
-  magnitude = jnp.abs(blocks)
-  # The largest magnitude, a NaN if there is one (as in the kernel).
-  scales = jnp.where(
-    jnp.isnan(magnitude).any(axis=1), jnp.nan, magnitude.max(axis=1)
-  )
+  # The largest magnitude by its bits, as the kernel takes it: a NaN's
+  # bits exceed every number's, so a NaN becomes the scale.
+  scales = _float((_bits(blocks) & np.uint32(0x7FFFFFFF)).max(axis=1))
   # Times the reciprocal, as the kernel (0 * inf and x * NaN: NaN, code 0).
   y = blocks * (1.0 / scales)[:, None]
-  code = _encode_magnitude(jnp.abs(y), signed)
+  code = _encode_magnitude(jnp.abs(y), _MU_BIAS if signed else _NU_BIAS)
   if signed:
-    negative = (jax.lax.bitcast_convert_type(y, jnp.uint32) >> 31) == 1
+    negative = (_bits(y) >> 31) == 1
     code = jnp.where(negative & ~jnp.isnan(y), code | 128, code)
   codes = code.astype(jnp.uint8).reshape(-1)[:n].reshape(x.shape)
   return Blockwise(codes, scales.reshape(-1))
@@ -90,14 +113,18 @@ def quantize(x: jax.Array, signed: bool) -> Blockwise:
 
 def dequantize(q: Blockwise, signed: bool) -> jax.Array:
   """The fp32 moment that `q` stores, shaped like its codes."""
-  values = jnp.asarray(code_values(signed))
-  codes = q.codes.reshape(-1).astype(jnp.int32)
-  magnitude = jnp.take(values, codes & 127 if signed else codes)
+  codes = q.codes.reshape(-1).astype(jnp.uint32)
   if signed:
+    magnitude = _decode_magnitude(codes & 127, _MU_BIAS)
     magnitude = jnp.where(codes >= 128, -magnitude, magnitude)
+  else:
+    magnitude = _decode_magnitude(codes, _NU_BIAS)
   n = codes.shape[0]
-  scale = jnp.repeat(q.scales, BLOCK, total_repeat_length=num_blocks(n) * BLOCK)
-  return (magnitude * scale[:n]).reshape(q.codes.shape)
+  # Per block by broadcasting (a repeat would gather, which host compute
+  # refuses between memories).
+  padded = jnp.pad(magnitude, (0, num_blocks(n) * BLOCK - n))
+  scaled = padded.reshape(-1, BLOCK) * q.scales[:, None]
+  return scaled.reshape(-1)[:n].reshape(q.codes.shape)
 
 
 def empty_scales() -> jax.Array:

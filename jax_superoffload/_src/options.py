@@ -175,8 +175,6 @@ def _check_moments(
     return  # fp32, or bf16 mu: optax's path where the kernel cannot.
   # Not built yet for these: say so rather than take another path.
   unsupported = [name for name, on in others.items() if on]
-  if moments_8bit and executor not in ('auto', 'ffi'):
-    unsupported.append(f'executor={executor!r}')
   if unsupported:
     raise ValueError(
       f'low-precision moments (mu {mu}, nu {nu}) are not supported with '
@@ -234,7 +232,6 @@ def make(
     clip_norm=clip_norm is not None,
     skip_nonfinite=bool(skip_nonfinite),
     mesh=mesh is not None,
-    device_buckets=bool(moments_8bit) and device_buckets not in (None, 0),
   )
   return Options(
     learning_rate=learning_rate,

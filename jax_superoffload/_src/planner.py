@@ -87,6 +87,8 @@ class Plan:
   device_params: int
   # Speculation-then-validation (its double-buffered host state counted).
   stv: bool
+  # How Adam's moments are stored: 'fp32', 'bf16' or '8bit'.
+  moments: str
   # Whether device_bytes and host_bytes fit in the usable memories.
   fits: bool
   # Accelerator bytes needed.
@@ -151,8 +153,9 @@ class Plan:
       f'  host Adam    {self.host_adam_s * ms:10.1f} ms',
       f'  overlap     -{self.overlap_s * ms:10.1f} ms',
       f'  STV redo    +{self.stv_redo_s * ms:10.1f} ms on clipped steps'
-      f' (host state {cost_model.offload_host_bytes_per_param(self.stv)}'
-      ' B/param)',
+      ' (host state'
+      f' {cost_model.offload_host_bytes_per_param(self.stv, self.moments):g}'
+      f' B/param, {self.moments} moments)',
       f'  step total   {self.step_time_s * ms:10.1f} ms:'
       f' {self.tokens_per_s:,.0f} tokens/s, {self.tflops:.1f} TFLOPS,'
       f' accelerator busy {self.device_busy_fraction:.0%}',
@@ -201,6 +204,7 @@ def _auto_device_buckets(
   cast: str,
   sizes: list[int],
   stv: bool,
+  moments: str = 'fp32',
 ) -> int:
   """The device-bucket rule of the module docstring."""
   cap = min(
@@ -208,7 +212,9 @@ def _auto_device_buckets(
   )
   times = {}
   for k in range(1, cap + 1):
-    step = cost_model.offload_step(model, hw, weights, cast, sizes, k, stv)
+    step = cost_model.offload_step(
+      model, hw, weights, cast, sizes, k, stv, moments
+    )
     host_bytes = step.host_bytes if hw.unified_memory else 0.0
     if cost_model.fits_memory(hw, step.device_bytes, host_bytes):
       times[k] = step.step
@@ -281,6 +287,7 @@ def _resolve_policies(
   bucket_elements: int | str,
   device_buckets: int | str,
   stv: bool,
+  moments: str = 'fp32',
 ) -> tuple[str, str, int, int]:
   """Applies the decision rules to the arguments left at 'auto'."""
   _check_choice('weights', weights, ('auto', 'stationary', 'flow'))
@@ -306,7 +313,9 @@ def _resolve_policies(
   if cast == 'auto':
     cast = _choose_cast(hw, weights)
   if device_buckets == 'auto':
-    device_buckets = _auto_device_buckets(spec, hw, weights, cast, sizes, stv)
+    device_buckets = _auto_device_buckets(
+      spec, hw, weights, cast, sizes, stv, moments
+    )
   elif not isinstance(
     device_buckets, (int, np.integer)
   ) or not 0 <= device_buckets <= len(sizes):
@@ -331,6 +340,7 @@ def plan(
   bucket_elements: int | str = 'auto',
   device_buckets: int | str = 'auto',
   stv: bool = True,
+  moments: str = 'fp32',
 ) -> Plan:
   """Chooses SuperOffload's policies for a model and predicts its step.
 
@@ -363,6 +373,8 @@ def plan(
       runs on the accelerator.
     stv: Speculation-then-validation: host Adam starts per bucket during
       backward rather than after the global gradient norm is known.
+    moments: How Adam's moments are stored on the host: 'fp32', 'bf16'
+      (`mu_dtype` and `nu_dtype` bfloat16) or '8bit' (`moments_8bit`).
 
   Returns:
     A `Plan`; `print(plan)` shows the parts of the predicted step.
@@ -371,10 +383,12 @@ def plan(
     seq_len=seq_len, batch=batch, layers=layers, hidden=hidden, vocab=vocab
   )
   spec = _resolve_spec(model, overrides)
+  cost_model.moment_bytes(moments)  # Checked.
   policies = _resolve_policies(
-    spec, hardware, weights, cast, bucket_elements, device_buckets, stv
-  )
-  return _predict(spec, hardware, *policies, stv)
+    spec, hardware, weights, cast, bucket_elements, device_buckets, stv,
+    moments,
+  )  # fmt: skip
+  return _predict(spec, hardware, *policies, stv, moments)
 
 
 def _resolve_spec(model: ModelSpec | Any, overrides: dict) -> ModelSpec:
@@ -394,11 +408,12 @@ def _predict(
   bucket_elements: int,
   device_buckets: int,
   stv: bool,
+  moments: str = 'fp32',
 ) -> Plan:
   """The `Plan` of resolved policies: their predicted step and references."""
   sizes = cost_model.bucket_sizes(spec.params, bucket_elements)
   step = cost_model.offload_step(
-    spec, hw, weights, cast, sizes, device_buckets, stv
+    spec, hw, weights, cast, sizes, device_buckets, stv, moments
   )
   ref = cost_model.make_estimate(
     spec, hw, step.step, step.device_bytes, step.host_bytes, step.busy
@@ -428,6 +443,7 @@ def _predict(
     overlap_s=step.overlap,
     stv_redo_s=step.stv_redo,
     stv=stv,
+    moments=moments,
     step_time_s=step.step,
     tokens_per_s=ref.tokens_per_s,
     tflops=ref.tflops,
