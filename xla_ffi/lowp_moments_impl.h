@@ -56,56 +56,51 @@ struct Q8Codec {
                      int64_t n, float* x) {
     const uint8_t* code = static_cast<const uint8_t*>(in) + start;
     const float scale = scales[start / kQuantBlock];
-    // A whole block as a constant trip count: no epilogue, no aliasing
-    // check, full-width vectors.
-    if (n == kQuantBlock) {
-      DecodeCodes(code, scale, kQuantBlock, x);
-    } else {
-      DecodeCodes(code, scale, n, x);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const Floats16 v = Decode16<kSigned>(code + i, scale);
+      std::memcpy(x + i, &v, sizeof(v));
+    }
+    for (; i < n; ++i) {
+      x[i] = (kSigned ? DecodeMu(code[i]) : DecodeNu(code[i])) * scale;
     }
   }
   static void Encode(const float* x, int64_t n, void* out, float* scales,
                      int64_t start) {
     uint8_t* code = static_cast<uint8_t*>(out) + start;
-    float* scale = scales + start / kQuantBlock;
-    if (n == kQuantBlock) {
-      EncodeCodes(x, kQuantBlock, code, scale);
-    } else {
-      EncodeCodes(x, n, code, scale);
-    }
-  }
-
- private:
-  static JSO_INLINE void DecodeCodes(const uint8_t* __restrict code,
-                                     float scale, int64_t n,
-                                     float* __restrict x) {
-    for (int64_t i = 0; i < n; ++i) {
-      x[i] = (kSigned ? DecodeMu(code[i]) : DecodeNu(code[i])) * scale;
-    }
-  }
-  static JSO_INLINE void EncodeCodes(const float* __restrict x, int64_t n,
-                                     uint8_t* __restrict code,
-                                     float* __restrict scale_out) {
     // The largest magnitude, by its bits (ordered as the values are for
     // non-negative floats; a NaN's bits exceed every number's, so a NaN
     // becomes the scale). Order-free.
+    Bits16 largest16 = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      Bits16 bits;
+      std::memcpy(&bits, x + i, sizeof(bits));
+      bits &= 0x7fffffffu;
+      largest16 = bits > largest16 ? bits : largest16;
+    }
     uint32_t largest = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t magnitude = FloatBits(x[i]) & 0x7fffffffu;
+    for (int lane = 0; lane < 16; ++lane) {
+      largest = largest16[lane] > largest ? largest16[lane] : largest;
+    }
+    for (int64_t j = i; j < n; ++j) {
+      const uint32_t magnitude = FloatBits(x[j]) & 0x7fffffffu;
       largest = magnitude > largest ? magnitude : largest;
     }
     const float scale = BitsToFloat(largest);
-    *scale_out = scale;
+    scales[start / kQuantBlock] = scale;
     // 0 * (1 / 0) and x * (1 / NaN) give NaN, which encodes as code 0; an
-    // infinite scale gives 0 * x. In 32 bits first, then narrowed: loops
-    // of one element width vectorise.
+    // infinite scale gives 0 * x.
     const float inverse = 1.0f / scale;
-    alignas(64) uint32_t wide[kQuantBlock];
-    for (int64_t i = 0; i < n; ++i) {
-      const float y = x[i] * inverse;
-      wide[i] = kSigned ? EncodeMu(y) : EncodeNu(y);
+    for (i = 0; i + 16 <= n; i += 16) {
+      Floats16 y;
+      std::memcpy(&y, x + i, sizeof(y));
+      Encode16<kSigned>(y * inverse, code + i);
     }
-    for (int64_t i = 0; i < n; ++i) code[i] = static_cast<uint8_t>(wide[i]);
+    for (; i < n; ++i) {
+      const float y = x[i] * inverse;
+      code[i] = static_cast<uint8_t>(kSigned ? EncodeMu(y) : EncodeNu(y));
+    }
   }
 };
 

@@ -42,9 +42,10 @@ Model (N parameters, T = seq_len x batch tokens per step):
   bandwidth. Host: the same 12 B per parameter at `host_cast_gbs`.
 * **Host Adam** streams 28 B per parameter at `host_bandwidth_gbs x
   host_adam_efficiency` (20 B with bf16 moments, about 16 B with 8-bit
-  ones: the step is assumed memory-bound in every format, as it measured
-  on 2 cores for bf16; see the README for 8-bit); with STV the speculative pass also writes the
-  gradients it read, as fp32 (+4 B, 32 B in all), so that a clipped step
+  ones: the step is assumed memory-bound in every format, as bf16
+  measured on 2 cores; 8-bit was compute-bound there, see the README);
+  with STV the speculative pass also writes the gradients it read, as
+  fp32 (+4 B, 32 B in all), so that a clipped step
   can be taken again from the untouched state after validation: that redo
   is one more 28 B pass over the host buckets, after backward, on the
   clipped steps only (`stv_redo`, not in the step time). With speculation

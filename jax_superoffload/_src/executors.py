@@ -154,7 +154,7 @@ def _math_step(step: BucketStep, master, mu, nu, grads, dtypes, params):
       _decoded(a, True),
       _decoded(v, False),
       **step.kwargs(),
-    )  # fmt: skip
+    )
     for m, g, a, v in zip(master, grads, mu, nu, strict=True)
   ]
   new_master = [o[0] for o in out]
