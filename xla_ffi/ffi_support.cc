@@ -227,14 +227,17 @@ void ReseedRange(const float* master, const void* params, ElementType type,
     const float m = master[i];
     const float w = F16BitsToFloat(p[i]);
     const int diff = Ordered(FloatToF16Bits(m)) - Ordered(p[i]);
-    const bool same = (diff >= -1 && diff <= 1) || std::fabs(w - m) <= tolerance;
+    const bool same =
+        (diff >= -1 && diff <= 1) || std::fabs(w - m) <= tolerance;
     out[i] = same ? m : w;
   }
 }
 
 std::vector<int64_t> Starts(const std::vector<int64_t>& sizes) {
   std::vector<int64_t> starts(sizes.size() + 1, 0);
-  for (size_t j = 0; j < sizes.size(); ++j) starts[j + 1] = starts[j] + sizes[j];
+  for (size_t j = 0; j < sizes.size(); ++j) {
+    starts[j + 1] = starts[j] + sizes[j];
+  }
   return starts;
 }
 

@@ -94,7 +94,8 @@ inline uint32_t EncodeMu(float y) {
 
 inline float DecodeMu(uint8_t code) {
   const float magnitude = DecodeMagnitude<kMuBias>(code & 0x7fu);
-  return BitsToFloat(FloatBits(magnitude) | (static_cast<uint32_t>(code >> 7) << 31));
+  const uint32_t sign = static_cast<uint32_t>(code >> 7) << 31;
+  return BitsToFloat(FloatBits(magnitude) | sign);
 }
 
 inline uint32_t EncodeNu(float y) { return EncodeMagnitude<kNuBias>(y); }
@@ -106,6 +107,8 @@ inline float DecodeNu(uint8_t code) { return DecodeMagnitude<kNuBias>(code); }
 // NEON ones, or scalar code). The same integer and IEEE operations as the
 // functions above, lane by lane, so they give the same bits; GCC does not
 // vectorise those functions' byte loops at full width by itself.
+#define JSO_CODEC_INLINE __attribute__((always_inline)) inline
+
 typedef uint8_t Codes16 __attribute__((vector_size(16)));
 typedef uint32_t Bits16 __attribute__((vector_size(64)));
 typedef int32_t Ints16 __attribute__((vector_size(64)));
@@ -114,11 +117,11 @@ typedef float Floats16 __attribute__((vector_size(64)));
 // 16 bytes widened to 32 bits each, and back. GCC lowers a generic
 // conversion between byte and word vectors one lane at a time through
 // general registers on x86, so the x86 units use their own instructions.
-__attribute__((always_inline)) inline Bits16 Widen16(const uint8_t* p) {
+JSO_CODEC_INLINE Bits16 Widen16(const uint8_t* p) {
   Bits16 out;
 #if defined(__AVX512F__)
-  const __m512i w =
-      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m512i w = _mm512_cvtepu8_epi32(bytes);
   std::memcpy(&out, &w, sizeof(out));
 #elif defined(__AVX2__)
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -134,7 +137,7 @@ __attribute__((always_inline)) inline Bits16 Widen16(const uint8_t* p) {
 }
 
 // The low byte of each lane (every lane holds a code, below 256).
-__attribute__((always_inline)) inline void Narrow16(Bits16 x, uint8_t* p) {
+JSO_CODEC_INLINE void Narrow16(const Bits16& x, uint8_t* p) {
 #if defined(__AVX512F__)
   __m512i v;
   std::memcpy(&v, &x, sizeof(v));
@@ -156,7 +159,7 @@ __attribute__((always_inline)) inline void Narrow16(Bits16 x, uint8_t* p) {
 }
 
 template <uint32_t kBias>
-__attribute__((always_inline)) inline Floats16 DecodeMagnitude16(Bits16 code) {
+JSO_CODEC_INLINE Floats16 DecodeMagnitude16(const Bits16& code) {
   const Floats16 subnormal =
       __builtin_convertvector(reinterpret_cast<Ints16>(code), Floats16) *
       BitsToFloat((125u - kBias) << 23);
@@ -170,7 +173,7 @@ __attribute__((always_inline)) inline Floats16 DecodeMagnitude16(Bits16 code) {
 
 // 16 codes at `code` times `scale` (DecodeMu or DecodeNu, then the scale).
 template <bool kSigned>
-__attribute__((always_inline)) inline Floats16 Decode16(const uint8_t* code, float scale) {
+JSO_CODEC_INLINE Floats16 Decode16(const uint8_t* code, float scale) {
   const Bits16 c = Widen16(code);
   if constexpr (kSigned) {
     const Floats16 magnitude = DecodeMagnitude16<kMuBias>(c & 0x7fu);
@@ -183,7 +186,7 @@ __attribute__((always_inline)) inline Floats16 Decode16(const uint8_t* code, flo
 }
 
 template <uint32_t kBias>
-__attribute__((always_inline)) inline Bits16 EncodeMagnitude16(Floats16 y) {
+JSO_CODEC_INLINE Bits16 EncodeMagnitude16(const Floats16& y) {
   const Bits16 bits = reinterpret_cast<Bits16>(y);
   const float magic = BitsToFloat((127u + 21u - kBias) << 23);
   const Bits16 subnormal =
@@ -198,7 +201,7 @@ __attribute__((always_inline)) inline Bits16 EncodeMagnitude16(Floats16 y) {
 
 // EncodeMu or EncodeNu of 16 values, stored as 16 bytes at `code`.
 template <bool kSigned>
-__attribute__((always_inline)) inline void Encode16(Floats16 y, uint8_t* code) {
+JSO_CODEC_INLINE void Encode16(const Floats16& y, uint8_t* code) {
   const Bits16 bits = reinterpret_cast<Bits16>(y);
   Bits16 out;
   if constexpr (kSigned) {
