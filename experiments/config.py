@@ -15,9 +15,10 @@ message.
 
 import argparse
 import dataclasses
-import inspect
+import functools
 import math
 import os
+import pathlib
 import re
 import types
 import typing
@@ -285,11 +286,30 @@ def get_config(preset: str = 'small', **overrides: Any) -> Config:
   )
 
 
+@functools.cache
+def _config_source_lines() -> tuple[str, ...]:
+  """The lines of `Config`'s definition, read from this file.
+
+  Not `inspect.getsource`, which parses the module with `ast`: on CPython
+  3.11 a garbage collection during that parse that finalises an abandoned
+  coroutine (Orbax leaves some after a failed read of a damaged
+  checkpoint) can fail it with "AST constructor recursion depth mismatch".
+  """
+  lines = pathlib.Path(__file__).read_text().splitlines()
+  start = lines.index('class Config:')
+  end = next(
+    i
+    for i in range(start + 1, len(lines))
+    if lines[i] and not lines[i].startswith(' ')
+  )
+  return tuple(lines[start:end])
+
+
 def _field_comments() -> dict[str, str]:
   """Maps each field name to the comment lines just above it in `Config`."""
   comments: dict[str, str] = {}
   lines: list[str] = []
-  for line in inspect.getsource(Config).splitlines():
+  for line in _config_source_lines():
     line = line.strip()
     if line.startswith('# ---'):
       lines = []
@@ -309,7 +329,7 @@ def field_groups() -> dict[str, list[str]]:
   """
   groups: dict[str, list[str]] = {}
   current: list[str] | None = None
-  for line in inspect.getsource(Config).splitlines():
+  for line in _config_source_lines():
     line = line.strip()
     if m := re.match(r'# --- (\w+) ---', line):
       current = groups.setdefault(m.group(1).lower(), [])
