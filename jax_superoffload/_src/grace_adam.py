@@ -211,36 +211,63 @@ def adam_step_segments(
   `weight_dtypes` (or an empty list), and the sum of the squared scaled
   gradients (f32[1]; zero unless `compute_sumsq`).
   """
-  k = len(master)
+  runs, weights, sumsq = _bucket_call(
+    ADAM_STEP_SEGMENTS_TARGET,
+    [master, mu, nu],
+    grads,
+    weight_dtypes,
+    params,
+    step,
+    nesterov=bool(nesterov),
+    keep_nonfinite=bool(keep_nonfinite),
+    compute_sumsq=bool(compute_sumsq),
+  )
+  return (*runs, weights, sumsq)
+
+
+def _bucket_call(
+  target: str,
+  state: list[list[jax.Array]],
+  grads: list[jax.Array],
+  weight_dtypes: list[jax.typing.DTypeLike] | None,
+  params: list[jax.Array] | None,
+  step: dict,
+  **attrs,
+) -> tuple[list[list[jax.Array]], list[jax.Array], jax.Array]:
+  """One call of a bucket handler (Segments or LowpSegments).
+
+  In: runs of k state leaves (each aliased to its result), the k gradients
+  and, optionally, the k parameters. Out: the new state runs, the weights
+  in `weight_dtypes` (or an empty list) and the f32[1] sum of squares.
+  """
+  k = len(grads)
   out_types = [jax.ShapeDtypeStruct((1,), jnp.float32)]
-  out_types += _like(master) + _like(mu) + _like(nu)
+  for run in state:
+    out_types += _like(run)
   if weight_dtypes is not None:
     out_types += [
       jax.ShapeDtypeStruct(g.shape, d)
       for g, d in zip(grads, weight_dtypes, strict=True)
     ]
   call = jax.ffi.ffi_call(
-    ADAM_STEP_SEGMENTS_TARGET,
+    target,
     out_types,
     vmap_method='sequential',
-    input_output_aliases=_aliases(2, 1, 3 * k),
+    input_output_aliases=_aliases(2, 1, len(state) * k),
   )
   out = call(
     jnp.asarray(step['count'], jnp.int32),
     _pack(step),
-    *master,
-    *mu,
-    *nu,
+    *(x for run in state for x in run),
     *grads,
     *(params or []),
-    nesterov=bool(nesterov),
-    keep_nonfinite=bool(keep_nonfinite),
-    compute_sumsq=bool(compute_sumsq),
     num_leaves=np.int64(k),
     reseed=params is not None,
+    **attrs,
   )
-  runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(3)]
-  return (*runs, list(out[1 + 3 * k :]), out[0])
+  n = len(state)
+  runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(n)]
+  return runs, list(out[1 + n * k :]), out[0]
 
 
 def adam_step_lowp_segments(
@@ -267,39 +294,21 @@ def adam_step_lowp_segments(
   `weight_dtypes` (or an empty list) and the sum of the squared scaled
   gradients (f32[1]; zero unless `compute_sumsq`).
   """
-  k = len(master)
   state = [master, mu, nu] + (list(scales) if scales is not None else [])
-  out_types = [jax.ShapeDtypeStruct((1,), jnp.float32)]
-  for run in state:
-    out_types += _like(run)
-  if weight_dtypes is not None:
-    out_types += [
-      jax.ShapeDtypeStruct(g.shape, d)
-      for g, d in zip(grads, weight_dtypes, strict=True)
-    ]
-  call = jax.ffi.ffi_call(
+  runs, weights, sumsq = _bucket_call(
     ADAM_STEP_LOWP_SEGMENTS_TARGET,
-    out_types,
-    vmap_method='sequential',
-    input_output_aliases=_aliases(2, 1, len(state) * k),
-  )
-  out = call(
-    jnp.asarray(step['count'], jnp.int32),
-    _pack(step),
-    *(x for run in state for x in run),
-    *grads,
-    *(params or []),
+    state,
+    grads,
+    weight_dtypes,
+    params,
+    step,
     nesterov=bool(nesterov),
     keep_nonfinite=bool(keep_nonfinite),
     compute_sumsq=bool(compute_sumsq),
-    num_leaves=np.int64(k),
-    reseed=params is not None,
     quantized=scales is not None,
   )
-  runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(len(state))]
   new_scales = (runs[3], runs[4]) if scales is not None else None
-  weights = list(out[1 + len(state) * k :])
-  return runs[0], runs[1], runs[2], new_scales, weights, out[0]
+  return runs[0], runs[1], runs[2], new_scales, weights, sumsq
 
 
 def adam_step_speculative(

@@ -23,7 +23,6 @@ scale (one fp32 rounding). The Grace Adam kernel (moment_codec.h) and the
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 from typing import NamedTuple
 
@@ -43,16 +42,6 @@ class Blockwise(NamedTuple):
 
 def num_blocks(size: int) -> int:
   return -(-int(size) // BLOCK)
-
-
-@functools.cache
-def code_values(signed: bool) -> np.ndarray:
-  """The magnitude of each code (float32, increasing; 128 or 256 codes)."""
-  bias, count = (15, 128) if signed else (31, 256)
-  c = np.arange(count)
-  normal = np.ldexp(1.0 + (c & 7) / 8.0, (c >> 3) - bias)
-  subnormal = c * 2.0 ** (-2 - bias)
-  return np.where(c < 8, subnormal, normal).astype(np.float32)
 
 
 _MU_BIAS, _NU_BIAS = 15, 31
@@ -125,11 +114,6 @@ def dequantize(q: Blockwise, signed: bool) -> jax.Array:
   padded = jnp.pad(magnitude, (0, num_blocks(n) * BLOCK - n))
   scaled = padded.reshape(-1, BLOCK) * q.scales[:, None]
   return scaled.reshape(-1)[:n].reshape(q.codes.shape)
-
-
-def empty_scales() -> jax.Array:
-  """The scales of a leaf without 8-bit moments (optax-path leaves)."""
-  return jnp.zeros((0,), jnp.float32)
 
 
 def storage_dtypes(mu_dtype: Any, nu_dtype: Any, moments_8bit: bool) -> tuple:
