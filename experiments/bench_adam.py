@@ -41,6 +41,7 @@ from experiments.report import plt
 from jax_superoffload import kernels
 from jax_superoffload._src import grace_adam as grace_adam_ffi
 from jax_superoffload._src import moments
+from jax_superoffload._src.hyperparams import Hyperparams
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -67,6 +68,11 @@ def _state(n: int, seed: int) -> tuple[np.ndarray, ...]:
   params = rng.standard_normal(n, dtype=np.float32)
   grads = rng.standard_normal(n, dtype=np.float32) * 1e-2
   return params, grads
+
+
+def _hyper(count) -> Hyperparams:
+  """The benchmarks' step: AdamW with optax's defaults."""
+  return Hyperparams(count=count, learning_rate=LR, weight_decay=WEIGHT_DECAY)
 
 
 def _stepper(step, state: list[jax.Array], grad: jax.Array):
@@ -180,14 +186,7 @@ def grace_adam_moments(n: int, name: str) -> Callable[[], None]:
       ([scales[0]], [scales[1]]) if scales else None,
       [grad],
       None,
-      nesterov=False,
-      count=count,
-      learning_rate=LR,
-      b1=0.9,
-      b2=0.999,
-      eps=1e-8,
-      eps_root=0.0,
-      weight_decay=WEIGHT_DECAY,
+      _hyper(count),
     )
     return [m[0], a[0], v[0], *([s[0][0], s[1][0]] if s else [])]
 
@@ -245,14 +244,7 @@ def grace_adam_stv(n: int) -> Callable[[], None]:
       row,
       [grad],
       None,
-      count=count,
-      learning_rate=LR,
-      b1=0.9,
-      b2=0.999,
-      eps=1e-8,
-      eps_root=0.0,
-      weight_decay=WEIGHT_DECAY,
-      nesterov=False,
+      _hyper(count),
       keep_nonfinite=True,
     )
     return master[0], mu[0], nu[0], kept[0], total

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_superoffload import kernels
 from jax_superoffload._src import grace_adam
+from jax_superoffload._src.hyperparams import Hyperparams
 
 
 def numpy_adamw(
@@ -312,7 +313,7 @@ def _per_leaf(flat, grads):
 
 
 # The step of the segment tests.
-SEGMENT_STEP = dict(
+SEGMENT_STEP = Hyperparams(
   count=2,
   learning_rate=1e-3,
   b1=0.9,
@@ -332,8 +333,7 @@ def segments_step(master, mu, nu, grads, *, keep_nonfinite, compute_sumsq):
     _per_leaf(nu, grads),
     grads,
     None,
-    **SEGMENT_STEP,
-    grad_scale=0.5,
+    SEGMENT_STEP.replace(grad_scale=0.5),
     keep_nonfinite=keep_nonfinite,
     compute_sumsq=compute_sumsq,
   )
@@ -382,14 +382,14 @@ def test_fp32_params_read_as_the_master_give_the_plain_step(grad_dtype):
   sizes = [100003, 7, 2**18 + 5, 1, 4099, 16]
   master, mu, nu = random_state(sum(sizes))
   grads = [random_grad(rng, (s,), grad_dtype) for s in sizes]
-  kw = SEGMENT_STEP
+  hyper = SEGMENT_STEP
   cut = functools.partial(_per_leaf, grads=grads)
   plain = grace_adam.adam_step_segments(
-    cut(master), cut(mu), cut(nu), grads, None, **kw
+    cut(master), cut(mu), cut(nu), grads, None, hyper
   )
   stale = cut(np.asarray(master) + 1.0)  # Not read: the params are.
   from_params = grace_adam.adam_step_segments(
-    stale, cut(mu), cut(nu), grads, None, params=cut(master), **kw
+    stale, cut(mu), cut(nu), grads, None, hyper, params=cut(master)
   )
   for a, b in zip(plain[:3], from_params[:3], strict=True):
     for x, y in zip(a, b, strict=True):

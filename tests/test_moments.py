@@ -17,6 +17,7 @@ import pytest
 import jax_superoffload as superoffload
 from jax_superoffload._src import grace_adam
 from jax_superoffload._src import moments
+from jax_superoffload._src.hyperparams import Hyperparams
 from tests import moments_reference as ref
 
 FORMATS = {
@@ -365,14 +366,7 @@ def test_kernel_and_jnp_codecs_give_the_same_bits():
     ([jnp.zeros(moments.num_blocks(n), jnp.float32)],) * 2,
     [jnp.asarray(g)],
     None,
-    nesterov=False,
-    count=0,
-    learning_rate=1e-3,
-    b1=0.0,
-    b2=0.0,
-    eps=1e-8,
-    eps_root=0.0,
-    weight_decay=0.0,
+    Hyperparams(count=0, learning_rate=1e-3, b1=0.0, b2=0.0),
   )
   _, mu, nu, scales, _, _ = out
   gg = jnp.asarray(g) * jnp.asarray(g)

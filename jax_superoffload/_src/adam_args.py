@@ -1,12 +1,13 @@
-"""Argument checks and scalar packing shared by the Adam step paths."""
+"""Argument checks shared by the Adam step paths."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_superoffload._src.hyperparams import Hyperparams
 
 # Gradient dtypes the kernel reads natively.
 KERNEL_GRAD_DTYPES = (
@@ -17,88 +18,14 @@ KERNEL_GRAD_DTYPES = (
 # Dtypes of the optional low-precision copy of the new weights.
 LOWP_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
-# Order of the scalars the FFI handler reads (see xla_ffi/adam_ffi.cc).
-SCALAR_NAMES = (
-  'learning_rate',
-  'b1',
-  'one_minus_b1',
-  'b2',
-  'one_minus_b2',
-  'eps',
-  'eps_root',
-  'weight_decay',
-  'grad_scale',
-)
-
-
-def _concrete(x) -> float | None:
-  """The value of `x` if it is known at trace time, else None."""
-  if isinstance(x, (bool, int, float, np.number)):
-    return float(x)
-  if isinstance(x, np.ndarray) and x.ndim == 0:
-    return float(x)
-  is_tracer = isinstance(x, jax.core.Tracer)
-  if isinstance(x, jax.Array) and not is_tracer and x.ndim == 0:
-    return float(x)
-  return None
-
-
-def _require_scalar(name: str, x) -> None:
-  if np.ndim(x) != 0:
-    raise ValueError(f'{name} must be a scalar, got shape {np.shape(x)}')
-
-
-def check_hyperparameters(
-  *,
-  learning_rate=None,
-  b1=None,
-  b2=None,
-  eps=None,
-  eps_root=None,
-  weight_decay=None,
-  grad_scale=None,
-  count=None,
-) -> None:
-  """Raises ValueError for out-of-range hyperparameters known at trace time."""
-  values = {
-    'learning_rate': learning_rate,
-    'b1': b1,
-    'b2': b2,
-    'eps': eps,
-    'eps_root': eps_root,
-    'weight_decay': weight_decay,
-    'grad_scale': grad_scale,
-    'count': count,
-  }
-  for name, x in values.items():
-    if x is None or callable(x):
-      continue
-    _require_scalar(name, x)
-    value = _concrete(x)
-    if value is None:
-      continue
-    if name in ('b1', 'b2') and not 0.0 <= value < 1.0:
-      raise ValueError(f'{name} must be in [0, 1), got {value}')
-    if name in ('learning_rate', 'eps', 'eps_root', 'count') and value < 0:
-      raise ValueError(f'{name} must be non-negative, got {value}')
-    if not np.isfinite(value):
-      raise ValueError(f'{name} must be finite, got {value}')
-
 
 def validate(
   master,
   grad,
   mu,
   nu,
+  hyper: Hyperparams,
   *,
-  count,
-  learning_rate,
-  b1,
-  b2,
-  eps,
-  eps_root,
-  weight_decay,
-  grad_scale,
   lowp_dtype,
   master_dtypes: Sequence[np.dtype],
 ) -> np.dtype | None:
@@ -136,45 +63,5 @@ def validate(
     lowp = np.dtype(lowp_dtype)
     if lowp not in LOWP_DTYPES:
       raise TypeError(f'lowp_dtype must be bfloat16 or float16, got {lowp}')
-  check_hyperparameters(
-    learning_rate=learning_rate,
-    b1=b1,
-    b2=b2,
-    eps=eps,
-    eps_root=eps_root,
-    weight_decay=weight_decay,
-    grad_scale=grad_scale,
-    count=count,
-  )
-  if jnp.issubdtype(jnp.result_type(count), jnp.inexact):
-    raise TypeError(f'count must be an integer, got {jnp.result_type(count)}')
+  hyper.check()
   return lowp
-
-
-def one_minus(b) -> jax.typing.ArrayLike:
-  # For Python floats, 1 - b is taken in double precision and rounded once,
-  # as optax's `(1 - decay) * g` does with a Python float decay.
-  value = _concrete(b)
-  if value is not None and not isinstance(b, jax.Array):
-    return 1.0 - value
-  return 1 - jnp.asarray(b, jnp.float32)
-
-
-def pack_scalars(
-  *, learning_rate, b1, b2, eps, eps_root, weight_decay, grad_scale
-) -> jax.Array:
-  """Packs the per-step scalars into the f32[9] buffer the handler reads."""
-  values = {
-    'learning_rate': learning_rate,
-    'b1': b1,
-    'one_minus_b1': one_minus(b1),
-    'b2': b2,
-    'one_minus_b2': one_minus(b2),
-    'eps': eps,
-    'eps_root': eps_root,
-    'weight_decay': weight_decay,
-    'grad_scale': grad_scale,
-  }
-  return jnp.stack(
-    [jnp.asarray(values[name], jnp.float32) for name in SCALAR_NAMES]
-  )

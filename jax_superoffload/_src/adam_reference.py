@@ -14,6 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_superoffload._src import adam_args
+from jax_superoffload._src.hyperparams import PACKED_NAMES
+from jax_superoffload._src.hyperparams import Hyperparams
+from jax_superoffload._src.hyperparams import one_minus
 
 
 def inverse_bias_correction(decay, t):
@@ -50,11 +53,7 @@ def adam_step_reference(
   that `master`, `mu` and `nu` may be any one real floating dtype (the
   gradient is converted to it).
   """
-  lowp = adam_args.validate(
-    master,
-    grad,
-    mu,
-    nu,
+  hyper = Hyperparams(
     count=count,
     learning_rate=learning_rate,
     b1=b1,
@@ -63,6 +62,14 @@ def adam_step_reference(
     eps_root=eps_root,
     weight_decay=weight_decay,
     grad_scale=grad_scale,
+    nesterov=nesterov,
+  )
+  lowp = adam_args.validate(
+    master,
+    grad,
+    mu,
+    nu,
+    hyper,
     lowp_dtype=lowp_dtype,
     master_dtypes=(
       np.dtype(np.float16),
@@ -71,37 +78,44 @@ def adam_step_reference(
       np.dtype(np.float64),
     ),
   )
-  dtype = master.dtype
-  scalars = adam_args.pack_scalars(
-    learning_rate=learning_rate,
-    b1=b1,
-    b2=b2,
-    eps=eps,
-    eps_root=eps_root,
-    weight_decay=weight_decay,
-    grad_scale=grad_scale,
+  out = reference_step(
+    hyper, master, grad, mu, nu, keep_nonfinite=keep_nonfinite
   )
+  return out if lowp is None else (*out, out[0].astype(lowp))
+
+
+def _scalars(hyper: Hyperparams, dtype) -> list[jax.Array]:
+  """The packed scalars in `dtype` (Python floats stay double for f64)."""
   if dtype == jnp.float64:
-    # Keep Python-float hyperparameters in double for a float64 master.
-    scalars = jnp.stack(
-      [
-        jnp.asarray(v, dtype)
-        for v in (
-          learning_rate,
-          b1,
-          adam_args.one_minus(b1),
-          b2,
-          adam_args.one_minus(b2),
-          eps,
-          eps_root,
-          weight_decay,
-          grad_scale,
-        )
-      ]
+    values = (
+      hyper.learning_rate,
+      hyper.b1,
+      one_minus(hyper.b1),
+      hyper.b2,
+      one_minus(hyper.b2),
+      hyper.eps,
+      hyper.eps_root,
+      hyper.weight_decay,
+      hyper.grad_scale,
     )
-  (lr, b1_, omb1, b2_, omb2, eps_, eps_root_, wd, scale) = (
-    scalars[i].astype(dtype) for i in range(len(adam_args.SCALAR_NAMES))
-  )
+    return [jnp.asarray(v, dtype) for v in values]
+  packed = hyper.packed()
+  return [packed[i].astype(dtype) for i in range(len(PACKED_NAMES))]
+
+
+def reference_step(
+  hyper: Hyperparams,
+  master: jax.Array,
+  grad: jax.Array,
+  mu: jax.Array,
+  nu: jax.Array,
+  *,
+  keep_nonfinite: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The new (master, mu, nu), in the master's dtype (arguments unchecked)."""
+  dtype = master.dtype
+  lr, b1_, omb1, b2_, omb2, eps_, eps_root_, wd, scale = _scalars(hyper, dtype)
+  count, nesterov = hyper.count, hyper.nesterov
   t = jnp.asarray(count, jnp.int32).astype(dtype) + 1
   c1 = inverse_bias_correction(b1_, t)
   c1_next = inverse_bias_correction(b1_, t + 1)
@@ -124,7 +138,4 @@ def adam_step_reference(
     new_master = jnp.where(finite, new_master, master)
     new_mu = jnp.where(finite, new_mu, mu)
     new_nu = jnp.where(finite, new_nu, nu)
-  master, mu, nu = new_master, new_mu, new_nu
-  if lowp is None:
-    return master, mu, nu
-  return master, mu, nu, master.astype(lowp)
+  return new_master, new_mu, new_nu

@@ -1,26 +1,33 @@
-"""The ways to run one bucket's Adam step on the leaves' own state arrays.
+"""The ways to run one bucket's Adam step, behind one small protocol.
 
-- "ffi": the Grace Adam kernel as XLA host compute, on the state where it
-  lives (pinned host memory), updated in place.
-- "xla_host": the same math in `jax.numpy`, also as host compute; the
-  fallback where the kernel is not registered with the accelerator's PJRT
-  plugin ("auto" picks "ffi" on a GPU only where that registration works).
-- "device": the MaxText-style baseline: the state lives in host memory
-  between steps but is copied to the accelerator, updated there and copied
-  back.
-- "resident" (internal): a device bucket, whose state lives on the device.
+An executor `step`s a bucket (a schedule of k leaves, each with its own
+master, mu and nu arrays shaped like its parameter) and, under STV, `fix`es
+that step once validation has spoken: a redo with clipped gradients or a
+drop. Options choose the executor once, at construction (`for_name`):
 
-A bucket is only a schedule: one call over k leaves, each leaf with its own
-master, mu and nu arrays shaped like its parameter.
+- "ffi" (`Kernel`): the Grace Adam kernel as XLA host compute, on the state
+  where it lives (pinned host memory), updated in place. With STV it is
+  `PairedKernel`, whose leaves are double-buffered (see stv.py).
+- "xla_host" (`HostMath`): the same math in `jax.numpy`, also as host
+  compute; the fallback where the kernel is not registered with the
+  accelerator's PJRT plugin ("auto" picks "ffi" on a GPU only where that
+  registration works).
+- "device" (`Device`): the MaxText-style baseline: the state lives in host
+  memory between steps but is copied to the accelerator, updated there and
+  copied back.
+- `Resident`: device buckets, whose state lives on the device.
+
+Every step runs per shard under ZeRO (`zero.per_shard`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +37,76 @@ from jax_superoffload._src import grace_adam
 from jax_superoffload._src import host_memory
 from jax_superoffload._src import moments
 from jax_superoffload._src import plugin_ffi
+from jax_superoffload._src import zero as zero_lib
+from jax_superoffload._src.hyperparams import Hyperparams
 
 EXECUTORS = ('auto', 'ffi', 'xla_host', 'device')
+
+
+class LeafState(NamedTuple):
+  """A bucket's state before its step, a list per field (one per leaf)."""
+
+  master: list[jax.Array]
+  mu: list[Any]  # Arrays, or moments.Blockwise for 8-bit moments.
+  nu: list[Any]
+  kept: list[jax.Array] | None = None  # Double-buffered leaves only.
+  row: Any = None  # Double-buffered leaves: the current row.
+
+
+class BucketOut(NamedTuple):
+  """A bucket's new state (per leaf) and its new weights on the device."""
+
+  master: list[jax.Array]
+  mu: list[Any]
+  nu: list[Any]
+  # Per leaf: the new weights (fp32, or the parameter's dtype when the
+  # kernel wrote low-precision copies), or the fp32 change of the master.
+  weights: list[jax.Array] | None
+
+
+class Speculated(NamedTuple):
+  """Double-buffered leaves after their speculative step (host memory)."""
+
+  master: list[jax.Array]  # f32[2, *shape]: row `row` untouched.
+  mu: list[jax.Array]
+  nu: list[jax.Array]
+  kept: list[jax.Array]  # The gradients the step read, as fp32.
+  sumsq: jax.Array  # f32[1]: their sum of squares (scaled).
+  weights: list[jax.Array] | None  # Per leaf; None for fp32 weights.
+
+
+class Bucket(NamedTuple):
+  """One bucket of a step's schedule, with what its step reads."""
+
+  index: int
+  leaves: list[int]
+  executor: Executor
+  hyper: Hyperparams
+  grads: list[jax.Array]  # As the kernel reads them (ZeRO: this shard's).
+  params: list[jax.Array] | None  # The step starts from them (`reseed`).
+  dtypes: list[Any]  # Each leaf's parameter dtype.
+  specs: list[Any] | None  # ZeRO: each leaf's partition spec.
+  want_delta: bool  # No params: return new - old master.
+  fp32_weights: bool  # The new weights are the new fp32 masters.
+
+
+class Verdict(Protocol):
+  redo: jax.Array  # Take the step again with gradients times `scale`.
+  skip: jax.Array  # Drop the step.
+  scale: jax.Array
+
+
+class Executor(Protocol):
+  """How a bucket's step runs."""
+
+  name: str
+  paired: bool  # Double-buffered state (STV on the kernel).
+
+  def step(self, zero, b: Bucket, state: LeafState) -> Any:
+    """The step: a `BucketOut`, or `Speculated` when paired."""
+
+  def fix(self, zero, b: Bucket, before: LeafState, out, verdict) -> BucketOut:
+    """`out` after STV's verdict: redone from `before`, dropped, or kept."""
 
 
 def resolve(executor: str) -> str:
@@ -54,55 +129,12 @@ def resolve(executor: str) -> str:
   return 'xla_host'
 
 
-@dataclasses.dataclass(frozen=True)
-class BucketStep:
-  """The per-step scalars and flags shared by every bucket of a group."""
-
-  count: Any
-  learning_rate: Any
-  b1: Any
-  b2: Any
-  eps: Any
-  eps_root: Any
-  weight_decay: Any
-  nesterov: bool
-  want_delta: bool  # Return new - old master (when params are absent).
-  grad_scale: Any = 1.0
-  # Superchip-aware casting: True moves fp32 both ways and casts on the
-  # device; False moves gradients as stored and low-precision weights.
-  cast_on_device: bool = False
-
-  def kwargs(self) -> dict[str, Any]:
-    return dict(
-      count=self.count,
-      learning_rate=self.learning_rate,
-      b1=self.b1,
-      b2=self.b2,
-      eps=self.eps,
-      eps_root=self.eps_root,
-      weight_decay=self.weight_decay,
-      nesterov=self.nesterov,
-      grad_scale=self.grad_scale,
-    )
-
-  def fp32_weights(self, dtypes: Sequence[Any]) -> bool:
-    """Whether the new weights are the new fp32 masters themselves."""
-    return (
-      self.want_delta
-      or self.cast_on_device
-      or all(jnp.dtype(d) == jnp.float32 for d in dtypes)
-    )
-
-
-class BucketOut(NamedTuple):
-  """A bucket's new state (per leaf) and its new weights on the device."""
-
-  master: list[jax.Array]
-  mu: list[jax.Array]
-  nu: list[jax.Array]
-  # Per leaf: the new weights (fp32, or the parameter's dtype when the
-  # kernel wrote low-precision copies), or the fp32 change of the master.
-  weights: list[jax.Array]
+def for_name(executor: str, stv: bool) -> Executor:
+  """The executor of host buckets for a name ("auto" resolved here)."""
+  name = resolve(executor)
+  if name == 'ffi':
+    return PairedKernel() if stv else Kernel()
+  return HostMath() if name == 'xla_host' else Device()
 
 
 def reseed(
@@ -129,41 +161,41 @@ def reseed(
   close = jnp.abs(ordered(master.astype(param.dtype)) - ordered(param)) <= 1
   # Nor can it when the step is larger than the weight: within its own
   # rounding (lr / 16 covers steps up to 16 lr) the parameter is the one
-  # the last step produced (as ReseedTolerance in adam_ffi.cc).
+  # the last step produced (as ReseedTolerance in ffi_support.h).
   tolerance = jnp.abs(jnp.asarray(learning_rate, jnp.float32)) * 0.0625
   close |= jnp.abs(param.astype(jnp.float32) - master) <= tolerance
   return jnp.where(close, master, param.astype(jnp.float32))
 
 
-def _math_step(step: BucketStep, master, mu, nu, grads, dtypes, params):
+def _math_step(hyper: Hyperparams, dtypes, master, mu, nu, grads, params):
   """The step in `jax.numpy` on whatever memory its inputs are in.
 
   Low-precision moments are decoded, the step taken in fp32 and the new
   moments stored rounded (bf16 to nearest even; 8-bit by `moments.py`'s
-  codec), as the kernel does.
+  codec), as the kernel does. `dtypes`: the new weights' dtypes, or None
+  for fp32 weights (then `weights` is None).
   """
   if params is not None:
     master = [
-      reseed(m, p, step.learning_rate)
+      reseed(m, p, hyper.learning_rate)
       for m, p in zip(master, params, strict=True)
     ]
   out = [
-    adam_reference.adam_step_reference(
-      m,
-      g.astype(jnp.float32),
-      _decoded(a, True),
-      _decoded(v, False),
-      **step.kwargs(),
+    adam_reference.reference_step(
+      hyper, m, g.astype(jnp.float32), _decoded(a, True), _decoded(v, False)
     )
     for m, g, a, v in zip(master, grads, mu, nu, strict=True)
   ]
   new_master = [o[0] for o in out]
   weights = None
-  if not step.fp32_weights(dtypes):
+  if dtypes is not None:
     weights = [m.astype(d) for m, d in zip(new_master, dtypes, strict=True)]
-  new_mu = [_stored(o[1], a, True) for o, a in zip(out, mu, strict=True)]
-  new_nu = [_stored(o[2], v, False) for o, v in zip(out, nu, strict=True)]
-  return new_master, new_mu, new_nu, weights
+  return BucketOut(
+    new_master,
+    [_stored(o[1], a, True) for o, a in zip(out, mu, strict=True)],
+    [_stored(o[2], v, False) for o, v in zip(out, nu, strict=True)],
+    weights,
+  )
 
 
 def _decoded(moment, signed: bool) -> jax.Array:
@@ -180,205 +212,273 @@ def _stored(new: jax.Array, old, signed: bool):
   return new.astype(old.dtype)
 
 
-def _kernel_step(step: BucketStep, master, mu, nu, grads, dtypes, params):
+def _kernel_step(hyper: Hyperparams, dtypes, master, mu, nu, grads, params):
   """The step by the Grace Adam kernel (inside host compute)."""
-  fp32 = step.fp32_weights(dtypes)
-  if any(x.dtype != jnp.float32 for x in jax.tree.leaves((mu, nu))):
-    return _lowp_kernel_step(step, master, mu, nu, grads, dtypes, params)
-  m, a, v, w, _ = grace_adam.adam_step_segments(
-    master,
-    mu,
-    nu,
-    list(grads),
-    None if fp32 else list(dtypes),
-    params=params,
-    **step.kwargs(),
-  )
-  return m, a, v, None if fp32 else w
-
-
-def _lowp_kernel_step(step: BucketStep, master, mu, nu, grads, dtypes, params):
-  """`_kernel_step` with bf16 or 8-bit blockwise moments."""
-  fp32 = step.fp32_weights(dtypes)
+  if all(x.dtype == jnp.float32 for x in jax.tree.leaves((mu, nu))):
+    m, a, v, w, _ = grace_adam.adam_step_segments(
+      master, mu, nu, list(grads), dtypes, hyper, params=params
+    )
+    return BucketOut(m, a, v, None if dtypes is None else w)
   blockwise = isinstance(mu[0], moments.Blockwise)
   scales = None
   if blockwise:
     scales = ([x.scales for x in mu], [x.scales for x in nu])
     mu, nu = [x.codes for x in mu], [x.codes for x in nu]
   m, a, v, s, w, _ = grace_adam.adam_step_lowp_segments(
-    list(master),
-    list(mu),
-    list(nu),
-    scales,
-    list(grads),
-    None if fp32 else list(dtypes),
-    params=params,
-    **step.kwargs(),
+    master, mu, nu, scales, list(grads), dtypes, hyper, params=params
   )
   if blockwise:
     a = [moments.Blockwise(c, x) for c, x in zip(a, s[0], strict=True)]
     v = [moments.Blockwise(c, x) for c, x in zip(v, s[1], strict=True)]
-  return m, a, v, None if fp32 else w
+  return BucketOut(m, a, v, None if dtypes is None else w)
 
 
-_SCALARS = (
-  'count',
-  'learning_rate',
-  'b1',
-  'b2',
-  'eps',
-  'eps_root',
-  'weight_decay',
-  'grad_scale',
-)
-
-
-def array_scalars(step: BucketStep) -> tuple[tuple[str, ...], tuple[Any, ...]]:
-  """The step's scalars that are arrays, to pass into a traced region.
-
-  Array scalars (a schedule's value, inject_hyperparams, a clipping scale)
-  go into host compute or `shard_map` as arguments, never as closed-over
-  tracers; Python floats stay Python floats so that 1 - b1 is rounded from
-  double precision, as in optax.
-  """
-  names = tuple(
-    n for n in _SCALARS if not isinstance(getattr(step, n), (int, float))
-  )
-  return names, tuple(jnp.asarray(getattr(step, n)) for n in names)
-
-
-def bind(step: BucketStep, names: tuple[str, ...], values) -> BucketStep:
-  """Inverse of `array_scalars` inside the traced region."""
-  return dataclasses.replace(step, **dict(zip(names, values, strict=True)))
-
-
-def _on_host_with_scalars(fn, step: BucketStep, *arrays):
-  """Runs `fn(step, *arrays)` as host compute."""
-  names, scalars = array_scalars(step)
-
-  def host_fn(scalars, *arrays):
-    return fn(bind(step, names, scalars), *arrays)
-
-  return host_memory.on_host(host_fn, scalars, *arrays)
-
-
-def _delta_or_new(step: BucketStep, new_master, old_master):
+def _delta_or_new(b: Bucket, new_master, old_master) -> list[jax.Array]:
   """Per leaf on the device: the new master, or its change (no params)."""
   new = [host_memory.to_device(m) for m in new_master]
-  if not step.want_delta:
+  if not b.want_delta:
     return new
   old = [host_memory.to_device(m) for m in old_master]
   return [n - o for n, o in zip(new, old, strict=True)]
 
 
-def step_bucket(
-  executor: str,
-  step: BucketStep,
-  master: Sequence[jax.Array],
-  mu: Sequence[jax.Array],
-  nu: Sequence[jax.Array],
-  grads: Sequence[jax.Array],
-  dtypes: Sequence[Any],
-  params: Sequence[jax.Array] | None,
-) -> BucketOut:
-  """One bucket's step.
+def _weight_dtypes(b: Bucket) -> list | None:
+  """The dtypes the step writes the new weights in; None: fp32 masters."""
+  return None if b.fp32_weights else list(b.dtypes)
 
-  Args:
-    executor: "ffi", "xla_host", "device" or "resident" (resolved).
-    step: scalars and flags.
-    master: the leaves' fp32 master weights (host memory).
-    mu: their first moments (host memory).
-    nu: their second moments (host memory).
-    grads: the leaves' gradients (device memory), in order.
-    dtypes: the dtype of each leaf's new weights.
-    params: the parameters the step starts from (see `reseed`), or None.
 
-  Returns:
-    The new state (where it was) and the new weights on the device.
+def _to_host(xs):
+  return None if xs is None else [host_memory.to_host(x) for x in xs]
+
+
+def scalars_to(place, xs: list) -> list:
+  """Scalar (0-d) state leaves moved by `place`; the others as they are.
+
+  Scalars live on the device between steps (see transform.on_host) and
+  visit host memory for the host step.
   """
-  master, mu, nu = list(master), list(mu), list(nu)
-  if executor in ('resident', 'device'):
-    move = host_memory.to_device if executor == 'device' else (lambda x: x)
-    on_device = [[move(x) for x in xs] for xs in (master, mu, nu)]
-    m, a, v, w = _math_step(step, *on_device, grads, dtypes, params)
-    if w is None:
-      w = _delta_or_new(step, m, on_device[0])
-    if executor == 'device':
-      m, a, v = ([host_memory.to_host(x) for x in xs] for xs in (m, a, v))
-    return BucketOut(m, a, v, w)
-  kernel = _kernel_step if executor == 'ffi' else _math_step
-  host_grads = [host_memory.to_host(g) for g in grads]
-  host_params = None
-  if params is not None:
-    host_params = [host_memory.to_host(p) for p in params]
-  m, a, v, w = _on_host_with_scalars(
-    lambda bound, m, a, v, g, p: kernel(bound, m, a, v, g, dtypes, p),
-    step,
-    master,
-    mu,
-    nu,
-    host_grads,
-    host_params,
-  )
-  if w is None:
-    w = _delta_or_new(step, m, master)
-  else:
-    w = [host_memory.to_device(x) for x in w]
-  return BucketOut(m, a, v, w)
+  return jax.tree.map(lambda x: place(x) if x.ndim == 0 else x, list(xs))
 
 
-class Speculated(NamedTuple):
-  """Double-buffered leaves after their speculative step (host memory)."""
+class _Plain:
+  """A step that writes new buffers: the old state outlives it.
 
-  master: list[jax.Array]  # f32[2, *shape]: row `row` untouched.
-  mu: list[jax.Array]
-  nu: list[jax.Array]
-  kept: list[jax.Array]  # The gradients the step read, as fp32.
-  sumsq: jax.Array  # f32[1]: their sum of squares (scaled).
-  weights: list[jax.Array] | None  # Per leaf; None for fp32 weights.
+  So STV's fix redoes the step from that state, or keeps it, and runs only
+  when validation says so (`lax.cond`): a step that validates pays nothing.
+  """
+
+  name = ''
+  paired = False
+  host_state = True  # 0-d state leaves visit host memory for the step.
+
+  def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params):
+    raise NotImplementedError
+
+  def step(self, zero, b: Bucket, state: LeafState, grad_scale=None):
+    hyper = b.hyper
+    if grad_scale is not None:
+      hyper = hyper.replace(grad_scale=grad_scale)
+    fields = [list(x) for x in state[:3]]
+    if self.host_state:
+      fields = [scalars_to(host_memory.to_host, xs) for xs in fields]
+
+    def fn(hyper, _, master, mu, nu, grads, params):
+      return self.local_step(hyper, b, master, mu, nu, grads, params)
+
+    specs = b.specs
+    wrapped = zero_lib.per_shard(
+      zero,
+      fn,
+      in_specs=(specs,) * 4 + (specs if b.params is not None else None,),
+      out_specs=BucketOut(specs, specs, specs, specs),
+    )
+    out = wrapped(hyper, None, *fields, b.grads, b.params)
+    if not self.host_state:
+      return out
+    return out._replace(
+      **{
+        n: scalars_to(host_memory.to_device, getattr(out, n))
+        for n in ('master', 'mu', 'nu')
+      }
+    )
+
+  def fix(self, zero, b: Bucket, before: LeafState, out, verdict) -> BucketOut:
+    def redo_or_drop(out):
+      def redo(_):
+        return self.step(zero, b, before, grad_scale=verdict.scale)
+
+      def drop(_):  # The weights do not matter: the updates become 0.
+        return out._replace(
+          master=list(before.master), mu=list(before.mu), nu=list(before.nu)
+        )
+
+      return jax.lax.cond(verdict.redo, redo, drop, None)
+
+    return jax.lax.cond(
+      jnp.logical_or(verdict.redo, verdict.skip),
+      redo_or_drop,
+      lambda out: out,
+      out,
+    )
 
 
-def speculate(
-  step: BucketStep, row, master, mu, nu, kept, grads, dtypes, params
-) -> Speculated:
-  """STV's speculative "ffi" step on double-buffered leaves (see stv.py)."""
-  fp32 = step.fp32_weights(dtypes)
-  host_grads = [host_memory.to_host(g) for g in grads]
-  host_params = None
-  if params is not None:
-    host_params = [host_memory.to_host(p) for p in params]
+class _OnHost(_Plain):
+  """Host compute over the state where it lives, by `math`."""
 
-  def fn(bound, row, master, mu, nu, kept, grads, params):
-    m, a, v, k, sumsq, weights = grace_adam.adam_step_speculative(
+  # math(hyper, weight_dtypes, master, mu, nu, grads, params) -> BucketOut
+  math: Callable[..., BucketOut] = staticmethod(_math_step)
+
+  def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params):
+    out = host_memory.on_host(
+      lambda h, *xs: self.math(h, _weight_dtypes(b), *xs),
+      hyper,
       master,
       mu,
       nu,
-      kept,
-      row,
-      list(grads),
-      None if fp32 else list(dtypes),
-      params=params,
-      **bound.kwargs(),
+      _to_host(grads),
+      _to_host(params),
     )
-    return Speculated(m, a, v, k, sumsq, None if fp32 else weights)
+    if out.weights is None:
+      return out._replace(weights=_delta_or_new(b, out.master, master))
+    return out._replace(weights=[host_memory.to_device(x) for x in out.weights])
 
-  return _on_host_with_scalars(
-    fn,
-    step,
-    row,
-    list(master),
-    list(mu),
-    list(nu),
-    list(kept),
-    host_grads,
-    host_params,
+
+@dataclasses.dataclass(frozen=True)
+class Kernel(_OnHost):
+  name = 'ffi'
+  math = staticmethod(_kernel_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMath(_OnHost):
+  name = 'xla_host'
+  math = staticmethod(_math_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Device(_Plain):
+  """State copied to the accelerator, stepped there, copied back."""
+
+  name = 'device'
+
+  def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params):
+    moved = [[host_memory.to_device(x) for x in xs] for xs in (master, mu, nu)]
+    out = _math_step(hyper, _weight_dtypes(b), *moved, grads, params)
+    weights = out.weights
+    if weights is None:
+      weights = _delta_or_new(b, out.master, moved[0])
+    m, a, v = ([host_memory.to_host(x) for x in xs] for xs in out[:3])
+    return BucketOut(m, a, v, weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resident(_Plain):
+  """A device bucket: its state lives on the device."""
+
+  name = 'resident'
+  host_state = False
+
+  def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params):
+    out = _math_step(hyper, _weight_dtypes(b), master, mu, nu, grads, params)
+    if out.weights is None:
+      return out._replace(weights=_delta_or_new(b, out.master, master))
+    return out
+
+
+RESIDENT = Resident()
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedKernel:
+  """STV on the kernel: double-buffered leaves, stepped speculatively.
+
+  `step` reads the current row and writes the other, keeping the gradients
+  it read; `fix` redoes the step in place from the untouched row when
+  validation clips it (see stv.py).
+  """
+
+  name = 'ffi'
+  paired = True
+
+  def step(self, zero, b: Bucket, state: LeafState) -> Speculated:
+    def fn(hyper, row, master, mu, nu, kept, grads, params):
+      return _speculate(hyper, b, row, master, mu, nu, kept, grads, params)
+
+    specs, pairs = b.specs, _pair_specs(b.specs)
+    wrapped = zero_lib.per_shard(
+      zero,
+      fn,
+      in_specs=(pairs, pairs, pairs, specs, specs, _if(b.params, specs)),
+      out_specs=_speculated_specs(zero, b),
+    )
+    return wrapped(
+      b.hyper,
+      state.row,
+      *(list(x) for x in state[:3]),
+      scalars_to(host_memory.to_host, state.kept),
+      b.grads,
+      b.params,
+    )
+
+  def fix(self, zero, b: Bucket, before: LeafState, out, verdict) -> BucketOut:
+    def fn(hyper, flags, out):
+      row, redo, skip, scale = flags
+      fixed = _validate_pair(hyper, out, row, redo, skip, scale)
+      return _finish_pair(b, fixed, row)
+
+    specs, pairs = b.specs, _pair_specs(b.specs)
+    in_spec = _speculated_specs(zero, b)
+    if out.weights is None:
+      in_spec = in_spec._replace(weights=None)
+    wrapped = zero_lib.per_shard(
+      zero,
+      fn,
+      in_specs=(in_spec,),
+      out_specs=BucketOut(pairs, pairs, pairs, specs),
+    )
+    flags = (before.row, verdict.redo, verdict.skip, verdict.scale)
+    return wrapped(b.hyper, flags, out)
+
+
+def _if(x, spec):
+  return spec if x is not None else None
+
+
+def _pair_specs(specs):
+  return None if specs is None else [zero_lib.pair_spec(s) for s in specs]
+
+
+def _speculated_specs(zero, b: Bucket) -> Speculated:
+  specs, pairs = b.specs, _pair_specs(b.specs)
+  return Speculated(
+    pairs,
+    pairs,
+    pairs,
+    specs,
+    zero_lib.per_shard_scalar(zero),
+    None if b.fp32_weights else specs,
   )
 
 
-def validate_pair(step: BucketStep, out: Speculated, row, redo, skip, scale):
+def _speculate(hyper, b: Bucket, row, master, mu, nu, kept, grads, params):
+  """STV's speculative kernel step on double-buffered leaves (see stv.py)."""
+  dtypes = _weight_dtypes(b)
+
+  def fn(hyper, row, master, mu, nu, kept, grads, params):
+    m, a, v, k, sumsq, weights = grace_adam.adam_step_speculative(
+      master, mu, nu, kept, row, list(grads), dtypes, hyper, params=params
+    )
+    return Speculated(m, a, v, k, sumsq, None if dtypes is None else weights)
+
+  return host_memory.on_host(
+    fn, hyper, row, master, mu, nu, kept, _to_host(grads), _to_host(params)
+  )
+
+
+def _validate_pair(hyper, out: Speculated, row, redo, skip, scale):
   """Redoes a clipped speculative step from its untouched row, in place."""
 
-  def fn(bound, master, mu, nu, kept, weights, flags):
+  def fn(hyper, master, mu, nu, kept, weights, flags):
     row, redo, skip, scale = flags
     return grace_adam.adam_step_validated(
       master,
@@ -387,15 +487,15 @@ def validate_pair(step: BucketStep, out: Speculated, row, redo, skip, scale):
       kept,
       row,
       weights,
+      hyper,
       redo=redo,
       skip=skip,
       redo_scale=scale,
-      **bound.kwargs(),
     )
 
-  m, a, v, w = _on_host_with_scalars(
+  m, a, v, w = host_memory.on_host(
     fn,
-    step,
+    hyper,
     out.master,
     out.mu,
     out.nu,
@@ -407,7 +507,7 @@ def validate_pair(step: BucketStep, out: Speculated, row, redo, skip, scale):
   return out._replace(master=m, mu=a, nu=v, weights=weights)
 
 
-def finish_pair(step: BucketStep, out: Speculated, row) -> BucketOut:
+def _finish_pair(b: Bucket, out: Speculated, row) -> BucketOut:
   """Double-buffered leaves' new weights on the device, per leaf.
 
   The new master is the row the speculative step wrote (after a skipped
@@ -421,7 +521,7 @@ def finish_pair(step: BucketStep, out: Speculated, row) -> BucketOut:
   for pair in out.master:
     pair = host_memory.to_device(pair)
     new = jax.lax.dynamic_index_in_dim(pair, 1 - row, keepdims=False)
-    if step.want_delta:
+    if b.want_delta:
       new = new - jax.lax.dynamic_index_in_dim(pair, row, keepdims=False)
     weights.append(new)
   return BucketOut(*state, weights)

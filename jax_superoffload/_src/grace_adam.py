@@ -8,6 +8,7 @@ import numpy as np
 
 from jax_superoffload import _grace_adam
 from jax_superoffload._src import adam_args
+from jax_superoffload._src.hyperparams import Hyperparams
 
 # The target names are declared once, in xla_ffi/adam_ffi.h.
 ADAM_STEP_TARGET = _grace_adam.ADAM_STEP_TARGET
@@ -63,11 +64,7 @@ def adam_step(
   contents ignored), the low-precision copy is written into that buffer when
   the caller donates it, rather than into a fresh one.
   """
-  lowp = adam_args.validate(
-    master,
-    grad,
-    mu,
-    nu,
+  hyper = Hyperparams(
     count=count,
     learning_rate=learning_rate,
     b1=b1,
@@ -76,17 +73,16 @@ def adam_step(
     eps_root=eps_root,
     weight_decay=weight_decay,
     grad_scale=grad_scale,
+    nesterov=bool(nesterov),
+  )
+  lowp = adam_args.validate(
+    master,
+    grad,
+    mu,
+    nu,
+    hyper,
     lowp_dtype=lowp_dtype,
     master_dtypes=(np.dtype(np.float32),),
-  )
-  scalars = adam_args.pack_scalars(
-    learning_rate=learning_rate,
-    b1=b1,
-    b2=b2,
-    eps=eps,
-    eps_root=eps_root,
-    weight_decay=weight_decay,
-    grad_scale=grad_scale,
   )
   state_type = jax.ShapeDtypeStruct(master.shape, jnp.float32)
   out_types = [state_type, state_type, state_type]
@@ -117,9 +113,9 @@ def adam_step(
       mu,
       nu,
       jnp.asarray(count, jnp.int32),
-      scalars,
+      hyper.packed(),
       *extra,
-      nesterov=bool(nesterov),
+      nesterov=hyper.nesterov,
     )
   )
 
@@ -165,19 +161,6 @@ def stream_roofline(
   return tuple(call(master, grad, mu, nu))
 
 
-def _pack(step: dict) -> jax.Array:
-  """The f32[9] scalars buffer from a step's keyword arguments."""
-  return adam_args.pack_scalars(
-    learning_rate=step['learning_rate'],
-    b1=step['b1'],
-    b2=step['b2'],
-    eps=step['eps'],
-    eps_root=step['eps_root'],
-    weight_decay=step['weight_decay'],
-    grad_scale=step.get('grad_scale', 1.0),
-  )
-
-
 def _like(xs: list[jax.Array], dtype=None) -> list[jax.ShapeDtypeStruct]:
   return [jax.ShapeDtypeStruct(x.shape, dtype or x.dtype) for x in xs]
 
@@ -192,12 +175,11 @@ def adam_step_segments(
   nu: list[jax.Array],
   grads: list[jax.Array],
   weight_dtypes: list[jax.typing.DTypeLike] | None,
+  hyper: Hyperparams,
   *,
   params: list[jax.Array] | None = None,
-  nesterov: bool,
   keep_nonfinite: bool = False,
   compute_sumsq: bool = False,
-  **step,
 ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], list, jax.Array]:
   """One kernel call over a bucket of k leaves (internal).
 
@@ -205,11 +187,10 @@ def adam_step_segments(
   aliased to its result (updated in place when donated); `grads` their
   gradients (f32, bf16 or f16), of the same shapes. With `params`, the step
   starts from them where they differ from the master rounded to their dtype
-  (the parameters are the source of truth). `step` holds count,
-  learning_rate, b1, b2, eps, eps_root, weight_decay and grad_scale.
-  Returns the new master, mu and nu per leaf, the new weights in
-  `weight_dtypes` (or an empty list), and the sum of the squared scaled
-  gradients (f32[1]; zero unless `compute_sumsq`).
+  (the parameters are the source of truth). Returns the new master, mu and
+  nu per leaf, the new weights in `weight_dtypes` (or an empty list), and
+  the sum of the squared scaled gradients (f32[1]; zero unless
+  `compute_sumsq`).
   """
   runs, weights, sumsq = _bucket_call(
     ADAM_STEP_SEGMENTS_TARGET,
@@ -217,8 +198,7 @@ def adam_step_segments(
     grads,
     weight_dtypes,
     params,
-    step,
-    nesterov=bool(nesterov),
+    hyper,
     keep_nonfinite=bool(keep_nonfinite),
     compute_sumsq=bool(compute_sumsq),
   )
@@ -231,7 +211,7 @@ def _bucket_call(
   grads: list[jax.Array],
   weight_dtypes: list[jax.typing.DTypeLike] | None,
   params: list[jax.Array] | None,
-  step: dict,
+  hyper: Hyperparams,
   **attrs,
 ) -> tuple[list[list[jax.Array]], list[jax.Array], jax.Array]:
   """One call of a bucket handler (Segments or LowpSegments).
@@ -256,11 +236,12 @@ def _bucket_call(
     input_output_aliases=_aliases(2, 1, len(state) * k),
   )
   out = call(
-    jnp.asarray(step['count'], jnp.int32),
-    _pack(step),
+    jnp.asarray(hyper.count, jnp.int32),
+    hyper.packed(),
     *(x for run in state for x in run),
     *grads,
     *(params or []),
+    nesterov=hyper.nesterov,
     num_leaves=np.int64(k),
     reseed=params is not None,
     **attrs,
@@ -277,12 +258,11 @@ def adam_step_lowp_segments(
   scales: tuple[list[jax.Array], list[jax.Array]] | None,
   grads: list[jax.Array],
   weight_dtypes: list[jax.typing.DTypeLike] | None,
+  hyper: Hyperparams,
   *,
   params: list[jax.Array] | None = None,
-  nesterov: bool,
   keep_nonfinite: bool = False,
   compute_sumsq: bool = False,
-  **step,
 ) -> tuple[list, list, list, tuple | None, list, jax.Array]:
   """`adam_step_segments` with low-precision moments (internal).
 
@@ -301,8 +281,7 @@ def adam_step_lowp_segments(
     grads,
     weight_dtypes,
     params,
-    step,
-    nesterov=bool(nesterov),
+    hyper,
     keep_nonfinite=bool(keep_nonfinite),
     compute_sumsq=bool(compute_sumsq),
     quantized=scales is not None,
@@ -319,11 +298,10 @@ def adam_step_speculative(
   row: jax.Array,
   grads: list[jax.Array],
   weight_dtypes: list[jax.typing.DTypeLike] | None,
+  hyper: Hyperparams,
   *,
   params: list[jax.Array] | None = None,
-  nesterov: bool,
   keep_nonfinite: bool = False,
-  **step,
 ) -> tuple[list, list, list, list, jax.Array, list]:
   """STV's speculative step on double-buffered leaves (internal).
 
@@ -350,8 +328,8 @@ def adam_step_speculative(
     input_output_aliases=_aliases(3, 1, 4 * k),
   )
   out = call(
-    jnp.asarray(step['count'], jnp.int32),
-    _pack(step),
+    jnp.asarray(hyper.count, jnp.int32),
+    hyper.packed(),
     jnp.asarray(row, jnp.int32).reshape(1),
     *master,
     *mu,
@@ -359,7 +337,7 @@ def adam_step_speculative(
     *kept,
     *grads,
     *(params or []),
-    nesterov=bool(nesterov),
+    nesterov=hyper.nesterov,
     keep_nonfinite=bool(keep_nonfinite),
     num_leaves=np.int64(k),
     reseed=params is not None,
@@ -375,12 +353,11 @@ def adam_step_validated(
   kept: list[jax.Array],
   row: jax.Array,
   weights: list[jax.Array] | None,
+  hyper: Hyperparams,
   *,
   redo: jax.Array,
   skip: jax.Array,
   redo_scale: jax.Array,
-  nesterov: bool,
-  **step,
 ) -> tuple[list, list, list, list]:
   """Finishes `adam_step_speculative` once validation has spoken (internal).
 
@@ -392,7 +369,7 @@ def adam_step_validated(
   """
   k = len(master)
   weights = list(weights or [])
-  step = dict(step, grad_scale=1.0)  # The redo scales by redo_scale.
+  hyper = hyper.replace(grad_scale=1.0)  # The redo scales by redo_scale.
   out_types = _like(master) + _like(mu) + _like(nu) + _like(weights)
   call = jax.ffi.ffi_call(
     ADAM_STEP_VALIDATED_TARGET,
@@ -405,8 +382,8 @@ def adam_step_validated(
   )
   flags = jnp.stack([redo, skip]).astype(jnp.int32)
   out = call(
-    jnp.asarray(step['count'], jnp.int32),
-    _pack(step),
+    jnp.asarray(hyper.count, jnp.int32),
+    hyper.packed(),
     jnp.asarray(row, jnp.int32).reshape(1),
     flags,
     jnp.asarray(redo_scale, jnp.float32).reshape(1),
@@ -415,7 +392,7 @@ def adam_step_validated(
     *nu,
     *kept,
     *weights,
-    nesterov=bool(nesterov),
+    nesterov=hyper.nesterov,
     num_leaves=np.int64(k),
   )
   runs = [list(out[r * k : (r + 1) * k]) for r in range(3)]

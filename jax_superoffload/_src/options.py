@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_superoffload._src import adam_args
 from jax_superoffload._src import executors
+from jax_superoffload._src import hyperparams
 from jax_superoffload._src import layout
 from jax_superoffload._src import moments
 from jax_superoffload._src import placement
 from jax_superoffload._src import zero as zero_lib
+from jax_superoffload._src.hyperparams import Hyperparams
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 KERNEL_MU_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
@@ -37,7 +38,7 @@ class Options:
   mask: Any  # optax-style mask of the decayed leaves.
   nesterov: bool
   bucket_elements: int  # fp32 elements per kernel call, about.
-  executor: str  # Resolved: "ffi", "xla_host" or "device".
+  executor: executors.Executor  # Of the host buckets, chosen once.
   clip_norm: Any  # None, a positive number or a scalar float array.
   skip_nonfinite: bool
   device_buckets: Any
@@ -53,7 +54,7 @@ class Options:
   @property
   def double_buffered(self) -> bool:
     """STV on the kernel double-buffers each host leaf (see stv.py)."""
-    return self.use_stv and self.executor == 'ffi'
+    return self.executor.paired
 
   @property
   def use_kernel(self) -> bool:
@@ -83,6 +84,20 @@ class Options:
   def no_decay(self) -> bool:
     wd = self.weight_decay
     return isinstance(wd, (int, float)) and wd == 0.0
+
+  def hyperparams(self, count: Any, decay: bool = True) -> Hyperparams:
+    """Step `count`'s hyperparameters (schedules evaluated at `count`)."""
+    lr, wd = self.learning_rate, self.weight_decay
+    return Hyperparams(
+      count=count,
+      learning_rate=lr(count) if callable(lr) else lr,
+      b1=self.b1,
+      b2=self.b2,
+      eps=self.eps,
+      eps_root=self.eps_root,
+      weight_decay=(wd(count) if callable(wd) else wd) if decay else 0.0,
+      nesterov=self.nesterov,
+    )
 
   def layout(self, tree: Any) -> layout.Layout:
     n = len(jax.tree.leaves(tree))
@@ -213,15 +228,16 @@ def make(
     raise ValueError(f'cast must be one of {placement.CASTS}, got {cast!r}')
   if clip_norm is not None:
     _check_clip_norm(clip_norm)
-  adam_args.check_hyperparameters(
-    learning_rate=None if callable(learning_rate) else learning_rate,
+  scalars = dict(
+    learning_rate=learning_rate,
     b1=b1,
     b2=b2,
     eps=eps,
     eps_root=eps_root,
+    weight_decay=weight_decay,
   )
-  if not callable(weight_decay):
-    adam_args.check_hyperparameters(weight_decay=weight_decay)
+  for name, value in scalars.items():  # Schedules are not checked.
+    hyperparams.check_scalar(name, value)
   bucket_bytes = _check_bucket_bytes(bucket_bytes)
   _check_mu_dtype(mu_dtype)
   _check_moments(
@@ -246,7 +262,9 @@ def make(
     mask=mask,
     nesterov=bool(nesterov),
     bucket_elements=max(1, bucket_bytes // 4),
-    executor=executors.resolve(executor),
+    executor=executors.for_name(
+      executor, stv=clip_norm is not None or bool(skip_nonfinite)
+    ),
     clip_norm=clip_norm,
     skip_nonfinite=bool(skip_nonfinite),
     device_buckets=device_buckets,

@@ -46,10 +46,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jax_superoffload._src import executors
 from jax_superoffload._src import host_memory
-from jax_superoffload._src import zero as zero_lib
 
 
 def global_norm(
@@ -119,12 +119,49 @@ def validate(
   return redo, skip, scale
 
 
-def clip_serially(g: jax.Array, redo, norm, clip_norm) -> jax.Array:
+def clip_serially(grads: list, verdict, clip_norm) -> list:
   """optax.clip_by_global_norm's formula, for leaves not on the kernel."""
-  if clip_norm is None:
-    return g
-  clipped = (g / norm.astype(g.dtype)) * clip_norm
-  return jnp.where(redo, clipped, g)
+  if verdict is None or clip_norm is None:
+    return grads
+
+  def clip(g):
+    clipped = (g / verdict.norm.astype(g.dtype)) * clip_norm
+    return jnp.where(verdict.redo, clipped, g)
+
+  return [clip(g) for g in grads]
+
+
+def drop_if_skipped(verdict, update: jax.Array) -> jax.Array:
+  """Zero where validation dropped the step, `update` otherwise."""
+  if verdict is None:
+    return update
+  return jnp.where(verdict.skip, jnp.zeros_like(update), update)
+
+
+def keep_if_skipped(verdict, old: dict, new: dict) -> dict:
+  """Per field of lists: `old` where the step was dropped, else `new`."""
+  if verdict is None:
+    return new
+  return {
+    n: [jnp.where(verdict.skip, o, x) for o, x in zip(old[n], xs, strict=True)]
+    for n, xs in new.items()
+  }
+
+
+def counters(state, verdict) -> tuple:
+  """The state's count, redone, skipped and row after the step."""
+  count = optax.safe_increment(state.count)
+  if verdict is None:
+    return count, state.redone, state.skipped, state.row
+  row = state.row
+  if row is not None:  # The written row is current, unless dropped.
+    row = jnp.where(verdict.skip, row, 1 - row)
+  return (
+    jnp.where(verdict.skip, state.count, count),
+    state.redone + verdict.redo.astype(jnp.int32),
+    state.skipped + verdict.skip.astype(jnp.int32),
+    row,
+  )
 
 
 class HostState(NamedTuple):
@@ -159,49 +196,20 @@ class Verdict(NamedTuple):
   norm: jax.Array
 
 
-def speculate_bucket(opts, b, row, master, mu, nu, kept):
-  """A double-buffered bucket's speculative step (per shard under ZeRO)."""
-
-  def fn(step, row, master, mu, nu, kept, grads, params):
-    return executors.speculate(
-      step, row, master, mu, nu, kept, grads, b.dtypes, params
-    )
-
-  specs = b.specs
-  pairs = None if specs is None else [zero_lib.pair_spec(s) for s in specs]
-  fp32 = b.step.fp32_weights(b.dtypes)
-  wrapped = zero_lib.per_shard(
-    opts.zero,
-    fn,
-    in_specs=(
-      pairs,
-      pairs,
-      pairs,
-      specs,
-      specs,
-      specs if b.params is not None else None,
-    ),
-    out_specs=executors.Speculated(
-      pairs,
-      pairs,
-      pairs,
-      specs,
-      zero_lib.per_shard_scalar(opts.zero),
-      None if fp32 else specs,
-    ),
-  )
-  return wrapped(b.step, row, master, mu, nu, kept, b.grads, b.params)
-
-
-def validate_buckets(opts, inputs, buckets, results, state, bucket_step):
+def validate_buckets(opts, inputs, buckets, before, results):
   """STV's validation of every bucket's speculative step, and its fix.
 
-  Returns the verdict and the buckets' results after the fix: the
-  double-buffered buckets redone in place by the kernel when needed, the
-  others redone from (or reset to) their state before the step.
+  `before`: each bucket's state before the step (`executors.LeafState`).
+  Returns the verdict; the buckets' results after their executors' fix (a
+  double-buffered bucket redone in place by the kernel when needed, the
+  others redone from, or reset to, their state before the step); and the
+  gradients the double-buffered buckets kept, on the device where scalar.
   """
-  paired = [b for b in buckets if b.paired]
-  others = [b for b in buckets if not b.paired]
+  paired = [b for b in buckets if b.executor.paired]
+  kept = {
+    b.index: executors.scalars_to(host_memory.to_device, results[b.index].kept)
+    for b in paired
+  }
   # Double-buffered buckets summed their squared gradients in the kernel's
   # pass (not under ZeRO, where a replicated leaf is summed by every
   # shard); the rest here.
@@ -212,99 +220,16 @@ def validate_buckets(opts, inputs, buckets, results, state, bucket_step):
   norm = global_norm(rest, [results[b.index].sumsq for b in summed])
   finite = jnp.isfinite(norm)
   if opts.skip_nonfinite:  # Double-buffered buckets kept their gradients.
-    kept = [k for b in summed for k in results[b.index].kept]
-    finite = all_finite(norm, rest + kept)
+    held = [k for b in summed for k in results[b.index].kept]
+    finite = all_finite(norm, rest + held)
   redo, skip, scale = validate(
     norm, finite, opts.clip_norm, opts.skip_nonfinite
   )
   verdict = Verdict(redo, skip, scale, norm)
-  results = dict(results)
-  for b in paired:
-    results[b.index] = _finish_pair(
-      opts, b, state.row, verdict, results[b.index]
+  fixed = {
+    b.index: b.executor.fix(
+      opts.zero, b, before[b.index], results[b.index], verdict
     )
-  if others:
-    st = inputs.state
-    originals = {
-      b.index: tuple(
-        [st[n][i] for i in b.leaves] for n in ('master', 'mu', 'nu')
-      )
-      for b in others
-    }
-    fixed = _fix_if_needed(
-      opts,
-      others,
-      originals,
-      {b.index: results[b.index] for b in others},
-      verdict,
-      bucket_step,
-    )
-    results.update(fixed)
-  return verdict, results
-
-
-def _finish_pair(opts, b, row, verdict, out):
-  """A double-buffered bucket's redo if needed, then its new weights."""
-
-  def fn(step, flags, out):
-    row, redo, skip, scale = flags
-    fixed = executors.validate_pair(step, out, row, redo, skip, scale)
-    return executors.finish_pair(step, fixed, row)
-
-  specs = b.specs
-  pairs = None if specs is None else [zero_lib.pair_spec(s) for s in specs]
-  in_spec = executors.Speculated(
-    pairs,
-    pairs,
-    pairs,
-    specs,
-    zero_lib.per_shard_scalar(opts.zero),
-    None if out.weights is None else specs,
-  )
-  wrapped = zero_lib.per_shard(
-    opts.zero,
-    fn,
-    in_specs=(in_spec,),
-    out_specs=executors.BucketOut(pairs, pairs, pairs, specs),
-  )
-  flags = (row, verdict.redo, verdict.skip, verdict.scale)
-  return wrapped(b.step, flags, out)
-
-
-def _fix_if_needed(opts, buckets, originals, results, verdict, bucket_step):
-  """Redoes the steps from their original state if validation failed.
-
-  For buckets whose step wrote new buffers (every executor but "ffi"),
-  the state before the step is still there: a clipped step is taken again
-  from it with the gradients scaled (the kernel's `grad_scale`), exactly
-  as without speculation; a dropped step keeps it. Runs only when needed
-  (`lax.cond`), so a step that validates pays nothing.
-  """
-
-  def keep(results):
-    return results
-
-  def fix(results):
-    def redo_all(_):
-      return {
-        b.index: bucket_step(
-          opts, b, *originals[b.index], grad_scale=verdict.scale
-        )
-        for b in buckets
-      }
-
-    def drop(_):  # The weights do not matter: updates become 0.
-      return {
-        b.index: results[b.index]._replace(
-          master=list(originals[b.index][0]),
-          mu=list(originals[b.index][1]),
-          nu=list(originals[b.index][2]),
-        )
-        for b in buckets
-      }
-
-    return jax.lax.cond(verdict.redo, redo_all, drop, None)
-
-  return jax.lax.cond(
-    jnp.logical_or(verdict.redo, verdict.skip), fix, keep, results
-  )
+    for b in buckets
+  }
+  return verdict, fixed, kept

@@ -397,12 +397,3 @@ def superoffload_adam(**kwargs: Any) -> optax.GradientTransformationExtraArgs:
     return update_lib.update(options_for(reference), updates, state, params)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def step_scalars(opts, count) -> tuple[Any, Any]:
-  """The learning rate and weight decay of step `count`."""
-  lr = opts.learning_rate
-  wd = opts.weight_decay
-  return (lr(count) if callable(lr) else lr), (
-    wd(count) if callable(wd) else wd
-  )

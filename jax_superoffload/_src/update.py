@@ -2,10 +2,10 @@
 
 1. `_inputs`: the plan of the tree, the state checked leaf by leaf against
    the parameters, the gradients and parameters flattened.
-2. `_step_buckets`: every bucket's host step starts at once (speculatively
-   with STV).
-3. `stv.validate_buckets` (STV only): the global norm, and the redo or drop
-   of the buckets' steps when it says so.
+2. `_schedule`: the buckets, each with its executor and hyperparameters;
+   every bucket's step starts at once (speculatively with STV).
+3. `stv.validate_buckets` (STV only): the global norm, and each executor's
+   fix of its step (a redo or a drop) when it says so.
 4. `_assemble`: the updates, in the parameters' dtypes.
 5. `_optax_leaves`: the leaves the kernel does not cover, by optax's math.
 6. `_new_state`.
@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -28,7 +27,6 @@ from jax_superoffload._src import layout
 from jax_superoffload._src import moments
 from jax_superoffload._src import stv
 from jax_superoffload._src import transform
-from jax_superoffload._src import zero as zero_lib
 
 
 class Inputs(NamedTuple):
@@ -38,20 +36,6 @@ class Inputs(NamedTuple):
   grads: list[jax.Array]
   params: list[jax.Array] | None
   state: dict[str, list[jax.Array]]  # master, mu, nu (, kept_grads).
-
-
-class Bucket(NamedTuple):
-  """One bucket of the schedule."""
-
-  index: int
-  leaves: list[int]
-  executor: str  # "ffi", "xla_host", "device" or "resident".
-  step: executors.BucketStep
-  grads: list[jax.Array]  # As the kernel reads them (ZeRO: this shard's).
-  params: list[jax.Array] | None
-  dtypes: list[Any]
-  specs: list[Any] | None  # ZeRO: each leaf's partition spec.
-  paired: bool
 
 
 def _inputs(opts, updates, state, params) -> Inputs:
@@ -77,22 +61,9 @@ def _kernel_grad(g: jax.Array, cast_on_device: bool) -> jax.Array:
 def _schedule(opts, inputs: Inputs, count, cast_on_device: bool) -> list:
   """The buckets of this step, with their gradients ready for the kernel."""
   plan, zero = inputs.plan, opts.zero
-  lr, wd = transform.step_scalars(opts, count)
   out = []
-  k = 0
   for group in plan.lay.groups:
-    step = executors.BucketStep(
-      count=count,
-      learning_rate=lr,
-      b1=opts.b1,
-      b2=opts.b2,
-      eps=opts.eps,
-      eps_root=opts.eps_root,
-      weight_decay=wd if group.decay else 0.0,
-      nesterov=opts.nesterov,
-      want_delta=inputs.params is None,
-      cast_on_device=cast_on_device,
-    )
+    hyper = opts.hyperparams(count, decay=group.decay)
     for bucket in group.buckets:
       ids = [group.leaves[j] for j in bucket]
       grads = [_kernel_grad(inputs.grads[i], cast_on_device) for i in ids]
@@ -109,14 +80,25 @@ def _schedule(opts, inputs: Inputs, count, cast_on_device: bool) -> list:
           params = [
             zero.scatter(p, s) for p, s in zip(params, specs, strict=True)
           ]
-      executor = 'resident' if k in plan.on_device else opts.executor
+      k = len(out)
       dtypes = [plan.lay.dtypes[i] for i in ids]
+      want_delta = inputs.params is None
       out.append(
-        Bucket(
-          k, ids, executor, step, grads, params, dtypes, specs, k in plan.paired
+        executors.Bucket(
+          index=k,
+          leaves=ids,
+          executor=executors.RESIDENT if k in plan.on_device else opts.executor,
+          hyper=hyper,
+          grads=grads,
+          params=params,
+          dtypes=dtypes,
+          specs=specs,
+          want_delta=want_delta,
+          fp32_weights=want_delta
+          or cast_on_device
+          or all(jnp.dtype(d) == jnp.float32 for d in dtypes),
         )
       )
-      k += 1
   return out
 
 
@@ -124,70 +106,16 @@ def _pick(leaves: list, ids: list[int]) -> list:
   return [leaves[i] for i in ids]
 
 
-def _scalars_to(place, xs: list) -> list:
-  """Scalar (0-d) state leaves moved by `place`; the others as they are.
-
-  Scalars live on the device between steps (see transform.on_host) and
-  visit host memory for the host step.
-  """
-  return jax.tree.map(lambda x: place(x) if x.ndim == 0 else x, list(xs))
-
-
-def bucket_step(opts, b: Bucket, master, mu, nu, grad_scale=None):
-  """`executors.step_bucket` for bucket `b` (per shard under ZeRO)."""
-  if b.executor != 'resident':
-    out = _bucket_step(
-      opts,
-      b,
-      *(_scalars_to(host_memory.to_host, xs) for xs in (master, mu, nu)),
-      grad_scale,
-    )
-    return out._replace(
-      **{
-        n: _scalars_to(host_memory.to_device, getattr(out, n))
-        for n in ('master', 'mu', 'nu')
-      }
-    )
-  return _bucket_step(opts, b, master, mu, nu, grad_scale)
-
-
-def _bucket_step(opts, b: Bucket, master, mu, nu, grad_scale):
-  step = b.step
-  if grad_scale is not None:
-    step = dataclasses.replace(step, grad_scale=grad_scale)
-
-  def fn(step, _, master, mu, nu, grads, params):
-    return executors.step_bucket(
-      b.executor, step, master, mu, nu, grads, b.dtypes, params
-    )
-
-  specs = b.specs
-  wrapped = zero_lib.per_shard(
-    opts.zero,
-    fn,
-    in_specs=(specs,) * 4 + (specs if b.params is not None else None,),
-    out_specs=executors.BucketOut(specs, specs, specs, specs),
-  )
-  return wrapped(step, None, master, mu, nu, b.grads, b.params)
-
-
-def _step_buckets(opts, inputs: Inputs, buckets: list, state) -> dict:
-  """Every bucket's step, at once: BucketOut, or Speculated when paired."""
+def _before(inputs: Inputs, b: executors.Bucket, row) -> executors.LeafState:
+  """Bucket `b`'s state before the step."""
   st = inputs.state
-  out = {}
-  for b in buckets:
-    master, mu, nu = (_pick(st[n], b.leaves) for n in ('master', 'mu', 'nu'))
-    if b.paired:
-      kept = _scalars_to(host_memory.to_host, _pick(st['kept_grads'], b.leaves))
-      out[b.index] = stv.speculate_bucket(
-        opts, b, state.row, master, mu, nu, kept
-      )
-    else:
-      out[b.index] = bucket_step(opts, b, master, mu, nu)
-  return out
+  fields = [_pick(st[n], b.leaves) for n in ('master', 'mu', 'nu')]
+  if not b.executor.paired:
+    return executors.LeafState(*fields)
+  return executors.LeafState(*fields, _pick(st['kept_grads'], b.leaves), row)
 
 
-def _assemble(opts, inputs: Inputs, buckets, results, skip) -> list:
+def _assemble(opts, inputs: Inputs, buckets, results, verdict) -> list:
   """The updates per leaf: `params + u` is the new master, cast."""
   plan, zero = inputs.plan, opts.zero
   ids = [i for b in buckets for i in b.leaves]
@@ -209,7 +137,7 @@ def _assemble(opts, inputs: Inputs, buckets, results, skip) -> list:
   for i, w in zip(ids, weights, strict=True):
     # Without params, the weights are the fp32 change of the master.
     u = w if inputs.params is None else _exact_delta(w, inputs.params[i])
-    out[i] = u if skip is None else jnp.where(skip, jnp.zeros_like(u), u)
+    out[i] = stv.drop_if_skipped(verdict, u)
   return out
 
 
@@ -241,11 +169,7 @@ def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
     for n in ('master', 'mu', 'nu')
   }
   params = old['master'] if inputs.params is None else _pick(inputs.params, ids)
-  if verdict is not None:  # Serially: these leaves take the optax path.
-    grads = [
-      stv.clip_serially(g, verdict.redo, verdict.norm, opts.clip_norm)
-      for g in grads
-    ]
+  grads = stv.clip_serially(grads, verdict, opts.clip_norm)
   adam = optax.scale_by_adam(
     opts.b1,
     opts.b2,
@@ -257,7 +181,8 @@ def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
   u, adam_state = adam.update(
     grads, optax.ScaleByAdamState(count, old['mu'], old['nu'])
   )
-  lr, wd = transform.step_scalars(opts, count)
+  hyper = opts.hyperparams(count)
+  lr, wd = hyper.learning_rate, hyper.weight_decay
   decay = plan.lay.fallback_decay
   u = [x + wd * p if d else x for x, p, d in zip(u, params, decay, strict=True)]
   u = [(-lr * x).astype(p.dtype) for x, p in zip(u, params, strict=True)]
@@ -268,13 +193,8 @@ def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
     'mu': list(adam_state.mu),
     'nu': list(adam_state.nu),
   }
-  if verdict is not None:
-    skip = verdict.skip
-    u = [jnp.where(skip, jnp.zeros_like(x), x) for x in u]
-    new = {
-      n: [jnp.where(skip, o, x) for o, x in zip(old[n], new[n], strict=True)]
-      for n in new
-    }
+  u = [stv.drop_if_skipped(verdict, x) for x in u]
+  new = stv.keep_if_skipped(verdict, old, new)
   if inputs.params is None:
     u = [x.astype(jnp.result_type(g)) for x, g in zip(u, grads, strict=True)]
   for i, x in zip(ids, u, strict=True):
@@ -296,25 +216,18 @@ def _new_state(opts, inputs, state, buckets, results, kept, optax_new, verdict):
     r = results[b.index]
     for n in names:
       if n == 'kept_grads':
-        if b.paired:
+        if b.executor.paired:
           for i, x in zip(b.leaves, kept[b.index], strict=True):
             new[n][i] = x
         continue
       for i, x in zip(b.leaves, getattr(r, n), strict=True):
-        new[n][i] = _scalars_to(host_memory.to_device, [x])[0]
+        new[n][i] = executors.scalars_to(host_memory.to_device, [x])[0]
   for n, xs in optax_new.items():
     for i, x in zip(inputs.plan.lay.fallback, xs, strict=True):
       new[n][i] = x
   scales = _split_blockwise(opts, state, new)
   tree = lambda xs: jax.tree.unflatten(inputs.plan.lay.treedef, xs)  # noqa: E731
-  count = optax.safe_increment(state.count)
-  redone, skipped, row = state.redone, state.skipped, state.row
-  if verdict is not None:
-    count = jnp.where(verdict.skip, state.count, count)
-    redone = redone + verdict.redo.astype(jnp.int32)
-    skipped = skipped + verdict.skip.astype(jnp.int32)
-  if opts.double_buffered:  # The written row is current, unless dropped.
-    row = jnp.where(verdict.skip, row, 1 - row)
+  count, redone, skipped, row = stv.counters(state, verdict)
   return transform.SuperOffloadState(
     count=count,
     mu=tree(new['mu']),
@@ -351,20 +264,16 @@ def update(opts, updates, state, params):
   inputs = _inputs(opts, updates, state, params)
   reference = params if params is not None else updates
   buckets = _schedule(opts, inputs, state.count, opts.cast_on_device(reference))
-  results = _step_buckets(opts, inputs, buckets, state)
-  kept = {
-    b.index: _scalars_to(host_memory.to_device, results[b.index].kept)
-    for b in buckets
-    if b.paired
+  before = {b.index: _before(inputs, b, state.row) for b in buckets}
+  results = {
+    b.index: b.executor.step(opts.zero, b, before[b.index]) for b in buckets
   }
-  verdict = None
+  verdict, kept = None, {}
   if opts.use_stv:
-    verdict, results = stv.validate_buckets(
-      opts, inputs, buckets, results, state, bucket_step
+    verdict, results, kept = stv.validate_buckets(
+      opts, inputs, buckets, before, results
     )
-  out = _assemble(
-    opts, inputs, buckets, results, None if verdict is None else verdict.skip
-  )
+  out = _assemble(opts, inputs, buckets, results, verdict)
   optax_new = _optax_leaves(opts, inputs, state.count, verdict, out)
   for i, u in enumerate(out):  # Zero-size leaves no bucket holds.
     if u is None:

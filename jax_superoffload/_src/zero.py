@@ -33,7 +33,6 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_superoffload._src import executors
 from jax_superoffload._src import host_memory
 
 
@@ -225,23 +224,20 @@ def per_shard(
   in_specs: Any = None,
   out_specs: Any = None,
 ) -> Callable[..., Any]:
-  """Wraps a bucket function `fn(step, extra, *arrays)` to run per shard.
+  """Wraps a bucket function `fn(hyper, extra, *arrays)` to run per shard.
 
-  Without ZeRO, `fn` itself. With it, the step's array scalars and `extra`
-  (a pytree of replicated scalars, e.g. STV's flags) enter `shard_map` as
-  replicated arguments, and each of `arrays` (a pytree, with `in_specs` a
-  matching prefix of partition specs) as its local block; `out_specs`
-  likewise for the result.
+  Without ZeRO, `fn` itself. With it, the hyperparameters' arrays and
+  `extra` (a pytree of replicated scalars, e.g. STV's flags) enter
+  `shard_map` as replicated arguments, and each of `arrays` (a pytree, with
+  `in_specs` a matching prefix of partition specs) as its local block;
+  `out_specs` likewise for the result.
   """
   if zero is None:
     return fn
 
-  def wrapped(step, extra, *arrays):
-    names, values = executors.array_scalars(step)
-
-    def local(scalars, *arrays):
-      values, extra = scalars
-      return fn(executors.bind(step, names, values), extra, *arrays)
+  def wrapped(hyper, extra, *arrays):
+    def local(replicated, *arrays):
+      return fn(*replicated, *arrays)
 
     mapped = jax.shard_map(
       local,
@@ -249,7 +245,7 @@ def per_shard(
       in_specs=(P(), *in_specs),
       out_specs=out_specs,
     )
-    return mapped((values, extra), *arrays)
+    return mapped((hyper, extra), *arrays)
 
   return wrapped
 
