@@ -27,7 +27,7 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install -q --upgrade pip
 	# Build tools first: the extension builds without isolation, against
 	# the jaxlib it will run with (whose XLA FFI headers it compiles with).
-	$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" cmake ninja "jax>=0.10,<0.13" "jaxlib>=0.10,<0.13" $(PIP_C)
+	$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" cmake ninja "jax>=0.10.1,<0.13" "jaxlib>=0.10.1,<0.13" $(PIP_C)
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,experiments]" $(PIP_C)
 	touch $(STAMP)
 

@@ -37,14 +37,15 @@ def test_function_form_follows_the_rename(monkeypatch, fresh_form):
   assert host_memory.function_form() is compute_on
 
 
-def test_context_manager_only_has_no_function_form(monkeypatch, fresh_form):
+def test_context_manager_only_is_refused_by_name(monkeypatch, fresh_form):
   def compute_on(compute_type):
     del compute_type
 
   monkeypatch.setattr(
     host_memory, '_compute_on', types.SimpleNamespace(compute_on=compute_on)
   )
-  assert host_memory.function_form() is None
+  with pytest.raises(RuntimeError, match=r'needs jax >= 0\.10\.1'):
+    host_memory.function_form()
 
 
 def test_on_host_results_live_in_pinned_host():

@@ -4,7 +4,9 @@ One small shim over the host-compute API, whose function form JAX has
 spelt `compute_on2(f, *, compute_type, out_memory_spaces)` (0.10.1 to 0.11,
 beside the `compute_on(compute_type)` context manager) and
 `compute_on(f, *, compute_type, out_memory_spaces)` (0.12, where the context
-manager is gone). CI runs the suite on 0.10 and on the newest release.
+manager is gone). 0.10.0 exports only the context manager, which cannot
+pin results to host memory, so 0.10.1 is the oldest JAX supported. CI runs
+the suite on 0.10 and on the newest release.
 """
 
 from __future__ import annotations
@@ -49,17 +51,20 @@ def memory_kind(x: jax.Array) -> str | None:
 
 
 @functools.cache
-def function_form() -> Callable[..., Any] | None:
-  """This JAX's `f(fn, *, compute_type, out_memory_spaces)`, or None."""
+def function_form() -> Callable[..., Any]:
+  """This JAX's `f(fn, *, compute_type, out_memory_spaces)`."""
   if hasattr(_compute_on, 'compute_on2'):
     return _compute_on.compute_on2
   try:
     params = inspect.signature(_compute_on.compute_on).parameters
   except (TypeError, ValueError):
-    return None
+    params = {}
   if 'out_memory_spaces' in params:
     return _compute_on.compute_on
-  return None  # Only the context manager (before 0.10.1).
+  raise RuntimeError(
+    f'jax {jax.__version__} has no function form of compute_on (only the '
+    'context manager); jax_superoffload needs jax >= 0.10.1'
+  )
 
 
 def on_host(fn: Callable[..., Any], *args: Any) -> Any:
@@ -76,12 +81,7 @@ def on_host(fn: Callable[..., Any], *args: Any) -> Any:
   host_spaces = jax.tree.unflatten(
     out_tree, [jax.memory.Space.Host] * out_tree.num_leaves
   )
-  host_compute = function_form()
-  if host_compute is None:
-    with _compute_on.compute_on('device_host'):
-      out = fn(*args)
-    return jax.tree.map(to_host, out)
-  wrapped = host_compute(
+  wrapped = function_form()(
     fn, compute_type='device_host', out_memory_spaces=host_spaces
   )
   return wrapped(*args)
