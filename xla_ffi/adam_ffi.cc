@@ -201,8 +201,7 @@ ffi::Error AdamStepSegmentsHandler(
     bool nesterov, bool keep_nonfinite, bool compute_sumsq,
     int64_t num_leaves, bool reseed) {
   const LeafRuns runs(num_leaves, args.size(), rets.size());
-  const bool copy_weights =
-      static_cast<int64_t>(rets.size()) == 4 * num_leaves && num_leaves > 0;
+  const bool copy_weights = runs.CopiesWeights(3);
   if (ffi::Error error = runs.Expect(reseed ? 5 : 4, copy_weights ? 4 : 3);
       error.failure()) {
     return error;
@@ -303,17 +302,15 @@ ffi::Error AdamStepSegmentsHandler(
       }
       return;
     }
-    // Re-seeded into the output a block at a time, each stepped there at
-    // once, from L1/L2: the parameters' read is then the only traffic
-    // re-seeding adds.
+    // Re-seeded into the output and stepped there from cache.
     AdamBuffers fixed = b;
     fixed.master_in = b.master_out;
-    for (int64_t from = begin; from < end; from += kReseedBlock) {
-      const int64_t to = std::min(end, from + kReseedBlock);
-      ReseedRange(b.master_in, params[j], param_types[j],
-                  ReseedTolerance(constants), b.master_out, from, to, isa);
-      step(fixed, from, to);
-    }
+    ReseedThenStep(b.master_in, params[j], param_types[j], constants,
+                   b.master_out, begin, end, isa,
+                   [&](int64_t from, int64_t to) {
+                     step(fixed, from, to);
+                     return 0.0;
+                   });
   });
   TotalInChunkOrder(partial, sumsq);
   return ffi::Error::Success();
@@ -389,8 +386,7 @@ ffi::Error AdamStepSpeculativeHandler(
     ffi::RemainingRets rets, bool nesterov, bool keep_nonfinite,
     int64_t num_leaves, bool reseed) {
   const LeafRuns runs(num_leaves, args.size(), rets.size());
-  const bool copy_weights =
-      static_cast<int64_t>(rets.size()) == 5 * num_leaves && num_leaves > 0;
+  const bool copy_weights = runs.CopiesWeights(4);
   if (ffi::Error error = runs.Expect(reseed ? 6 : 5, copy_weights ? 5 : 4);
       error.failure()) {
     return error;
@@ -451,16 +447,13 @@ ffi::Error AdamStepSpeculativeHandler(
           SpeculativeStepRange(constants, pairs[j], from, begin, end, isa);
       return;
     }
-    // The current row re-seeded in place a block at a time, each block
-    // stepped at once (see AdamStepSegmentsHandler).
+    // The current row re-seeded in place and stepped from cache.
     float* current = pairs[j].master + from * pairs[j].row_stride;
-    for (int64_t lo = begin; lo < end; lo += kReseedBlock) {
-      const int64_t hi = std::min(end, lo + kReseedBlock);
-      ReseedRange(current, params[j], param_types[j],
-                  ReseedTolerance(constants), current, lo, hi, isa);
-      partial[chunk] +=
-          SpeculativeStepRange(constants, pairs[j], from, lo, hi, isa);
-    }
+    partial[chunk] += ReseedThenStep(
+        current, params[j], param_types[j], constants, current, begin, end,
+        isa, [&](int64_t lo, int64_t hi) {
+          return SpeculativeStepRange(constants, pairs[j], from, lo, hi, isa);
+        });
   });
   TotalInChunkOrder(partial, sumsq);
   return ffi::Error::Success();
@@ -483,8 +476,7 @@ ffi::Error AdamStepValidatedHandler(
     return InvalidArgument("validation needs flags [redo, skip] and a scale");
   }
   const LeafRuns runs(num_leaves, args.size(), rets.size());
-  const bool copy_weights =
-      static_cast<int64_t>(rets.size()) == 4 * num_leaves && num_leaves > 0;
+  const bool copy_weights = runs.CopiesWeights(3);
   if (ffi::Error error = runs.Expect(copy_weights ? 5 : 4, copy_weights ? 4 : 3);
       error.failure()) {
     return error;

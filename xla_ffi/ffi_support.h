@@ -102,6 +102,12 @@ class LeafRuns {
 
   int64_t k() const { return k_; }
 
+  // Whether the results hold one more run, the k new weights, than the
+  // `rets_without` runs every call has.
+  bool CopiesWeights(int64_t rets_without) const {
+    return k_ > 0 && num_rets_ == (rets_without + 1) * k_;
+  }
+
  private:
   int64_t k_;
   int64_t num_args_;
@@ -151,6 +157,25 @@ inline constexpr int64_t kReseedBlock = 1 << 14;
 void ReseedRange(const float* master, const void* params, ElementType type,
                  float tolerance, float* out, int64_t begin, int64_t end,
                  Isa isa);
+
+// Re-seeds [begin, end) of `out` from `master` and 16-bit `params` a block
+// at a time, and runs step(from, to) on each block at once, while it is
+// still in L1/L2: the parameters' read is then the only traffic re-seeding
+// adds. Returns the sum of what the steps return.
+template <class Step>
+double ReseedThenStep(const float* master, const void* params,
+                      ElementType type, const AdamConstants& constants,
+                      float* out, int64_t begin, int64_t end, Isa isa,
+                      const Step& step) {
+  double total = 0.0;
+  for (int64_t from = begin; from < end; from += kReseedBlock) {
+    const int64_t to = std::min(end, from + kReseedBlock);
+    ReseedRange(master, params, type, ReseedTolerance(constants), out, from,
+                to, isa);
+    total += step(from, to);
+  }
+  return total;
+}
 
 // Runs fn(leaf, begin, end, chunk) over every leaf piece of every chunk of
 // the leaves laid (virtually) end to end; `starts` are their offsets.

@@ -153,17 +153,14 @@ double StepLowpPiece(const AdamConstants& constants, const LowpMomentBuffers& b,
     from.master_in = static_cast<const float*>(params);
     return LowpAdamStepRange(constants, from, begin, end, isa, sum_squares);
   }
-  // Re-seeded into the output a block at a time and stepped there from
-  // cache, as the fp32-moment handler does.
+  // Re-seeded into the output and stepped there from cache.
   from.master_in = b.master_out;
-  double total = 0.0;
-  for (int64_t i = begin; i < end; i += kReseedBlock) {
-    const int64_t stop = std::min(end, i + kReseedBlock);
-    ReseedRange(b.master_in, params, param_type, ReseedTolerance(constants),
-                b.master_out, i, stop, isa);
-    total += LowpAdamStepRange(constants, from, i, stop, isa, sum_squares);
-  }
-  return total;
+  return ReseedThenStep(b.master_in, params, param_type, constants,
+                        b.master_out, begin, end, isa,
+                        [&](int64_t lo, int64_t hi) {
+                          return LowpAdamStepRange(constants, from, lo, hi,
+                                                   isa, sum_squares);
+                        });
 }
 
 // One bucket of k leaves with low-precision moments. Operands: the count
@@ -184,10 +181,8 @@ ffi::Error AdamStepLowpSegmentsHandler(
     bool nesterov, bool keep_nonfinite, bool compute_sumsq,
     int64_t num_leaves, bool reseed, bool quantized) {
   LowpRuns runs{quantized, reseed, false};
-  runs.copy_weights =
-      num_leaves > 0 &&
-      static_cast<int64_t>(rets.size()) == (runs.weights() + 1) * num_leaves;
   const LeafRuns leaf_runs(num_leaves, args.size(), rets.size());
+  runs.copy_weights = leaf_runs.CopiesWeights(runs.weights());
   if (ffi::Error e = leaf_runs.Expect(runs.args(), runs.rets()); e.failure()) {
     return e;
   }
