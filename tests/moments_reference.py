@@ -108,10 +108,14 @@ def check_close(got, want, tol, what: str) -> None:
 
 
 def check_bf16(stored, want, tol, what: str) -> None:
-  """`stored` is want rounded to bf16, or the rounding of want +- tol."""
+  """`stored` is the bf16 rounding of a value within want +- tol.
+
+  Rounding is monotone, so those are the bf16 values from the rounding of
+  want - tol to that of want + tol.
+  """
   got = np.asarray(stored, np.float64)
-  ok = (got == bf16_round(want)) | (got == bf16_round(want - tol))
-  ok |= (got == bf16_round(want + tol)) | (np.isnan(got) & np.isnan(want))
+  lo, hi = bf16_round(want - tol), bf16_round(want + tol)
+  ok = ((lo <= got) & (got <= hi)) | (np.isnan(got) & np.isnan(want))
   if not ok.all():
     i = np.flatnonzero(~ok)[0]
     raise AssertionError(
@@ -141,17 +145,29 @@ def check_blockwise(codes, scales, want, tol, signed: bool, what: str) -> None:
       assert (c == 0).all(), (what, b)
       continue
     for i in range(x.size):
-      y = abs(x[i]) / scale
-      dy = (e[i] + slack) / scale + 2 * U * y  # The fp32 division too.
-      allowed = {nearest_code(y, table)}
-      allowed |= {nearest_code(max(y - dy, 0.0), table)}
-      allowed |= {nearest_code(y + dy, table)}
-      magnitude = int(c[i]) & 127 if signed else int(c[i])
-      negative = signed and c[i] >= 128
-      if magnitude not in allowed or (
-        magnitude != 0 and negative != (x[i] < 0)
-      ):
-        raise AssertionError(
-          f'{what} block {b} element {i}: code {int(c[i])}, want one of '
-          f'{sorted(allowed)} (sign {x[i] < 0}) for y={y!r}'
-        )
+      _check_code(int(c[i]), x[i] / scale, (e[i] + slack) / scale, table,
+                  signed, f'{what} block {b} element {i}')  # fmt: skip
+
+
+def _check_code(code: int, y: float, dy: float, table, signed: bool, what):
+  """`code` is the rounding of a value within y +- dy (or 2 U y more).
+
+  Codes are monotone in magnitude, so the allowed magnitudes run from the
+  code of the smallest |value| in the interval to that of the largest; a
+  sign other than y's only where the interval holds zero.
+  """
+  dy += 2 * U * abs(y)  # The fp32 division by the scale.
+  lo, hi = y - dy, y + dy
+  smallest = 0.0 if lo <= 0 <= hi else min(abs(lo), abs(hi))
+  allowed = range(
+    nearest_code(smallest, table),
+    nearest_code(max(abs(lo), abs(hi)), table) + 1,
+  )
+  magnitude = code & 127 if signed else code
+  negative = signed and code >= 128
+  sign_ok = magnitude == 0 or negative == (y < 0) or lo <= 0 <= hi
+  if magnitude not in allowed or not sign_ok:
+    raise AssertionError(
+      f'{what}: code {code}, want one of {list(allowed)} (sign {y < 0}) '
+      f'for y={y!r} +- {dy!r}'
+    )

@@ -316,10 +316,14 @@ def test_optax_tree_utils_see_param_shaped_moments():
     (dict(nu_dtype=jnp.bfloat16), 'needs mu_dtype=bfloat16'),
     (dict(moments_8bit=True, mu_dtype=jnp.bfloat16), 'leave mu_dtype'),
     (
-      dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16, clip_norm=1.0),
-      'clip_norm',
+      dict(
+        mu_dtype=jnp.bfloat16,
+        nu_dtype=jnp.bfloat16,
+        mesh=jax.make_mesh((1,), ('d',)),
+        shard_axis='d',
+      ),
+      'mesh',
     ),
-    (dict(moments_8bit=True, skip_nonfinite=True), 'skip_nonfinite'),
     (dict(mu_dtype=jnp.float16, nu_dtype=jnp.bfloat16), "optax's path"),
   ],
 )

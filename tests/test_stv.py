@@ -147,20 +147,30 @@ def _mlp_train_step(tx, width=256):
 
 
 def _copies(hlo: str) -> list[str]:
-  """The copies of arrays (not scalars) in the compiled entry computation."""
-  entry = hlo[hlo.index('\nENTRY ') :]
+  """The copies of arrays (not scalars) anywhere in the compiled module."""
   return [
     line
-    for line in entry.splitlines()
+    for line in hlo.splitlines()
     if ' copy(' in line and not re.search(r'= \w+\[\] copy', line)
   ]
 
 
-def test_armed_stv_needs_no_more_temporaries_and_no_copies():
+@pytest.mark.parametrize(
+  'moments',
+  [
+    {},
+    dict(mu_dtype=jnp.bfloat16),
+    dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+    dict(moments_8bit=True),
+  ],
+  ids=['fp32', 'mu_bf16', 'bf16', '8bit'],
+)
+def test_armed_stv_needs_no_more_temporaries_and_no_copies(moments):
   # STV keeps each bucket's gradients until validation. Kept as temporaries
   # they made XLA:CPU map ~4 B/param afresh every step (page faults); kept
   # in the donated state they cost nothing per step. Nor may XLA copy any
-  # state buffer to make the double buffering work.
+  # state buffer: to make the double buffering work (fp32 moments), or
+  # around the in-place step taken after the verdict (low-precision ones).
   bucket = 256 * 256 * 4
   x = jnp.ones((8, 256), jnp.float32)
   temps, hlos = {}, {}
@@ -168,12 +178,15 @@ def test_armed_stv_needs_no_more_temporaries_and_no_copies():
     'plain': {},
     'stv': dict(clip_norm=1.0, skip_nonfinite=True),
   }.items():
-    tx = superoffload.adamw(1e-3, bucket_bytes=bucket, **kw)
+    tx = superoffload.adamw(1e-3, bucket_bytes=bucket, **kw, **moments)
     step, params = _mlp_train_step(tx)
     compiled = step.lower(params, tx.init(params), x).compile()
     temps[name] = compiled.memory_analysis().temp_size_in_bytes
     hlos[name] = compiled.as_text()
-  assert temps['stv'] <= temps['plain'] + 4096, temps
+  allowed = 4096
+  if moments:  # The step waits for the norm: all gradients live until then,
+    allowed += sum(p.nbytes for p in jax.tree.leaves(params))  # as in optax.
+  assert temps['stv'] <= temps['plain'] + allowed, temps
   assert not _copies(hlos['stv']), _copies(hlos['stv'])
 
 

@@ -504,10 +504,10 @@ def test_checkpoint_mid_run_resumes_bit_for_bit(executor):
   assert step._cache_size() == 1
 
 
-# A non-fp32 mu_dtype puts every leaf on the optax path, clipped serially
-# with STV's norm: bf16 moments turn any difference in the norm's last bit
-# into a bf16 rounding step, so only bit equality says the norm and the
-# clip are optax's own.
+# A mu_dtype the kernel does not store (float16) puts every leaf on the
+# optax path, clipped serially with STV's norm: f16 moments turn any
+# difference in the norm's last bit into an f16 rounding step, so only bit
+# equality says the norm and the clip are optax's own.
 @pytest.mark.parametrize('executor', EXECUTORS)
 def test_optax_path_under_stv_is_optax_bit_for_bit(executor):
   params = random_tree([(40,), (6, 7), ()])
@@ -515,14 +515,14 @@ def test_optax_path_under_stv_is_optax_bit_for_bit(executor):
   theirs = optax.apply_if_finite(
     optax.chain(
       optax.clip_by_global_norm(CLIP),
-      optax.adamw(LR, weight_decay=WD, mu_dtype=jnp.bfloat16),
+      optax.adamw(LR, weight_decay=WD, mu_dtype=jnp.float16),
     ),
     max_consecutive_errors=10**6,
   )
   ours = superoffload.adamw(
     LR,
     weight_decay=WD,
-    mu_dtype=jnp.bfloat16,
+    mu_dtype=jnp.float16,
     clip_norm=CLIP,
     skip_nonfinite=True,
     executor=executor,

@@ -173,10 +173,12 @@ double StepLowpPiece(const AdamConstants& constants, const LowpMomentBuffers& b,
 // the new weights in the parameters' dtypes. Work is split in fixed chunks
 // over the leaves laid end to end, each leaf padded to whole blocks, so
 // that a piece of a leaf starts on a block and nothing depends on the
-// number of threads.
+// number of threads. `skip` (s32[1]) nonzero: no step (STV dropped it);
+// the state is left as it is and the weights are not written.
 ffi::Error AdamStepLowpSegmentsHandler(
     ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
-    ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
+    ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> skip,
+    ffi::RemainingArgs args,
     ffi::ResultBuffer<ffi::F32> sumsq, ffi::RemainingRets rets,
     bool nesterov, bool keep_nonfinite, bool compute_sumsq,
     int64_t num_leaves, bool reseed, bool quantized) {
@@ -211,6 +213,11 @@ ffi::Error AdamStepLowpSegmentsHandler(
       error.failure()) {
     return error;
   }
+  if (skip.element_count() != 1) return InvalidArgument("skip is a scalar");
+  if (skip.typed_data()[0] != 0) {
+    sumsq->typed_data()[0] = 0.0f;
+    return ffi::Error::Success();
+  }
   std::vector<double> partial(num_chunks, 0.0);
   const Isa isa = BestIsa();
   ForEachPiece(pool, starts, [&](size_t j, int64_t begin, int64_t end,
@@ -234,6 +241,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowpSegments,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .RemainingRets()

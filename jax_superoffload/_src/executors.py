@@ -129,11 +129,19 @@ def resolve(executor: str) -> str:
   return 'xla_host'
 
 
-def for_name(executor: str, stv: bool) -> Executor:
-  """The executor of host buckets for a name ("auto" resolved here)."""
+def for_name(executor: str, stv: bool, fp32_moments: bool) -> Executor:
+  """The executor of host buckets for a name ("auto" resolved here).
+
+  Under STV the kernel steps fp32 moments speculatively on two rows
+  (`PairedKernel`), and low-precision moments once the verdict is known
+  (`AfterVerdict`); the other executors write new buffers anyway, so the
+  state before a speculative step is still there for its fix.
+  """
   name = resolve(executor)
   if name == 'ffi':
-    return PairedKernel() if stv else Kernel()
+    if not stv:
+      return Kernel()
+    return PairedKernel() if fp32_moments else AfterVerdict()
   return HostMath() if name == 'xla_host' else Device()
 
 
@@ -212,9 +220,15 @@ def _stored(new: jax.Array, old, signed: bool):
   return new.astype(old.dtype)
 
 
-def _kernel_step(hyper: Hyperparams, dtypes, master, mu, nu, grads, params):
-  """The step by the Grace Adam kernel (inside host compute)."""
+def _kernel_step(
+  hyper: Hyperparams, dtypes, master, mu, nu, grads, params, skip=False
+):
+  """The step by the Grace Adam kernel (inside host compute).
+
+  `skip` (low-precision moments only): no step where it is true.
+  """
   if all(x.dtype == jnp.float32 for x in jax.tree.leaves((mu, nu))):
+    assert skip is False, 'fp32 moments are skipped by PairedKernel'
     m, a, v, w, _ = grace_adam.adam_step_segments(
       master, mu, nu, list(grads), dtypes, hyper, params=params
     )
@@ -225,7 +239,7 @@ def _kernel_step(hyper: Hyperparams, dtypes, master, mu, nu, grads, params):
     scales = ([x.scales for x in mu], [x.scales for x in nu])
     mu, nu = [x.codes for x in mu], [x.codes for x in nu]
   m, a, v, s, w, _ = grace_adam.adam_step_lowp_segments(
-    master, mu, nu, scales, list(grads), dtypes, hyper, params=params
+    master, mu, nu, scales, list(grads), dtypes, hyper, params=params, skip=skip
   )
   if blockwise:
     a = [moments.Blockwise(c, x) for c, x in zip(a, s[0], strict=True)]
@@ -274,7 +288,12 @@ class _Plain:
   def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params):
     raise NotImplementedError
 
-  def step(self, zero, b: Bucket, state: LeafState, grad_scale=None):
+  def step(self, zero, b: Bucket, state: LeafState, grad_scale=None, skip=None):
+    """The step; `grad_scale` scales the gradients, `skip` drops it.
+
+    `skip` (a boolean scalar) is for the kernel's low-precision moments
+    only (`AfterVerdict`).
+    """
     hyper = b.hyper
     if grad_scale is not None:
       hyper = hyper.replace(grad_scale=grad_scale)
@@ -282,8 +301,9 @@ class _Plain:
     if self.host_state:
       fields = [scalars_to(host_memory.to_host, xs) for xs in fields]
 
-    def fn(hyper, _, master, mu, nu, grads, params):
-      return self.local_step(hyper, b, master, mu, nu, grads, params)
+    def fn(hyper, skip, master, mu, nu, grads, params):
+      extra = {} if skip is None else {'skip': skip}
+      return self.local_step(hyper, b, master, mu, nu, grads, params, **extra)
 
     specs = b.specs
     wrapped = zero_lib.per_shard(
@@ -292,7 +312,7 @@ class _Plain:
       in_specs=(specs,) * 4 + (specs if b.params is not None else None,),
       out_specs=BucketOut(specs, specs, specs, specs),
     )
-    out = wrapped(hyper, None, *fields, b.grads, b.params)
+    out = wrapped(hyper, skip, *fields, b.grads, b.params)
     if not self.host_state:
       return out
     return out._replace(
@@ -328,10 +348,11 @@ class _OnHost(_Plain):
   # math(hyper, weight_dtypes, master, mu, nu, grads, params) -> BucketOut
   math: Callable[..., BucketOut] = staticmethod(_math_step)
 
-  def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params):
+  def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params, **skip):
     out = host_memory.on_host(
-      lambda h, *xs: self.math(h, _weight_dtypes(b), *xs),
+      lambda h, skip, *xs: self.math(h, _weight_dtypes(b), *xs, **skip),
       hyper,
+      skip,
       master,
       mu,
       nu,
@@ -386,6 +407,37 @@ class Resident(_Plain):
 
 
 RESIDENT = Resident()
+
+
+@dataclasses.dataclass(frozen=True)
+class AfterVerdict:
+  """STV for a step that updates its state in place: taken after the verdict.
+
+  The kernel with low-precision moments has no double-buffered rows, so a
+  speculative step would overwrite the state a redo needs (XLA would copy
+  it first, a fresh buffer every step). Instead `step` does nothing and
+  `fix` takes the step once the global norm is known: with the gradients
+  scaled when clipped, not at all when dropped. Exact, one pass, in place;
+  but the host step no longer overlaps the rest of the backward pass.
+  """
+
+  inner: Kernel = Kernel()
+  paired = False
+
+  @property
+  def name(self) -> str:
+    return self.inner.name
+
+  def step(self, zero, b: Bucket, state: LeafState) -> None:
+    del zero, b, state
+
+  def fix(self, zero, b: Bucket, before: LeafState, out, verdict) -> BucketOut:
+    # No lax.cond: around an in-place call it makes XLA copy the state.
+    # A dropped step's weights are left unwritten: its updates become 0.
+    del out
+    return self.inner.step(
+      zero, b, before, grad_scale=verdict.scale, skip=verdict.skip
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -212,13 +212,16 @@ def _bucket_call(
   weight_dtypes: list[jax.typing.DTypeLike] | None,
   params: list[jax.Array] | None,
   hyper: Hyperparams,
+  flags: tuple[jax.Array, ...] = (),
   **attrs,
 ) -> tuple[list[list[jax.Array]], list[jax.Array], jax.Array]:
   """One call of a bucket handler (Segments or LowpSegments).
 
-  In: runs of k state leaves (each aliased to its result), the k gradients
-  and, optionally, the k parameters. Out: the new state runs, the weights
-  in `weight_dtypes` (or an empty list) and the f32[1] sum of squares.
+  In: the count, the scalars and `flags` (operands the handler takes after
+  them), runs of k state leaves (each aliased to its result), the k
+  gradients and, optionally, the k parameters. Out: the new state runs,
+  the weights in `weight_dtypes` (or an empty list) and the f32[1] sum of
+  squares.
   """
   k = len(grads)
   out_types = [jax.ShapeDtypeStruct((1,), jnp.float32)]
@@ -233,11 +236,12 @@ def _bucket_call(
     target,
     out_types,
     vmap_method='sequential',
-    input_output_aliases=_aliases(2, 1, len(state) * k),
+    input_output_aliases=_aliases(2 + len(flags), 1, len(state) * k),
   )
   out = call(
     jnp.asarray(hyper.count, jnp.int32),
     hyper.packed(),
+    *flags,
     *(x for run in state for x in run),
     *grads,
     *(params or []),
@@ -263,6 +267,7 @@ def adam_step_lowp_segments(
   params: list[jax.Array] | None = None,
   keep_nonfinite: bool = False,
   compute_sumsq: bool = False,
+  skip: jax.typing.ArrayLike = False,
 ) -> tuple[list, list, list, tuple | None, list, jax.Array]:
   """`adam_step_segments` with low-precision moments (internal).
 
@@ -272,7 +277,9 @@ def adam_step_lowp_segments(
   step taken in fp32 and the new moments stored rounded. Returns the new
   master, mu, nu and scales (or None) per leaf, the new weights in
   `weight_dtypes` (or an empty list) and the sum of the squared scaled
-  gradients (f32[1]; zero unless `compute_sumsq`).
+  gradients (f32[1]; zero unless `compute_sumsq`). With `skip` true
+  (a scalar, traced or not) the call steps nothing: the state comes back
+  as it was and the weights are left unwritten.
   """
   state = [master, mu, nu] + (list(scales) if scales is not None else [])
   runs, weights, sumsq = _bucket_call(
@@ -282,6 +289,7 @@ def adam_step_lowp_segments(
     weight_dtypes,
     params,
     hyper,
+    (jnp.asarray(skip, jnp.int32).reshape(1),),
     keep_nonfinite=bool(keep_nonfinite),
     compute_sumsq=bool(compute_sumsq),
     quantized=scales is not None,

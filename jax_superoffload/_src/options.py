@@ -61,11 +61,9 @@ class Options:
     if self.mu_dtype is None or np.dtype(self.mu_dtype) == np.float32:
       return True
     # bf16 mu alone: the kernel where it supports it, optax's path with
-    # STV or sharded state (as before the kernel stored bf16).
+    # sharded state (as before the kernel stored bf16).
     return np.dtype(self.mu_dtype) in KERNEL_MU_DTYPES and (
-      self.moments_8bit
-      or self.nu_dtype is not None
-      or (not self.use_stv and self.zero is None)
+      self.kernel_only_moments or self.zero is None
     )
 
   @property
@@ -166,7 +164,7 @@ def _check_mu_dtype(mu_dtype: Any) -> None:
 
 
 def _check_moments(
-  mu_dtype: Any, nu_dtype: Any, moments_8bit: bool, executor: str, **others
+  mu_dtype: Any, nu_dtype: Any, moments_8bit: bool, **others: bool
 ) -> None:
   """Low-precision moments: the formats the kernel stores, where it runs."""
   if nu_dtype is not None and np.dtype(nu_dtype) not in KERNEL_MU_DTYPES:
@@ -240,15 +238,7 @@ def make(
     hyperparams.check_scalar(name, value)
   bucket_bytes = _check_bucket_bytes(bucket_bytes)
   _check_mu_dtype(mu_dtype)
-  _check_moments(
-    mu_dtype,
-    nu_dtype,
-    bool(moments_8bit),
-    executor,
-    clip_norm=clip_norm is not None,
-    skip_nonfinite=bool(skip_nonfinite),
-    mesh=mesh is not None,
-  )
+  _check_moments(mu_dtype, nu_dtype, bool(moments_8bit), mesh=mesh is not None)
   return Options(
     learning_rate=learning_rate,
     b1=b1,
@@ -263,7 +253,10 @@ def make(
     nesterov=bool(nesterov),
     bucket_elements=max(1, bucket_bytes // 4),
     executor=executors.for_name(
-      executor, stv=clip_norm is not None or bool(skip_nonfinite)
+      executor,
+      stv=clip_norm is not None or bool(skip_nonfinite),
+      fp32_moments=moments.storage_dtypes(mu_dtype, nu_dtype, moments_8bit)
+      == (np.float32, np.float32),
     ),
     clip_norm=clip_norm,
     skip_nonfinite=bool(skip_nonfinite),
