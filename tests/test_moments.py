@@ -315,15 +315,6 @@ def test_optax_tree_utils_see_param_shaped_moments():
     (dict(nu_dtype=jnp.float16), 'nu_dtype must be float32 or bfloat16'),
     (dict(nu_dtype=jnp.bfloat16), 'needs mu_dtype=bfloat16'),
     (dict(moments_8bit=True, mu_dtype=jnp.bfloat16), 'leave mu_dtype'),
-    (
-      dict(
-        mu_dtype=jnp.bfloat16,
-        nu_dtype=jnp.bfloat16,
-        mesh=jax.make_mesh((1,), ('d',)),
-        shard_axis='d',
-      ),
-      'mesh',
-    ),
     (dict(mu_dtype=jnp.float16, nu_dtype=jnp.bfloat16), "optax's path"),
   ],
 )

@@ -71,20 +71,20 @@ def adam(
     eps_root: Added to the second moment inside the square root.
     mu_dtype: Dtype of the first moment, as in optax: `None` or float32
       (fp32), or bfloat16 (stored rounded to nearest even, 2 B/param less
-      host memory and traffic), use the kernel; any other dtype, and
-      bfloat16 with STV or sharded state, takes the optax path (state
-      still in host memory).
+      host memory and traffic), use the kernel; any other dtype takes the
+      optax path (state still in host memory).
     nesterov: Use the Nesterov (NAdam) momentum.
     nu_dtype: Dtype of the second moment on the kernel: `None` or float32,
-      or bfloat16 (needs `mu_dtype=jnp.bfloat16`; not yet with STV,
-      `mesh` or sharded parameters).
+      or bfloat16 (needs `mu_dtype=jnp.bfloat16`).
     moments_8bit: Store mu and nu in 8 bits per element with one fp32
       scale per block of 256 (blockwise quantization, as in 8-bit Adam):
       about 6 B/param of host state instead of 12 with the master, and 18
       instead of 28 bytes moved per step. The step decodes the moments,
       updates in fp32 and encodes them again (`moments.py` gives the code
       maps; "xla_host", "device" and device buckets use its `jax.numpy`
-      codec). Not yet with STV, `mesh` or sharded parameters.
+      codec). Under ZeRO or sharded parameters a leaf is split only into
+      shards of whole blocks (a leading-dimension split); others are
+      stepped whole on every device.
     bucket_bytes: About how many fp32 bytes of state one kernel call steps
       (default 256 MiB); the number of kernel calls per step is the number
       of buckets. Only a schedule: the state does not depend on it.

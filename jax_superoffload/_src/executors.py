@@ -86,6 +86,9 @@ class Bucket(NamedTuple):
   params: list[jax.Array] | None  # The step starts from them (`reseed`).
   dtypes: list[Any]  # Each leaf's parameter dtype.
   specs: list[Any] | None  # ZeRO: each leaf's partition spec.
+  # ZeRO: the specs of each leaf's moments (8-bit: moments.Blockwise of the
+  # codes' and the scales' specs); None without ZeRO.
+  moment_specs: list[Any] | None
   want_delta: bool  # No params: return new - old master.
   fp32_weights: bool  # The new weights are the new fp32 masters.
 
@@ -305,12 +308,12 @@ class _Plain:
       extra = {} if skip is None else {'skip': skip}
       return self.local_step(hyper, b, master, mu, nu, grads, params, **extra)
 
-    specs = b.specs
+    specs, moment_specs = b.specs, b.moment_specs
     wrapped = zero_lib.per_shard(
       zero,
       fn,
-      in_specs=(specs,) * 4 + (specs if b.params is not None else None,),
-      out_specs=BucketOut(specs, specs, specs, specs),
+      in_specs=(specs, moment_specs, moment_specs, specs, _if(b.params, specs)),
+      out_specs=BucketOut(specs, moment_specs, moment_specs, specs),
     )
     out = wrapped(hyper, skip, *fields, b.grads, b.params)
     if not self.host_state:

@@ -60,11 +60,7 @@ class Options:
   def use_kernel(self) -> bool:
     if self.mu_dtype is None or np.dtype(self.mu_dtype) == np.float32:
       return True
-    # bf16 mu alone: the kernel where it supports it, optax's path with
-    # sharded state (as before the kernel stored bf16).
-    return np.dtype(self.mu_dtype) in KERNEL_MU_DTYPES and (
-      self.kernel_only_moments or self.zero is None
-    )
+    return np.dtype(self.mu_dtype) in KERNEL_MU_DTYPES
 
   @property
   def moment_dtypes(self) -> tuple[np.dtype, np.dtype]:
@@ -72,11 +68,6 @@ class Options:
     return moments.storage_dtypes(
       self.mu_dtype, self.nu_dtype, self.moments_8bit
     )
-
-  @property
-  def kernel_only_moments(self) -> bool:
-    """nu_dtype or moments_8bit: formats only the kernel stores."""
-    return self.moments_8bit or self.nu_dtype is not None
 
   @property
   def no_decay(self) -> bool:
@@ -163,10 +154,8 @@ def _check_mu_dtype(mu_dtype: Any) -> None:
     raise ValueError(bad)
 
 
-def _check_moments(
-  mu_dtype: Any, nu_dtype: Any, moments_8bit: bool, **others: bool
-) -> None:
-  """Low-precision moments: the formats the kernel stores, where it runs."""
+def _check_moments(mu_dtype: Any, nu_dtype: Any, moments_8bit: bool) -> None:
+  """Low-precision moments: the formats the kernel stores."""
   if nu_dtype is not None and np.dtype(nu_dtype) not in KERNEL_MU_DTYPES:
     raise ValueError(f'nu_dtype must be float32 or bfloat16, got {nu_dtype!r}')
   if moments_8bit and (mu_dtype is not None or nu_dtype is not None):
@@ -177,21 +166,10 @@ def _check_moments(
   mu, nu = moments.storage_dtypes(mu_dtype, nu_dtype, moments_8bit)
   if nu == jnp.bfloat16 and mu == np.float32:
     raise ValueError('nu_dtype=bfloat16 needs mu_dtype=bfloat16 as well')
-  if mu_dtype is not None and np.dtype(mu_dtype) not in KERNEL_MU_DTYPES:
-    if nu_dtype is not None:
-      raise ValueError(
-        f"nu_dtype is a kernel option; mu_dtype={mu_dtype!r} takes optax's "
-        "path, which keeps nu in the parameters' dtype"
-      )
-    return
-  if not (moments_8bit or nu_dtype is not None):
-    return  # fp32, or bf16 mu: optax's path where the kernel cannot.
-  # Not built yet for these: say so rather than take another path.
-  unsupported = [name for name, on in others.items() if on]
-  if unsupported:
+  if nu_dtype is not None and mu not in KERNEL_MU_DTYPES:
     raise ValueError(
-      f'low-precision moments (mu {mu}, nu {nu}) are not supported with '
-      f'{", ".join(unsupported)}'
+      f"nu_dtype is a kernel option; mu_dtype={mu_dtype!r} takes optax's "
+      "path, which keeps nu in the parameters' dtype"
     )
 
 
@@ -238,7 +216,9 @@ def make(
     hyperparams.check_scalar(name, value)
   bucket_bytes = _check_bucket_bytes(bucket_bytes)
   _check_mu_dtype(mu_dtype)
-  _check_moments(mu_dtype, nu_dtype, bool(moments_8bit), mesh=mesh is not None)
+  _check_moments(mu_dtype, nu_dtype, bool(moments_8bit))
+  if zero is not None and moments_8bit:
+    zero = dataclasses.replace(zero, block=moments.BLOCK)
   return Options(
     learning_rate=learning_rate,
     b1=b1,

@@ -19,6 +19,9 @@ operations as a step taken without speculation.
   finite without `skip_nonfinite`), the kernel steps again from the
   untouched row with `grad_scale = clip_norm / norm` over the written one;
   non-finite with `skip_nonfinite`, the current row stays current.
+- "ffi" with bf16 or 8-bit moments (`executors.AfterVerdict`): no second
+  row, so no speculation: the kernel steps once the verdict is known, with
+  the gradients scaled when clipped, and not at all when dropped.
 - Other executors and device buckets: the step writes new buffers anyway,
   so the old state is simply still alive at validation; the redo and the
   drop take it from there (`lax.cond`: nothing runs unless needed).

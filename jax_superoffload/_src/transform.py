@@ -94,11 +94,6 @@ class Plan(NamedTuple):
 
 
 def plan_for(opts: options_lib.Options, tree: Any) -> Plan:
-  if opts.zero is not None and opts.kernel_only_moments:
-    raise ValueError(
-      'nu_dtype and moments_8bit do not support sharded parameters or a '
-      'mesh yet'
-    )
   lay = opts.layout(tree)
   on_device = opts.device_bucket_ids(lay, tree)
   paired = frozenset()
@@ -244,7 +239,10 @@ def _state_shardings(opts, params: Any) -> SuperOffloadState:
     master.append(sharding(state_spec, host and len(shape) > 0))
     kept_host = host and (not paired or len(shape) > 1)
     kept.append(sharding(spec if paired else zero_lib.P(), kept_host))
-    scales.append(sharding(zero_lib.P(), host))
+    scales_spec = zero_lib.P()
+    if zero is not None and i in plan.bucket_of:
+      scales_spec = zero.scales_spec(spec)
+    scales.append(sharding(scales_spec, host))
   tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
   counter = sharding(zero_lib.P(), False)
   return SuperOffloadState(
@@ -388,7 +386,8 @@ def superoffload_adam(**kwargs: Any) -> optax.GradientTransformationExtraArgs:
       # The latest init of concrete parameters of this structure and these
       # shapes decides (a single-device init after a sharded one stops
       # following); optax.tree_map_params' placeholders change nothing.
-      followed[key(params)] = zero_lib.follow(params)
+      block = moments.BLOCK if opts.moments_8bit else 0
+      followed[key(params)] = zero_lib.follow(params, block)
     return init(options_for(params), params)
 
   def update_fn(updates, state, params=None, **extra_args):

@@ -58,41 +58,57 @@ def _kernel_grad(g: jax.Array, cast_on_device: bool) -> jax.Array:
   return g.astype(jnp.float32)
 
 
+class _Shards(NamedTuple):
+  """A bucket's inputs as its host step reads them under ZeRO."""
+
+  grads: list[jax.Array]
+  params: list[jax.Array] | None
+  specs: list[Any] | None
+  moment_specs: list[Any] | None
+
+
+def _shards(opts, plan, ids: list[int], grads, params) -> _Shards:
+  """Each leaf's gradient and parameter split as its state is (ZeRO)."""
+  zero = opts.zero
+  if zero is None:
+    return _Shards(grads, params, None, None)
+  specs = [zero.spec_for(i, plan.lay.shapes[i]) for i in ids]
+  moment_specs = specs
+  if opts.moments_8bit:  # The codes as the leaf, the scales by block.
+    moment_specs = [moments.Blockwise(s, zero.scales_spec(s)) for s in specs]
+  grads = [zero.scatter(g, s) for g, s in zip(grads, specs, strict=True)]
+  if params is not None:
+    params = [zero.scatter(p, s) for p, s in zip(params, specs, strict=True)]
+  return _Shards(grads, params, specs, moment_specs)
+
+
 def _schedule(opts, inputs: Inputs, count, cast_on_device: bool) -> list:
   """The buckets of this step, with their gradients ready for the kernel."""
-  plan, zero = inputs.plan, opts.zero
+  plan = inputs.plan
+  want_delta = inputs.params is None
   out = []
   for group in plan.lay.groups:
     hyper = opts.hyperparams(count, decay=group.decay)
     for bucket in group.buckets:
       ids = [group.leaves[j] for j in bucket]
       grads = [_kernel_grad(inputs.grads[i], cast_on_device) for i in ids]
-      params = None
-      if inputs.params is not None:
-        # In their own dtype even when the device casts: the master is
-        # re-seeded only where it no longer rounds to them.
-        params = [inputs.params[i] for i in ids]
-      specs = None
-      if zero is not None:
-        specs = [zero.spec_for(i, plan.lay.shapes[i]) for i in ids]
-        grads = [zero.scatter(g, s) for g, s in zip(grads, specs, strict=True)]
-        if params is not None:
-          params = [
-            zero.scatter(p, s) for p, s in zip(params, specs, strict=True)
-          ]
+      # Params in their own dtype even when the device casts: the master is
+      # re-seeded only where it no longer rounds to them.
+      params = None if want_delta else _pick(inputs.params, ids)
+      shards = _shards(opts, plan, ids, grads, params)
       k = len(out)
       dtypes = [plan.lay.dtypes[i] for i in ids]
-      want_delta = inputs.params is None
       out.append(
         executors.Bucket(
           index=k,
           leaves=ids,
           executor=executors.RESIDENT if k in plan.on_device else opts.executor,
           hyper=hyper,
-          grads=grads,
-          params=params,
+          grads=shards.grads,
+          params=shards.params,
           dtypes=dtypes,
-          specs=specs,
+          specs=shards.specs,
+          moment_specs=shards.moment_specs,
           want_delta=want_delta,
           fp32_weights=want_delta
           or cast_on_device

@@ -42,6 +42,10 @@ class Zero:
 
   mesh: Mesh
   axis: str | tuple[str, ...]
+  # 8-bit moments: elements per scale. A leaf is then split only where each
+  # shard is a run of whole blocks of the leaf laid out in row-major order,
+  # so that the kernel's blocks on a shard are the leaf's own.
+  block: int = 0
 
   @property
   def size(self) -> int:
@@ -63,8 +67,28 @@ class Zero:
     """A leaf split along its first dimension divisible by the shards."""
     for d, n in enumerate(shape):
       if n and n % self.size == 0:
-        return P(*([None] * d), self.axis)
+        spec = P(*([None] * d), self.axis)
+        return spec if self.whole_blocks(spec, shape) else P()
     return P()
+
+  def whole_blocks(self, spec: P, shape: Sequence[int]) -> bool:
+    """Whether each shard of a leaf split by `spec` is whole blocks."""
+    if not self.block:
+      return True
+    split = [d for d, a in enumerate(spec) if a is not None]
+    if not split:
+      return True
+    if len(split) > 1 or math.prod(shape[: split[0]]) != 1:
+      return False  # A shard is then not one run of the leaf.
+    axes = spec[split[0]]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    shards = math.prod(self.mesh.shape[a] for a in axes)
+    return (math.prod(shape) // shards) % self.block == 0
+
+  def scales_spec(self, spec: P) -> P:
+    """The spec of the 8-bit scales of a leaf split by `spec`."""
+    axes = [a for a in spec if a is not None]
+    return P(*axes) if axes else P()
 
   def sharding(self, spec: P, on_host: bool) -> NamedSharding:
     """`spec` on the mesh, in host or device memory."""
@@ -125,8 +149,10 @@ class Follow(Zero):
     return self.mesh.size
 
   def spec_for(self, index: int, shape: Sequence[int]) -> P:
-    del shape
-    return self.specs[index]
+    # A shard that is not whole 8-bit blocks: that leaf's state is kept
+    # whole on every device, its gradients gathered (see `whole_blocks`).
+    spec = self.specs[index]
+    return spec if self.whole_blocks(spec, shape) else P()
 
   @property
   def scalar_spec(self) -> P:
@@ -143,8 +169,11 @@ class Follow(Zero):
     return x
 
 
-def follow(params: Any) -> Follow | None:
-  """A `Follow` when concrete parameters are sharded over a mesh, else None."""
+def follow(params: Any, block: int = 0) -> Follow | None:
+  """A `Follow` when concrete parameters are sharded over a mesh, else None.
+
+  `block`: see `Zero.block`.
+  """
   leaves = jax.tree.leaves(params)
   meshes = {
     x.sharding.mesh
@@ -162,7 +191,7 @@ def follow(params: Any) -> Follow | None:
       specs.append(P(*sharding.spec))
     else:
       specs.append(P())
-  return Follow(mesh, None, tuple(specs))
+  return Follow(mesh, None, block, tuple(specs))
 
 
 def _explicit_spec(x: jax.Array) -> P | None:
