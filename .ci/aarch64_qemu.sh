@@ -23,7 +23,7 @@ run() {  # run NAME CMAKE_ARGS QEMU_CPU...
   cmake -S xla_ffi -B "build/$name" -G Ninja -DCMAKE_TOOLCHAIN_FILE="$PWD/$toolchain" $args >/dev/null
   cmake --build "build/$name" >/dev/null
   for cpu in "$@"; do
-    for test in adam_kernel_test lowp_moments_test; do
+    for test in adam_kernel_test lowp_moments_test moments_vectors_test; do
       echo "== $name $test on qemu -cpu $cpu"
       local log="build/$name/$test-${cpu//[,=]/_}.log" status=0 start=$SECONDS
       qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu "$cpu" \

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 cmake -S xla_ffi -B build/sanitize -G Ninja -DJSO_SANITIZE=ON -DCMAKE_BUILD_TYPE= >/dev/null
 cmake --build build/sanitize >/dev/null
 status=0
-for test in adam_kernel_test lowp_moments_test; do
+for test in adam_kernel_test lowp_moments_test moments_vectors_test; do
   log=build/sanitize/$test.log
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
     "build/sanitize/$test" --quick >"$log" 2>&1 || status=$?

@@ -11,6 +11,8 @@ way); that error is a count of fp32 roundings times 2^-24.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 BLOCK = 256
@@ -124,50 +126,92 @@ def check_bf16(stored, want, tol, what: str) -> None:
     )
 
 
+class Blockwise(NamedTuple):
+  """What 8-bit codes and scales may be for a float64 moment (flat).
+
+  Per block: `finite`, and the scale's interval [scale_lo, scale_hi]; per
+  element: the interval of code magnitudes [code_lo, code_hi], and whether
+  the code may be negative (`neg_ok`) and non-negative (`pos_ok`).
+  """
+
+  finite: np.ndarray
+  scale_lo: np.ndarray
+  scale_hi: np.ndarray
+  code_lo: np.ndarray
+  code_hi: np.ndarray
+  neg_ok: np.ndarray
+  pos_ok: np.ndarray
+
+
+def blockwise_expectation(want, tol, signed: bool) -> Blockwise:
+  """The codes and scales that round a value within want +- tol.
+
+  A block's scale is its largest magnitude, within the block's largest
+  tolerance; a code is the rounding of a value within y +- dy, y the
+  element over the scale (and 2 U y more, the fp32 division by it). Codes
+  are monotone in magnitude, so the allowed magnitudes run from the code
+  of the smallest |value| in the interval to that of the largest; a sign
+  other than y's only where the interval holds zero.
+  """
+  table = code_table(signed)
+  n = want.size
+  blocks = -(-n // BLOCK)
+  out = Blockwise(
+    np.ones(blocks, bool),
+    np.zeros(blocks),
+    np.zeros(blocks),
+    np.zeros(n, np.int64),
+    np.zeros(n, np.int64),
+    np.zeros(n, bool),
+    np.ones(n, bool),
+  )
+  for b in range(blocks):
+    part = slice(b * BLOCK, min(n, (b + 1) * BLOCK))
+    x, e = want[part], tol[part]
+    if not np.isfinite(x).all():
+      out.finite[b] = False
+      continue
+    scale, slack = np.abs(x).max(), np.abs(e).max()
+    out.scale_lo[b], out.scale_hi[b] = scale - slack, scale + slack
+    if scale == 0:  # Every code 0.
+      continue
+    for i, (xi, ei) in enumerate(zip(x, e, strict=True)):
+      y = xi / scale
+      dy = (ei + slack) / scale + 2 * U * abs(y)
+      lo, hi = y - dy, y + dy
+      smallest = 0.0 if lo <= 0 <= hi else min(abs(lo), abs(hi))
+      j = b * BLOCK + i
+      out.code_lo[j] = nearest_code(smallest, table)
+      out.code_hi[j] = nearest_code(max(abs(lo), abs(hi)), table)
+      out.neg_ok[j] = signed and (y < 0 or lo <= 0)
+      out.pos_ok[j] = y >= 0 or hi >= 0
+  return out
+
+
 def check_blockwise(codes, scales, want, tol, signed: bool, what: str) -> None:
   """8-bit codes and scales against the float64 moment `want` (flat)."""
-  codes = np.asarray(codes).reshape(-1)
+  codes = np.asarray(codes).reshape(-1).astype(np.int64)
   scales = np.asarray(scales, np.float64)
-  table = code_table(signed)
-  for b in range(scales.size):
-    x, e = want[b * BLOCK : (b + 1) * BLOCK], tol[b * BLOCK : (b + 1) * BLOCK]
-    c = codes[b * BLOCK : (b + 1) * BLOCK]
-    if not np.isfinite(x).all():
-      assert np.isnan(scales[b]) or np.isinf(scales[b]), (what, b, scales[b])
-      continue
-    scale = np.abs(x).max()
-    slack = np.abs(e).max()
-    if not abs(scales[b] - scale) <= slack:
-      raise AssertionError(
-        f'{what} block {b}: scale {scales[b]!r}, want {scale!r}'
-      )
-    if scale == 0:
-      assert (c == 0).all(), (what, b)
-      continue
-    for i in range(x.size):
-      _check_code(int(c[i]), x[i] / scale, (e[i] + slack) / scale, table,
-                  signed, f'{what} block {b} element {i}')  # fmt: skip
-
-
-def _check_code(code: int, y: float, dy: float, table, signed: bool, what):
-  """`code` is the rounding of a value within y +- dy (or 2 U y more).
-
-  Codes are monotone in magnitude, so the allowed magnitudes run from the
-  code of the smallest |value| in the interval to that of the largest; a
-  sign other than y's only where the interval holds zero.
-  """
-  dy += 2 * U * abs(y)  # The fp32 division by the scale.
-  lo, hi = y - dy, y + dy
-  smallest = 0.0 if lo <= 0 <= hi else min(abs(lo), abs(hi))
-  allowed = range(
-    nearest_code(smallest, table),
-    nearest_code(max(abs(lo), abs(hi)), table) + 1,
-  )
-  magnitude = code & 127 if signed else code
-  negative = signed and code >= 128
-  sign_ok = magnitude == 0 or negative == (y < 0) or lo <= 0 <= hi
-  if magnitude not in allowed or not sign_ok:
+  e = blockwise_expectation(want, tol, signed)
+  for b in np.flatnonzero(~e.finite):
+    assert np.isnan(scales[b]) or np.isinf(scales[b]), (what, b, scales[b])
+  finite = e.finite
+  bad = finite & ~((e.scale_lo <= scales) & (scales <= e.scale_hi))
+  if bad.any():
+    b = np.flatnonzero(bad)[0]
     raise AssertionError(
-      f'{what}: code {code}, want one of {list(allowed)} (sign {y < 0}) '
-      f'for y={y!r} +- {dy!r}'
+      f'{what} block {b}: scale {scales[b]!r}, want [{e.scale_lo[b]!r}, '
+      f'{e.scale_hi[b]!r}]'
+    )
+  magnitude = codes & 127 if signed else codes
+  negative = signed & (codes >= 128)
+  sign_ok = (magnitude == 0) | np.where(negative, e.neg_ok, e.pos_ok)
+  ok = (e.code_lo <= magnitude) & (magnitude <= e.code_hi) & sign_ok
+  ok |= ~np.repeat(finite, BLOCK)[: codes.size]
+  if not ok.all():
+    i = np.flatnonzero(~ok)[0]
+    raise AssertionError(
+      f'{what} element {i}: code {codes[i]}, want magnitude in '
+      f'[{e.code_lo[i]}, {e.code_hi[i]}] (negative ok {e.neg_ok[i]}, '
+      f'non-negative ok {e.pos_ok[i]}) for {want[i]!r} +- {tol[i]!r}'
     )
