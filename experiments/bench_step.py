@@ -8,12 +8,13 @@ medians; only those few are alive at once, so that a dozen 64M-parameter
 candidates do not crowd the machine's memory and skew each other.
 
   python -m experiments.bench_step [--params 67108864] [--leaves 640]
-      [--leaf-multiple 16]
+      [--leaf-multiple 16] [--moments fp32|bf16|8bit]
 
 64M split into 640 leaves gives odd leaf sizes (104,857 and 104,858), which
 XLA:CPU handles far worse than even ones (optax.adamw: 1.9-2.5x one leaf
 with odd sizes, 1.04x with sizes that are multiples of 16);
-`--leaf-multiple 16` measures the even case.
+`--leaf-multiple 16` measures the even case. `--moments` stores the
+superoffload moments in bf16 or 8 bits (optax.adamw keeps fp32 ones).
 
 Writes `results/bench_step.json` (or `--out`).
 """
@@ -36,6 +37,7 @@ import optax
 
 import jax_superoffload as superoffload
 from experiments import machine
+from experiments.optim import MOMENT_OPTIONS
 from experiments.report import fmt
 from experiments.report import markdown_table
 from experiments.report import plt
@@ -107,29 +109,26 @@ def main() -> None:
     help='comma-separated optimizers to time (default: all), e.g. '
     '"superoffload ffi"; each is still timed beside optax.adamw',
   )
+  parser.add_argument('--moments', choices=list(MOMENT_OPTIONS), default='fp32')
   parser.add_argument('--out', default='results/bench_step.json')
   args = parser.parse_args()
   n = args.params
+  moments = MOMENT_OPTIONS[args.moments]
+
+  def ours(executor: str, **kw) -> optax.GradientTransformation:
+    return superoffload.adamw(
+      1e-3, weight_decay=0.01, executor=executor, **moments, **kw
+    )
 
   optimizers = {
     'optax.adamw': lambda: optax.adamw(1e-3, weight_decay=0.01),
-    'superoffload ffi': lambda: superoffload.adamw(
-      1e-3, weight_decay=0.01, executor='ffi'
-    ),
+    'superoffload ffi': lambda: ours('ffi'),
     # Speculation-then-validation armed but never triggered: its cost.
-    'superoffload ffi + STV': lambda: superoffload.adamw(
-      1e-3,
-      weight_decay=0.01,
-      executor='ffi',
-      clip_norm=1e9,
-      skip_nonfinite=True,
+    'superoffload ffi + STV': lambda: ours(
+      'ffi', clip_norm=1e9, skip_nonfinite=True
     ),
-    'superoffload xla_host': lambda: superoffload.adamw(
-      1e-3, weight_decay=0.01, executor='xla_host'
-    ),
-    'superoffload device': lambda: superoffload.adamw(
-      1e-3, weight_decay=0.01, executor='device'
-    ),
+    'superoffload xla_host': lambda: ours('xla_host'),
+    'superoffload device': lambda: ours('device'),
   }
   layouts = {'1 leaf': 1, f'{args.leaves} leaves': args.leaves}
   one, many = layouts
@@ -164,7 +163,8 @@ def main() -> None:
   host = machine.describe()
   print(
     f'\nWhole AdamW step (update + apply_updates, jit, donated), '
-    f'{n / 1e6:.1f}M fp32 params, median of {args.reps} '
+    f'{n / 1e6:.1f}M fp32 params, {args.moments} moments, median of '
+    f'{args.reps} '
     f'({many} of '
     f'{sorted(set(leaf_sizes(n, args.leaves, args.leaf_multiple)))} params)'
   )
@@ -212,6 +212,7 @@ def main() -> None:
   )
   result = {
     'benchmark': 'bench_step',
+    'moments': args.moments,
     'stv_over_plain': stv_cost,
     'date': datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds'),
     'machine': {**host, 'backend': jax.default_backend()},
