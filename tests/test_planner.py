@@ -223,6 +223,30 @@ def test_low_precision_moments_in_the_plan():
     plan(spec, GH200, moments='int4')
 
 
+def test_8bit_host_step_is_compute_bound_where_measured_so():
+  # 2 cores: the 8-bit step computes ~1.6 Gparam/s from cache, slower than
+  # its 16 B/param of traffic at ~30 GB/s; GH200's profile does not know
+  # its rate and stays memory-bound.
+  spec = ModelSpec.from_params(1e9, seq_len=1024, batch=4)
+  slow = dataclasses.replace(CPU_ONLY, host_q8_gparams_s=0.5)
+  fast = dataclasses.replace(CPU_ONLY, host_q8_gparams_s=1e6)
+  n = spec.params
+  for hw, want in (
+    (slow, n / 0.5e9),
+    (fast, n * (16 + 1 / 16) / CPU_ONLY.host_adam_bytes_per_s),
+    (CPU_ONLY, n * (16 + 1 / 16) / CPU_ONLY.host_adam_bytes_per_s),
+  ):
+    got = plan(spec, hw, stv=False, device_buckets=0, moments='8bit')
+    assert got.host_adam_s == pytest.approx(want), hw.host_q8_gparams_s
+  # Other formats ignore it.
+  for moments in ('fp32', 'bf16'):
+    a = plan(spec, slow, stv=False, device_buckets=0, moments=moments)
+    b = plan(spec, CPU_ONLY, stv=False, device_buckets=0, moments=moments)
+    assert a.host_adam_s == b.host_adam_s
+  with pytest.raises(ValueError, match='host_q8_gparams_s'):
+    dataclasses.replace(CPU_ONLY, host_q8_gparams_s=-1.0)
+
+
 def test_stv_host_bytes_and_redo_in_the_plan():
   spec = ModelSpec.from_params(13e9, seq_len=4096, batch=8)
   plain, armed = plan(spec, GH200, stv=False), plan(spec, GH200, stv=True)
@@ -317,3 +341,4 @@ def test_measure_host_bandwidth_is_positive():
   assert hw.unified_memory and hw.host_bandwidth_gbs > 0
   assert hw.link_gbs == pytest.approx(hw.host_bandwidth_gbs / 2)
   assert plan(MODEL, hw).step_time_s > 0
+  assert np.isfinite(hw.host_q8_gparams_s) and hw.host_q8_gparams_s > 0

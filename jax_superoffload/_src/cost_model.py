@@ -42,8 +42,9 @@ Model (N parameters, T = seq_len x batch tokens per step):
   bandwidth. Host: the same 12 B per parameter at `host_cast_gbs`.
 * **Host Adam** streams 28 B per parameter at `host_bandwidth_gbs x
   host_adam_efficiency` (20 B with bf16 moments, about 16 B with 8-bit
-  ones: the step is assumed memory-bound in every format, as bf16
-  measured on 2 cores; 8-bit was compute-bound there, see the README);
+  ones), memory-bound, except 8-bit moments where the profile's measured
+  `host_q8_gparams_s` is slower (their codec is compute-bound on few
+  cores; profiles that do not measure it assume memory-bound);
   with STV the speculative pass also writes the gradients it read, as
   fp32 (+4 B, 32 B in all), so that a clipped step
   can be taken again from the untouched state after validation: that redo
@@ -373,7 +374,7 @@ def offload_step(
   adam_bytes = host_adam_bytes_per_param(moments) + (
     STV_KEPT_GRAD_BYTES_PER_PARAM if stv else 0
   )
-  adam_pp = adam_bytes / hw.host_adam_bytes_per_s
+  adam_pp = hw.host_adam_seconds_per_param(adam_bytes, moments)
   device_adam = n_dev * ADAM_LOWP_BYTES_PER_PARAM / hbm
   host_end = _host_pipeline_end(
     host_sizes,
@@ -399,7 +400,10 @@ def offload_step(
     host_bytes=host_bytes,
     device_params=n_dev,
     stv_redo=(
-      n_host * host_adam_bytes_per_param(moments) / hw.host_adam_bytes_per_s
+      n_host
+      * hw.host_adam_seconds_per_param(
+        host_adam_bytes_per_param(moments), moments
+      )
       if stv
       else 0.0
     ),

@@ -105,12 +105,19 @@ class HardwareProfile:
   # Host and "device" are one memory (CPU backend): capacities are shared
   # and moving weights out of the device frees nothing.
   unified_memory: bool = False
+  # Billions of parameters a second the host step with 8-bit moments can
+  # compute (its arithmetic alone: measured with its data in cache). Its
+  # codec costs about as much as the step, so with few cores it is compute-
+  # rather than memory-bound. 0: not measured; the step is then taken as
+  # memory-bound, as for fp32 and bf16 moments.
+  host_q8_gparams_s: float = 0.0
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
       if field.type == 'float' and not value > 0:
-        if field.name.endswith('_reserve') and value == 0:
+        optional = field.name.endswith('_reserve') or field.name.endswith('_s')
+        if optional and value == 0:
           continue
         raise ValueError(f'{field.name} must be positive, got {value!r}')
     for name in ('device_mfu', 'link_efficiency', 'host_adam_efficiency'):
@@ -140,6 +147,19 @@ class HardwareProfile:
     """Bytes per second a host Adam step moves."""
     return self.host_bandwidth_gbs * 1e9 * self.host_adam_efficiency
 
+  def host_adam_seconds_per_param(
+    self, bytes_per_param: float, moments: str = 'fp32'
+  ) -> float:
+    """Seconds a host Adam step takes per parameter moving these bytes.
+
+    Memory-bound, except for 8-bit moments where `host_q8_gparams_s` says
+    the arithmetic is slower than the traffic.
+    """
+    memory = bytes_per_param / self.host_adam_bytes_per_s
+    if moments == '8bit' and self.host_q8_gparams_s:
+      return max(memory, 1 / (self.host_q8_gparams_s * 1e9))
+    return memory
+
   @property
   def device_flops_per_s(self) -> float:
     """FLOP/s the forward and backward passes achieve."""
@@ -157,7 +177,8 @@ class HardwareProfile:
 
     Runs `measure_host_bandwidth` and sets `host_bandwidth_gbs` to it,
     `host_adam_efficiency` to `MEASURED_ADAM_EFFICIENCY` and `host_cast_gbs`
-    to `MEASURED_CAST_EFFICIENCY` of it. With unified memory (the CPU
+    to `MEASURED_CAST_EFFICIENCY` of it, and `host_q8_gparams_s` by
+    `measure_q8_step_rate`. With unified memory (the CPU
     backend) the "device" is the same memory, so its bandwidth is set too and
     a transfer is a copy (read + write) at half of it.
 
@@ -176,6 +197,7 @@ class HardwareProfile:
       host_bandwidth_gbs=gbs,
       host_adam_efficiency=MEASURED_ADAM_EFFICIENCY,
       host_cast_gbs=MEASURED_CAST_EFFICIENCY * gbs,
+      host_q8_gparams_s=measure_q8_step_rate(repeats=repeats),
     )
     if base.unified_memory:
       changes.update(device_bandwidth_gbs=gbs, link_gbs=gbs / 2)
@@ -286,3 +308,55 @@ CPU_ONLY = HardwareProfile(
   unified_memory=True,
 )
 """This kind of machine: the CPU backend, where host and device are one."""
+
+
+def measure_q8_step_rate(
+  n_params: int = 2**20, *, repeats: int = 5, warmup: int = 1
+) -> float:
+  """The host step's rate with 8-bit moments, from cache: Gparam/s.
+
+  Steps `n_params` parameters (about 10 bytes each: small enough to stay in
+  cache, and several of the kernel's 2^18-element work chunks, so that
+  every core works) with 8-bit moments through the kernel, in place, 20
+  times a timed step; the median over `repeats`. Its arithmetic alone, for the planner's
+  `host_q8_gparams_s`.
+  """
+  from jax_superoffload._src import grace_adam  # The FFI extension, lazily.
+  from jax_superoffload._src.hyperparams import Hyperparams
+
+  if n_params < 1 or repeats < 1:
+    raise ValueError(
+      f'n_params ({n_params}) and repeats ({repeats}) must be >= 1'
+    )
+  cpu = jax.devices('cpu')[0]
+  blocks = -(-n_params // 256)
+  state = [
+    jax.device_put(jnp.ones((n_params,), jnp.float32), cpu),
+    jax.device_put(jnp.zeros((n_params,), jnp.uint8), cpu),
+    jax.device_put(jnp.zeros((n_params,), jnp.uint8), cpu),
+    jax.device_put(jnp.zeros((blocks,), jnp.float32), cpu),
+    jax.device_put(jnp.zeros((blocks,), jnp.float32), cpu),
+  ]
+  grad = jax.device_put(jnp.full((n_params,), 1e-3, jnp.float32), cpu)
+  inner = 20
+
+  def steps(state, grad):
+    def body(i, state):
+      m, a, v, sa, sv = state
+      out = grace_adam.adam_step_lowp_segments(
+        [m], [a], [v], ([sa], [sv]), [grad], None,
+        Hyperparams(count=i, learning_rate=1e-3),
+      )  # fmt: skip
+      return (out[0][0], out[1][0], out[2][0], out[3][0][0], out[3][1][0])
+
+    return jax.lax.fori_loop(0, inner, body, tuple(state))
+
+  step = jax.jit(steps, donate_argnums=(0,))
+  times = []
+  for i in range(warmup + repeats):
+    start = time.perf_counter()
+    state = step(state, grad)
+    jax.block_until_ready(state)
+    if i >= warmup:
+      times.append(time.perf_counter() - start)
+  return n_params * inner / statistics.median(times) / 1e9
