@@ -27,7 +27,8 @@ FORMATS = {
 }
 HYPER = dict(lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, wd=0.1)
 SHAPES = {'zero': (0,), 'one': (1,), 'b255': (255,), 'b256': (256,),
-          'b257': (257,), 'k': (1000,), 'w': (37, 29)}  # fmt: skip
+          'b257': (257,), 'k': (1000,), 'w': (37, 29),
+          'scalar': ()}  # fmt: skip
 
 
 def _params(rng) -> dict:

@@ -112,8 +112,21 @@ def dequantize(q: Blockwise, signed: bool) -> jax.Array:
   # Per block by broadcasting (a repeat would gather, which host compute
   # refuses between memories).
   padded = jnp.pad(magnitude, (0, num_blocks(n) * BLOCK - n))
-  scaled = padded.reshape(-1, BLOCK) * q.scales[:, None]
+  scaled = padded.reshape(-1, BLOCK) * _like_memory(q.scales, padded)[:, None]
   return scaled.reshape(-1)[:n].reshape(q.codes.shape)
+
+
+def _like_memory(x: jax.Array, like: jax.Array) -> jax.Array:
+  """`x` in `like`'s memory space.
+
+  Inside host compute, results computed from a 0-d array (a scalar leaf's
+  codes) are typed as device memory, while the leaf's scales, of shape
+  (1,), stay in host memory.
+  """
+  space = jax.typeof(like).memory_space
+  if jax.typeof(x).memory_space == space:
+    return x
+  return jax.device_put(x, space)
 
 
 def storage_dtypes(mu_dtype: Any, nu_dtype: Any, moments_8bit: bool) -> tuple:
