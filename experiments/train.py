@@ -235,7 +235,9 @@ def _zero_text(
   if not cfg.zero:
     return ''
   params = nnx.state(trainable.model, nnx.Param)
-  whole = superoffload.replicated_state_bytes(params, plan.mesh, DATA_AXIS)
+  whole = superoffload.replicated_state_bytes(
+    params, plan.mesh, DATA_AXIS, moments=cfg.moments
+  )
   return f' zero(replicated state {whole / 2**20:,.1f} MiB/device)'
 
 

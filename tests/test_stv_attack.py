@@ -425,10 +425,27 @@ def test_bad_clip_norm_is_refused(clip_norm):
 
 
 @pytest.mark.parametrize(
-  'clip_norm', [1, 0.5, np.float32(0.5), np.asarray(0.5), jnp.asarray(0.5)]
+  'clip_norm',
+  [1, 0.5, np.float32(0.5), np.asarray(0.5), jnp.asarray(0.5), jnp.asarray(1)],
 )
 def test_good_clip_norm_is_taken(clip_norm):
   superoffload.adamw(LR, clip_norm=clip_norm)
+
+
+def test_injected_integer_clip_norm_clips_as_a_float_one():
+  # optax.inject_hyperparams turns clip_norm=1 into an int32 array.
+  params = random_tree([(40,), (6, 7)])
+  grads = random_grads(params, [5.0, 0.01])
+  runs = [
+    final_params(
+      optax.inject_hyperparams(superoffload.adamw)(LR, clip_norm=c),
+      params,
+      grads,
+    )
+    for c in (1, 1.0)
+  ]
+  for a, b in zip(*(jax.tree.leaves(r) for r in runs), strict=True):
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize('executor', EXECUTORS)

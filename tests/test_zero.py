@@ -331,3 +331,36 @@ def test_replicated_state_bytes_are_what_each_device_holds_whole():
   )
   total = 12 * sum(x.size for x in jax.tree.leaves(params))
   assert held == whole + (total - whole) // 8
+
+
+@pytest.mark.parametrize('moments', ['bf16', '8bit'])
+def test_replicated_state_bytes_with_low_precision_moments(moments):
+  mesh = _mesh()
+  # 8-bit: 'w' splits in whole blocks (256 elements a shard); 'v' splits
+  # by 8 but not in whole blocks, so it stays whole, as 'odd' and 's' do.
+  params = {
+    'w': jnp.ones((16, 128)),
+    'odd': jnp.ones((3, 5)),
+    's': jnp.ones(()),
+    'v': jnp.ones(24),
+  }
+  options = {
+    'bf16': dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
+    '8bit': dict(moments_8bit=True),
+  }[moments]
+  whole = superoffload.replicated_state_bytes(
+    params, mesh, 'data', moments=moments
+  )
+  tx = superoffload.adamw(1e-3, mesh=mesh, shard_axis='data', **options)
+  state = tx.init(params)
+  fields = (state.master, state.mu, state.nu, state.mu_scales, state.nu_scales)
+  device = mesh.devices.flat[0]
+  held = sum(
+    s.data.nbytes
+    for leaf in jax.tree.leaves(fields)
+    for s in leaf.addressable_shards
+    if s.device == device
+  )
+  total = sum(x.nbytes for x in jax.tree.leaves(fields))
+  assert whole > 0
+  assert held == whole + (total - whole) // 8

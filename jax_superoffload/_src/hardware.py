@@ -318,8 +318,8 @@ def measure_q8_step_rate(
   Steps `n_params` parameters (about 10 bytes each: small enough to stay in
   cache, and several of the kernel's 2^18-element work chunks, so that
   every core works) with 8-bit moments through the kernel, in place, 20
-  times a timed step; the median over `repeats`. Its arithmetic alone, for the planner's
-  `host_q8_gparams_s`.
+  times a timed step; the median over `repeats`. Its arithmetic alone, for
+  the planner's `host_q8_gparams_s`.
   """
   from jax_superoffload._src import grace_adam  # The FFI extension, lazily.
   from jax_superoffload._src.hyperparams import Hyperparams

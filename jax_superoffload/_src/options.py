@@ -115,15 +115,20 @@ def _check_clip_norm(clip_norm: Any) -> None:
   number = isinstance(clip_norm, (int, float)) and not isinstance(
     clip_norm, bool
   )
+  # Integer arrays too: inject_hyperparams makes int32 of clip_norm=1.
   array = isinstance(clip_norm, (jax.Array, np.ndarray, np.generic)) and (
-    np.ndim(clip_norm) == 0 and jnp.issubdtype(clip_norm.dtype, jnp.floating)
+    np.ndim(clip_norm) == 0
+    and (
+      jnp.issubdtype(clip_norm.dtype, jnp.floating)
+      or jnp.issubdtype(clip_norm.dtype, jnp.integer)
+    )
   )
   if (number or array) and (
     isinstance(clip_norm, jax.core.Tracer) or clip_norm > 0
   ):
     return
   raise ValueError(
-    f'clip_norm must be a positive number or a scalar float array, got '
+    f'clip_norm must be a positive number or a scalar real array, got '
     f'{clip_norm!r}'
   )
 

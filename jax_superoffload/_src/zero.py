@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_superoffload._src import host_memory
+from jax_superoffload._src import moments as moments_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +99,10 @@ class Zero:
     """Replicated over the mesh, in host or device memory."""
     return NamedSharding(self.mesh, P(), memory_kind=memory_kind(on_host))
 
-  def replicated_bytes(self, params: Any) -> int:
-    """fp32 state bytes (master, mu, nu) per device that are not split."""
+  def replicated_bytes(self, params: Any, moments: str = 'fp32') -> int:
+    """State bytes per device (master, mu, nu) that are not split."""
     return sum(
-      12 * math.prod(x.shape)
+      leaf_state_bytes(math.prod(x.shape), moments)
       for x in jax.tree.leaves(params)
       if self.leaf_spec(x.shape) == P()
     )
@@ -279,17 +280,36 @@ def per_shard(
   return wrapped
 
 
+def leaf_state_bytes(n: int, moments: str = 'fp32') -> int:
+  """Bytes of a kernel leaf's fp32 master and its moments, n elements."""
+  if moments == 'fp32':
+    return 12 * n
+  if moments == 'bf16':
+    return 8 * n
+  if moments == '8bit':  # Codes, and an fp32 scale per block of each.
+    return 6 * n + 8 * moments_lib.num_blocks(n)
+  raise ValueError(f"moments must be 'fp32', 'bf16' or '8bit', got {moments!r}")
+
+
 def replicated_state_bytes(
-  params: Any, mesh: Mesh, shard_axis: str | tuple[str, ...]
+  params: Any,
+  mesh: Mesh,
+  shard_axis: str | tuple[str, ...],
+  *,
+  moments: str = 'fp32',
 ) -> int:
   """Host state bytes per device that ZeRO over `shard_axis` cannot split.
 
   `adam(..., mesh=mesh, shard_axis=shard_axis)` splits each leaf's fp32
-  master, mu and nu (12 bytes per parameter) along the leaf's first
-  dimension divisible by the axis' size; a leaf with no such dimension
-  (a scalar, a bias of odd length) stays whole on every device. Returns the
-  bytes of those whole leaves, which each device's host memory holds in
-  addition to its 1/N share of the rest.
+  master, mu and nu along the leaf's first dimension divisible by the
+  axis' size; a leaf with no such dimension (a scalar, a bias of odd
+  length) stays whole on every device, and so, with 8-bit moments, does
+  one whose shards would not be whole 256-element blocks. Returns the
+  bytes of those whole leaves (12, 8 or about 6 per parameter for
+  `moments` 'fp32', 'bf16' or '8bit'), which each device's host memory
+  holds in addition to its 1/N share of the rest.
   """
   zero = make(mesh, shard_axis)
-  return zero.replicated_bytes(params)
+  if moments == '8bit':
+    zero = dataclasses.replace(zero, block=moments_lib.BLOCK)
+  return zero.replicated_bytes(params, moments)
