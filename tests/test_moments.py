@@ -82,6 +82,27 @@ def _check_leaf(state, leaf: str, want: dict) -> None:
       )
 
 
+def reference_steps(state, grads, t: int, nesterov: bool, factor=1.0) -> dict:
+  """Per leaf, the float64 step from `state` (decoded), gradients x factor."""
+  return {
+    leaf: ref.adam_step(
+      np.asarray(state.master[leaf], np.float64).reshape(-1),
+      _decoded(state, 'mu', leaf),
+      _decoded(state, 'nu', leaf),
+      np.asarray(grads[leaf], np.float64).reshape(-1) * factor,
+      t=t,
+      lr=HYPER['lr'],
+      b1=HYPER['b1'],
+      b2=HYPER['b2'],
+      eps=HYPER['eps'],
+      eps_root=HYPER['eps_root'],
+      wd=HYPER['wd'],
+      nesterov=nesterov,
+    )
+    for leaf in grads
+  }
+
+
 @pytest.mark.parametrize('nesterov', [False, True])
 @pytest.mark.parametrize('fmt', list(FORMATS))
 def test_steps_match_the_float64_reference(fmt, nesterov):
@@ -98,23 +119,7 @@ def test_steps_match_the_float64_reference(fmt, nesterov):
   update = jax.jit(tx.update)
   for t in range(1, 5):
     grads = _grads(rng, params, t)
-    want = {
-      leaf: ref.adam_step(
-        np.asarray(state.master[leaf], np.float64).reshape(-1),
-        _decoded(state, 'mu', leaf),
-        _decoded(state, 'nu', leaf),
-        np.asarray(grads[leaf], np.float64).reshape(-1),
-        t=t,
-        lr=HYPER['lr'],
-        b1=HYPER['b1'],
-        b2=HYPER['b2'],
-        eps=HYPER['eps'],
-        eps_root=HYPER['eps_root'],
-        wd=HYPER['wd'],
-        nesterov=nesterov,
-      )
-      for leaf in params
-    }
+    want = reference_steps(state, grads, t, nesterov)
     updates, state = update(grads, state, params)
     params = optax.apply_updates(params, updates)
     for leaf in params:

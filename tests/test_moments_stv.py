@@ -24,8 +24,8 @@ from tests import moments_reference as ref
 from tests.test_moments import FORMATS
 from tests.test_moments import HYPER
 from tests.test_moments import _check_leaf
-from tests.test_moments import _decoded
 from tests.test_moments import _params
+from tests.test_moments import reference_steps
 
 CLIP = 1.0
 # Per step: a factor on unit-normal gradients; NaN and Inf poison 30% of
@@ -49,26 +49,6 @@ def _grads(rng, params, scale) -> dict:
   return out
 
 
-def _reference(state, grads, t: int, factor: float, nesterov: bool) -> dict:
-  return {
-    leaf: ref.adam_step(
-      np.asarray(state.master[leaf], np.float64).reshape(-1),
-      _decoded(state, 'mu', leaf),
-      _decoded(state, 'nu', leaf),
-      np.asarray(grads[leaf], np.float64).reshape(-1) * factor,
-      t=t,
-      lr=HYPER['lr'],
-      b1=HYPER['b1'],
-      b2=HYPER['b2'],
-      eps=HYPER['eps'],
-      eps_root=HYPER['eps_root'],
-      wd=HYPER['wd'],
-      nesterov=nesterov,
-    )
-    for leaf in grads
-  }
-
-
 def _norm(grads) -> float:
   flat = [np.asarray(g, np.float64).reshape(-1) for g in grads.values()]
   return float(np.sqrt(sum(np.sum(g * g) for g in flat)))
@@ -78,13 +58,13 @@ def _clipped_reference(state, grads, t: int, nesterov: bool) -> dict:
   """The reference step, its tolerances widened for the fp32 norm."""
   norm = _norm(grads)
   factor = 1.0 if norm < CLIP else CLIP / norm
-  want = _reference(state, grads, t, factor, nesterov)
+  want = reference_steps(state, grads, t, nesterov, factor)
   if factor == 1.0:
     return want
   n = sum(np.size(g) for g in grads.values()) + len(grads)
   e = (n + 8) * ref.U
   for side in (1 - e, 1 + e):
-    other = _reference(state, grads, t, factor * side, nesterov)
+    other = reference_steps(state, grads, t, nesterov, factor * side)
     for leaf, w in want.items():
       for key in ('master', 'mu', 'nu'):
         change = np.abs(other[leaf][key] - w[key])
