@@ -3,11 +3,13 @@
 An executor `step`s a bucket (a schedule of k leaves, each with its own
 master, mu and nu arrays shaped like its parameter) and, under STV, `fix`es
 that step once validation has spoken: a redo with clipped gradients or a
-drop. Options choose the executor once, at construction (`for_name`):
+drop. Options choose the executor once, at construction
+(`stv_executors.for_name`):
 
 - "ffi" (`Kernel`): the Grace Adam kernel as XLA host compute, on the state
   where it lives (pinned host memory), updated in place. With STV it is
-  `PairedKernel`, whose leaves are double-buffered (see stv.py).
+  `stv_executors.PairedKernel`, whose leaves are double-buffered, or with
+  bf16 and 8-bit moments `stv_executors.AfterVerdict`.
 - "xla_host" (`HostMath`): the same math in `jax.numpy`, also as host
   compute; the fallback where the kernel is not registered with the
   accelerator's PJRT plugin ("auto" picks "ffi" on a GPU only where that
@@ -64,17 +66,6 @@ class BucketOut(NamedTuple):
   weights: list[jax.Array] | None
 
 
-class Speculated(NamedTuple):
-  """Double-buffered leaves after their speculative step (host memory)."""
-
-  master: list[jax.Array]  # f32[2, *shape]: row `row` untouched.
-  mu: list[jax.Array]
-  nu: list[jax.Array]
-  kept: list[jax.Array]  # The gradients the step read, as fp32.
-  sumsq: jax.Array  # f32[1]: their sum of squares (scaled).
-  weights: list[jax.Array] | None  # Per leaf; None for fp32 weights.
-
-
 class Bucket(NamedTuple):
   """One bucket of a step's schedule, with what its step reads."""
 
@@ -106,7 +97,7 @@ class Executor(Protocol):
   paired: bool  # Double-buffered state (STV on the kernel).
 
   def step(self, zero, b: Bucket, state: LeafState) -> Any:
-    """The step: a `BucketOut`, or `Speculated` when paired."""
+    """The step: a `BucketOut` (or what `fix` takes, for STV executors)."""
 
   def fix(self, zero, b: Bucket, before: LeafState, out, verdict) -> BucketOut:
     """`out` after STV's verdict: redone from `before`, dropped, or kept."""
@@ -130,22 +121,6 @@ def resolve(executor: str) -> str:
   if executor == 'ffi' or registration.ok:
     return 'ffi'
   return 'xla_host'
-
-
-def for_name(executor: str, stv: bool, fp32_moments: bool) -> Executor:
-  """The executor of host buckets for a name ("auto" resolved here).
-
-  Under STV the kernel steps fp32 moments speculatively on two rows
-  (`PairedKernel`), and low-precision moments once the verdict is known
-  (`AfterVerdict`); the other executors write new buffers anyway, so the
-  state before a speculative step is still there for its fix.
-  """
-  name = resolve(executor)
-  if name == 'ffi':
-    if not stv:
-      return Kernel()
-    return PairedKernel() if fp32_moments else AfterVerdict()
-  return HostMath() if name == 'xla_host' else Device()
 
 
 def reseed(
@@ -231,7 +206,7 @@ def _kernel_step(
   `skip` (low-precision moments only): no step where it is true.
   """
   if all(x.dtype == jnp.float32 for x in jax.tree.leaves((mu, nu))):
-    assert skip is False, 'fp32 moments are skipped by PairedKernel'
+    assert skip is False, 'fp32 moments are skipped by the paired kernel'
     m, a, v, w, _ = grace_adam.adam_step_segments(
       master, mu, nu, list(grads), dtypes, hyper, params=params
     )
@@ -259,12 +234,12 @@ def _delta_or_new(b: Bucket, new_master, old_master) -> list[jax.Array]:
   return [n - o for n, o in zip(new, old, strict=True)]
 
 
-def _weight_dtypes(b: Bucket) -> list | None:
+def weight_dtypes(b: Bucket) -> list | None:
   """The dtypes the step writes the new weights in; None: fp32 masters."""
   return None if b.fp32_weights else list(b.dtypes)
 
 
-def _to_host(xs):
+def to_host_list(xs):
   return None if xs is None else [host_memory.to_host(x) for x in xs]
 
 
@@ -295,7 +270,7 @@ class _Plain:
     """The step; `grad_scale` scales the gradients, `skip` drops it.
 
     `skip` (a boolean scalar) is for the kernel's low-precision moments
-    only (`AfterVerdict`).
+    only (`stv_executors.AfterVerdict`).
     """
     hyper = b.hyper
     if grad_scale is not None:
@@ -312,7 +287,13 @@ class _Plain:
     wrapped = zero_lib.per_shard(
       zero,
       fn,
-      in_specs=(specs, moment_specs, moment_specs, specs, _if(b.params, specs)),
+      in_specs=(
+        specs,
+        moment_specs,
+        moment_specs,
+        specs,
+        spec_if(b.params, specs),
+      ),
       out_specs=BucketOut(specs, moment_specs, moment_specs, specs),
     )
     out = wrapped(hyper, skip, *fields, b.grads, b.params)
@@ -353,14 +334,14 @@ class _OnHost(_Plain):
 
   def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params, **skip):
     out = host_memory.on_host(
-      lambda h, skip, *xs: self.math(h, _weight_dtypes(b), *xs, **skip),
+      lambda h, skip, *xs: self.math(h, weight_dtypes(b), *xs, **skip),
       hyper,
       skip,
       master,
       mu,
       nu,
-      _to_host(grads),
-      _to_host(params),
+      to_host_list(grads),
+      to_host_list(params),
     )
     if out.weights is None:
       return out._replace(weights=_delta_or_new(b, out.master, master))
@@ -387,7 +368,7 @@ class Device(_Plain):
 
   def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params):
     moved = [[host_memory.to_device(x) for x in xs] for xs in (master, mu, nu)]
-    out = _math_step(hyper, _weight_dtypes(b), *moved, grads, params)
+    out = _math_step(hyper, weight_dtypes(b), *moved, grads, params)
     weights = out.weights
     if weights is None:
       weights = _delta_or_new(b, out.master, moved[0])
@@ -403,7 +384,7 @@ class Resident(_Plain):
   host_state = False
 
   def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params):
-    out = _math_step(hyper, _weight_dtypes(b), master, mu, nu, grads, params)
+    out = _math_step(hyper, weight_dtypes(b), master, mu, nu, grads, params)
     if out.weights is None:
       return out._replace(weights=_delta_or_new(b, out.master, master))
     return out
@@ -412,171 +393,6 @@ class Resident(_Plain):
 RESIDENT = Resident()
 
 
-@dataclasses.dataclass(frozen=True)
-class AfterVerdict:
-  """STV for a step that updates its state in place: taken after the verdict.
-
-  The kernel with low-precision moments has no double-buffered rows, so a
-  speculative step would overwrite the state a redo needs (XLA would copy
-  it first, a fresh buffer every step). Instead `step` does nothing and
-  `fix` takes the step once the global norm is known: with the gradients
-  scaled when clipped, not at all when dropped. Exact, one pass, in place;
-  but the host step no longer overlaps the rest of the backward pass.
-  """
-
-  inner: Kernel = Kernel()
-  paired = False
-
-  @property
-  def name(self) -> str:
-    return self.inner.name
-
-  def step(self, zero, b: Bucket, state: LeafState) -> None:
-    del zero, b, state
-
-  def fix(self, zero, b: Bucket, before: LeafState, out, verdict) -> BucketOut:
-    # No lax.cond: around an in-place call it makes XLA copy the state.
-    # A dropped step's weights are left unwritten: its updates become 0.
-    del out
-    return self.inner.step(
-      zero, b, before, grad_scale=verdict.scale, skip=verdict.skip
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class PairedKernel:
-  """STV on the kernel: double-buffered leaves, stepped speculatively.
-
-  `step` reads the current row and writes the other, keeping the gradients
-  it read; `fix` redoes the step in place from the untouched row when
-  validation clips it (see stv.py).
-  """
-
-  name = 'ffi'
-  paired = True
-
-  def step(self, zero, b: Bucket, state: LeafState) -> Speculated:
-    def fn(hyper, row, master, mu, nu, kept, grads, params):
-      return _speculate(hyper, b, row, master, mu, nu, kept, grads, params)
-
-    specs, pairs = b.specs, _pair_specs(b.specs)
-    wrapped = zero_lib.per_shard(
-      zero,
-      fn,
-      in_specs=(pairs, pairs, pairs, specs, specs, _if(b.params, specs)),
-      out_specs=_speculated_specs(zero, b),
-    )
-    return wrapped(
-      b.hyper,
-      state.row,
-      *(list(x) for x in state[:3]),
-      scalars_to(host_memory.to_host, state.kept),
-      b.grads,
-      b.params,
-    )
-
-  def fix(self, zero, b: Bucket, before: LeafState, out, verdict) -> BucketOut:
-    def fn(hyper, flags, out):
-      row, redo, skip, scale = flags
-      fixed = _validate_pair(hyper, out, row, redo, skip, scale)
-      return _finish_pair(b, fixed, row)
-
-    specs, pairs = b.specs, _pair_specs(b.specs)
-    in_spec = _speculated_specs(zero, b)
-    if out.weights is None:
-      in_spec = in_spec._replace(weights=None)
-    wrapped = zero_lib.per_shard(
-      zero,
-      fn,
-      in_specs=(in_spec,),
-      out_specs=BucketOut(pairs, pairs, pairs, specs),
-    )
-    flags = (before.row, verdict.redo, verdict.skip, verdict.scale)
-    return wrapped(b.hyper, flags, out)
-
-
-def _if(x, spec):
+def spec_if(x, spec):
+  """`spec` where `x` is given, None where it is not."""
   return spec if x is not None else None
-
-
-def _pair_specs(specs):
-  return None if specs is None else [zero_lib.pair_spec(s) for s in specs]
-
-
-def _speculated_specs(zero, b: Bucket) -> Speculated:
-  specs, pairs = b.specs, _pair_specs(b.specs)
-  return Speculated(
-    pairs,
-    pairs,
-    pairs,
-    specs,
-    zero_lib.per_shard_scalar(zero),
-    None if b.fp32_weights else specs,
-  )
-
-
-def _speculate(hyper, b: Bucket, row, master, mu, nu, kept, grads, params):
-  """STV's speculative kernel step on double-buffered leaves (see stv.py)."""
-  dtypes = _weight_dtypes(b)
-
-  def fn(hyper, row, master, mu, nu, kept, grads, params):
-    m, a, v, k, sumsq, weights = grace_adam.adam_step_speculative(
-      master, mu, nu, kept, row, list(grads), dtypes, hyper, params=params
-    )
-    return Speculated(m, a, v, k, sumsq, None if dtypes is None else weights)
-
-  return host_memory.on_host(
-    fn, hyper, row, master, mu, nu, kept, _to_host(grads), _to_host(params)
-  )
-
-
-def _validate_pair(hyper, out: Speculated, row, redo, skip, scale):
-  """Redoes a clipped speculative step from its untouched row, in place."""
-
-  def fn(hyper, master, mu, nu, kept, weights, flags):
-    row, redo, skip, scale = flags
-    return grace_adam.adam_step_validated(
-      master,
-      mu,
-      nu,
-      kept,
-      row,
-      weights,
-      hyper,
-      redo=redo,
-      skip=skip,
-      redo_scale=scale,
-    )
-
-  m, a, v, w = host_memory.on_host(
-    fn,
-    hyper,
-    out.master,
-    out.mu,
-    out.nu,
-    out.kept,
-    out.weights or [],
-    (row, redo, skip, scale),
-  )
-  weights = w if out.weights is not None else None
-  return out._replace(master=m, mu=a, nu=v, weights=weights)
-
-
-def _finish_pair(b: Bucket, out: Speculated, row) -> BucketOut:
-  """Double-buffered leaves' new weights on the device, per leaf.
-
-  The new master is the row the speculative step wrote (after a skipped
-  step the weights are discarded, so it does not matter which row).
-  """
-  state = (out.master, out.mu, out.nu)
-  if out.weights is not None:
-    return BucketOut(*state, [host_memory.to_device(w) for w in out.weights])
-  row = jnp.asarray(row, jnp.int32)
-  weights = []
-  for pair in out.master:
-    pair = host_memory.to_device(pair)
-    new = jax.lax.dynamic_index_in_dim(pair, 1 - row, keepdims=False)
-    if b.want_delta:
-      new = new - jax.lax.dynamic_index_in_dim(pair, row, keepdims=False)
-    weights.append(new)
-  return BucketOut(*state, weights)

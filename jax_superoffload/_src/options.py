@@ -15,6 +15,7 @@ from jax_superoffload._src import hyperparams
 from jax_superoffload._src import layout
 from jax_superoffload._src import moments
 from jax_superoffload._src import placement
+from jax_superoffload._src import stv_executors
 from jax_superoffload._src import zero as zero_lib
 from jax_superoffload._src.hyperparams import Hyperparams
 
@@ -237,7 +238,7 @@ def make(
     mask=mask,
     nesterov=bool(nesterov),
     bucket_elements=max(1, bucket_bytes // 4),
-    executor=executors.for_name(
+    executor=stv_executors.for_name(
       executor,
       stv=clip_norm is not None or bool(skip_nonfinite),
       fp32_moments=moments.storage_dtypes(mu_dtype, nu_dtype, moments_8bit)

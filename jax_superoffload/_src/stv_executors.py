@@ -1,0 +1,235 @@
+"""The kernel under STV: speculative on two rows, or after the verdict.
+
+`PairedKernel` (fp32 moments): each host leaf's master, mu and nu hold two
+rows; the speculative step reads the current one and writes the other,
+and `fix` redoes a clipped step in place from the untouched row (stv.py).
+`AfterVerdict` (bf16 and 8-bit moments, which have no second row): the
+step is taken once the verdict is known. `for_name` chooses the host
+buckets' executor once, at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_superoffload._src import executors
+from jax_superoffload._src import grace_adam
+from jax_superoffload._src import host_memory
+from jax_superoffload._src import zero as zero_lib
+from jax_superoffload._src.executors import Bucket
+from jax_superoffload._src.executors import BucketOut
+from jax_superoffload._src.executors import Executor
+from jax_superoffload._src.executors import Kernel
+from jax_superoffload._src.executors import LeafState
+
+
+class Speculated(NamedTuple):
+  """Double-buffered leaves after their speculative step (host memory)."""
+
+  master: list[jax.Array]  # f32[2, *shape]: row `row` untouched.
+  mu: list[jax.Array]
+  nu: list[jax.Array]
+  kept: list[jax.Array]  # The gradients the step read, as fp32.
+  sumsq: jax.Array  # f32[1]: their sum of squares (scaled).
+  weights: list[jax.Array] | None  # Per leaf; None for fp32 weights.
+
+
+@dataclasses.dataclass(frozen=True)
+class AfterVerdict:
+  """STV for a step that updates its state in place: taken after the verdict.
+
+  The kernel with low-precision moments has no double-buffered rows, so a
+  speculative step would overwrite the state a redo needs (XLA would copy
+  it first, a fresh buffer every step). Instead `step` does nothing and
+  `fix` takes the step once the global norm is known: with the gradients
+  scaled when clipped, not at all when dropped. Exact, one pass, in place;
+  but the host step no longer overlaps the rest of the backward pass.
+  """
+
+  inner: Kernel = dataclasses.field(default_factory=Kernel)
+  paired = False
+
+  @property
+  def name(self) -> str:
+    return self.inner.name
+
+  def step(self, zero, b: Bucket, state: LeafState) -> None:
+    del zero, b, state
+
+  def fix(self, zero, b: Bucket, before: LeafState, out, verdict) -> BucketOut:
+    # No lax.cond: around an in-place call it makes XLA copy the state.
+    # A dropped step's weights are left unwritten: its updates become 0.
+    del out
+    return self.inner.step(
+      zero, b, before, grad_scale=verdict.scale, skip=verdict.skip
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedKernel:
+  """STV on the kernel: double-buffered leaves, stepped speculatively.
+
+  `step` reads the current row and writes the other, keeping the gradients
+  it read; `fix` redoes the step in place from the untouched row when
+  validation clips it (see stv.py).
+  """
+
+  name = 'ffi'
+  paired = True
+
+  def step(self, zero, b: Bucket, state: LeafState) -> Speculated:
+    def fn(hyper, row, master, mu, nu, kept, grads, params):
+      return _speculate(hyper, b, row, master, mu, nu, kept, grads, params)
+
+    specs, pairs = b.specs, _pair_specs(b.specs)
+    wrapped = zero_lib.per_shard(
+      zero,
+      fn,
+      in_specs=(
+        pairs,
+        pairs,
+        pairs,
+        specs,
+        specs,
+        executors.spec_if(b.params, specs),
+      ),
+      out_specs=_speculated_specs(zero, b),
+    )
+    return wrapped(
+      b.hyper,
+      state.row,
+      *(list(x) for x in state[:3]),
+      executors.scalars_to(host_memory.to_host, state.kept),
+      b.grads,
+      b.params,
+    )
+
+  def fix(self, zero, b: Bucket, before: LeafState, out, verdict) -> BucketOut:
+    def fn(hyper, flags, out):
+      row, redo, skip, scale = flags
+      fixed = _validate_pair(hyper, out, row, redo, skip, scale)
+      return _finish_pair(b, fixed, row)
+
+    specs, pairs = b.specs, _pair_specs(b.specs)
+    in_spec = _speculated_specs(zero, b)
+    if out.weights is None:
+      in_spec = in_spec._replace(weights=None)
+    wrapped = zero_lib.per_shard(
+      zero,
+      fn,
+      in_specs=(in_spec,),
+      out_specs=BucketOut(pairs, pairs, pairs, specs),
+    )
+    flags = (before.row, verdict.redo, verdict.skip, verdict.scale)
+    return wrapped(b.hyper, flags, out)
+
+
+def _pair_specs(specs):
+  return None if specs is None else [zero_lib.pair_spec(s) for s in specs]
+
+
+def _speculated_specs(zero, b: Bucket) -> Speculated:
+  specs, pairs = b.specs, _pair_specs(b.specs)
+  return Speculated(
+    pairs,
+    pairs,
+    pairs,
+    specs,
+    zero_lib.per_shard_scalar(zero),
+    None if b.fp32_weights else specs,
+  )
+
+
+def _speculate(hyper, b: Bucket, row, master, mu, nu, kept, grads, params):
+  """STV's speculative kernel step on double-buffered leaves (see stv.py)."""
+  dtypes = executors.weight_dtypes(b)
+
+  def fn(hyper, row, master, mu, nu, kept, grads, params):
+    m, a, v, k, sumsq, weights = grace_adam.adam_step_speculative(
+      master, mu, nu, kept, row, list(grads), dtypes, hyper, params=params
+    )
+    return Speculated(m, a, v, k, sumsq, None if dtypes is None else weights)
+
+  return host_memory.on_host(
+    fn,
+    hyper,
+    row,
+    master,
+    mu,
+    nu,
+    kept,
+    executors.to_host_list(grads),
+    executors.to_host_list(params),
+  )
+
+
+def _validate_pair(hyper, out: Speculated, row, redo, skip, scale):
+  """Redoes a clipped speculative step from its untouched row, in place."""
+
+  def fn(hyper, master, mu, nu, kept, weights, flags):
+    row, redo, skip, scale = flags
+    return grace_adam.adam_step_validated(
+      master,
+      mu,
+      nu,
+      kept,
+      row,
+      weights,
+      hyper,
+      redo=redo,
+      skip=skip,
+      redo_scale=scale,
+    )
+
+  m, a, v, w = host_memory.on_host(
+    fn,
+    hyper,
+    out.master,
+    out.mu,
+    out.nu,
+    out.kept,
+    out.weights or [],
+    (row, redo, skip, scale),
+  )
+  weights = w if out.weights is not None else None
+  return out._replace(master=m, mu=a, nu=v, weights=weights)
+
+
+def _finish_pair(b: Bucket, out: Speculated, row) -> BucketOut:
+  """Double-buffered leaves' new weights on the device, per leaf.
+
+  The new master is the row the speculative step wrote (after a skipped
+  step the weights are discarded, so it does not matter which row).
+  """
+  state = (out.master, out.mu, out.nu)
+  if out.weights is not None:
+    return BucketOut(*state, [host_memory.to_device(w) for w in out.weights])
+  row = jnp.asarray(row, jnp.int32)
+  weights = []
+  for pair in out.master:
+    pair = host_memory.to_device(pair)
+    new = jax.lax.dynamic_index_in_dim(pair, 1 - row, keepdims=False)
+    if b.want_delta:
+      new = new - jax.lax.dynamic_index_in_dim(pair, row, keepdims=False)
+    weights.append(new)
+  return BucketOut(*state, weights)
+
+
+def for_name(executor: str, stv: bool, fp32_moments: bool) -> Executor:
+  """The executor of host buckets for a name ("auto" resolved here).
+
+  Under STV the kernel steps fp32 moments speculatively on two rows
+  (`PairedKernel`), and low-precision moments once the verdict is known
+  (`AfterVerdict`); the other executors write new buffers anyway, so the
+  state before a speculative step is still there for its fix.
+  """
+  name = executors.resolve(executor)
+  if name == 'ffi':
+    if not stv:
+      return Kernel()
+    return PairedKernel() if fp32_moments else AfterVerdict()
+  return executors.HostMath() if name == 'xla_host' else executors.Device()
