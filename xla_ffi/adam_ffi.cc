@@ -63,7 +63,7 @@ ffi::Error AdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
     b.lowp_out = lowp_out;
   }
   if (const char* error = ValidateAdamBuffers(b)) return InvalidArgument(error);
-  if (ffi::Error error = ReadPrefetch(&b.prefetch); error.failure()) {
+  if (ffi::Error error = ReadEnvironment(&b.prefetch); error.failure()) {
     return error;
   }
   std::vector<AdamConstants> sets;
@@ -154,7 +154,7 @@ ffi::Error StreamRooflineHandler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> mas
   b.master_out = master_out->typed_data();
   b.mu_out = mu_out->typed_data();
   b.nu_out = nu_out->typed_data();
-  if (ffi::Error error = ReadPrefetch(&b.prefetch); error.failure()) {
+  if (ffi::Error error = ReadEnvironment(&b.prefetch); error.failure()) {
     return error;
   }
   const int64_t num_chunks = (size + kChunkElements - 1) / kChunkElements;
@@ -208,7 +208,7 @@ ffi::Error AdamStepSegmentsHandler(
   }
   const int64_t k = runs.k();
   Prefetch prefetch;
-  if (ffi::Error error = ReadPrefetch(&prefetch); error.failure()) {
+  if (ffi::Error error = ReadEnvironment(&prefetch); error.failure()) {
     return error;
   }
   std::vector<AdamBuffers> leaves(k);
@@ -330,7 +330,7 @@ ffi::Error PairLeaves(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
   }
   *from = row.typed_data()[0];
   Prefetch prefetch;
-  if (ffi::Error error = ReadPrefetch(&prefetch); error.failure()) {
+  if (ffi::Error error = ReadEnvironment(&prefetch); error.failure()) {
     return error;
   }
   pairs->assign(k, PairBuffers{});

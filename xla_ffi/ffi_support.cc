@@ -8,7 +8,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #include "xla_ffi/adam_kernel.h"
 #include "xla_ffi/float_convert.h"
@@ -47,10 +52,45 @@ ffi::Error InvalidArgument(const std::string& message) {
                     "jax_superoffload adam_step: " + message);
 }
 
-// The kernel's prefetch policy, or the one JAX_SUPEROFFLOAD_PREFETCH names
-// (t0, nta or none), for experiments. Read on every call: the environment is
-// the only state, and a getenv costs nothing beside a step.
-ffi::Error ReadPrefetch(Prefetch* out) {
+namespace {
+
+// The thread count JAX_SUPEROFFLOAD_HOST_THREADS asks for: 0 when unset,
+// -1 when it is not a whole number from 1 to 4096.
+int64_t RequestedThreads() {
+  const char* value = std::getenv("JAX_SUPEROFFLOAD_HOST_THREADS");
+  if (value == nullptr || *value == '\0') return 0;
+  char* end = nullptr;
+  const long long n = std::strtoll(value, &end, 10);
+  return (*end == '\0' && n >= 1 && n <= 4096) ? n : -1;
+}
+
+// The CPUs this process may run on (its affinity mask), at least 1.
+int64_t AllowedCpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    return std::max(1, CPU_COUNT(&set));
+  }
+#endif
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+}  // namespace
+
+int64_t OwnHelperThreads(int64_t pool_threads) {
+  const int64_t requested = RequestedThreads();
+  if (requested > 0) return requested - 1;
+  if (pool_threads > 1) return -1;
+  return AllowedCpus() - 1;
+}
+
+ffi::Error ReadEnvironment(Prefetch* out) {
+  if (RequestedThreads() < 0) {
+    return InvalidArgument(
+        std::string("JAX_SUPEROFFLOAD_HOST_THREADS must be a whole number "
+                    "from 1 to 4096 or unset, not '") +
+        std::getenv("JAX_SUPEROFFLOAD_HOST_THREADS") + "'");
+  }
   const char* name = std::getenv("JAX_SUPEROFFLOAD_PREFETCH");
   if (ParsePrefetch(name, out)) return ffi::Error::Success();
   return InvalidArgument(std::string("JAX_SUPEROFFLOAD_PREFETCH must be t0, "

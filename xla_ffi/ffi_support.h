@@ -14,6 +14,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -24,14 +26,27 @@ namespace jax_superoffload {
 
 namespace ffi = xla::ffi;
 
+// How many threads of its own a step starts beside the caller, or -1 when it
+// uses XLA's intra-op pool. JAX_SUPEROFFLOAD_HOST_THREADS=N asks for N threads
+// in all. Otherwise the pool, when it has more than one thread (XLA:CPU);
+// where XLA hands the kernel a one-thread pool (the GPU plugin's host
+// compute ran it at about one core's speed on an H200 machine), up to the
+// CPUs this process may run on. A malformed value counts as unset here;
+// ReadEnvironment reports it.
+int64_t OwnHelperThreads(int64_t pool_threads);
+
 // Runs fn(chunk) for chunk in [0, num_chunks) on the calling thread and up to
-// `pool.num_threads() - 1` pool threads. The caller takes chunks too, so it
-// never blocks on work nobody has started; a pool task that starts after all
-// chunks are claimed returns without touching `fn`.
+// `pool.num_threads() - 1` pool threads, or on helpers of its own (see
+// OwnHelperThreads). The caller takes chunks too, so it never blocks on work
+// nobody has started; a helper that starts after all chunks are claimed
+// returns without touching `fn`. Chunks are fixed, so the thread count never
+// changes a result.
 template <class Fn>
 void ParallelChunks(ffi::ThreadPool& pool, int64_t num_chunks, const Fn& fn) {
-  const int64_t helpers =
-      std::min<int64_t>(pool.num_threads() - 1, num_chunks - 1);
+  const int64_t own = OwnHelperThreads(pool.num_threads());
+  const bool use_pool = own < 0;
+  const int64_t helpers = std::min<int64_t>(
+      use_pool ? pool.num_threads() - 1 : own, num_chunks - 1);
   if (helpers <= 0) {
     for (int64_t c = 0; c < num_chunks; ++c) fn(c);
     return;
@@ -55,21 +70,35 @@ void ParallelChunks(ffi::ThreadPool& pool, int64_t num_chunks, const Fn& fn) {
     shared->done += finished;
     if (shared->done == num_chunks) shared->all_done.notify_all();
   };
+  std::vector<std::thread> threads;
   for (int64_t i = 0; i < helpers; ++i) {
-    auto task = work;  // Schedule takes ownership of its own copy.
-    pool.Schedule(std::move(task));
+    auto task = work;  // Each helper owns its copy.
+    if (use_pool) {
+      pool.Schedule(std::move(task));
+      continue;
+    }
+    try {
+      threads.emplace_back(std::move(task));
+    } catch (const std::system_error&) {
+      break;  // No more threads: the caller's loop claims what is left.
+    }
   }
   work();
-  std::unique_lock<std::mutex> lock(shared->mutex);
-  shared->all_done.wait(lock, [&] { return shared->done == num_chunks; });
+  {
+    std::unique_lock<std::mutex> lock(shared->mutex);
+    shared->all_done.wait(lock, [&] { return shared->done == num_chunks; });
+  }
+  for (std::thread& t : threads) t.join();
 }
 
 ffi::Error InvalidArgument(const std::string& message);
 
 // The kernel's prefetch policy, or the one JAX_SUPEROFFLOAD_PREFETCH names
-// (t0, nta or none), for experiments. Read on every call: the environment is
-// the only state, and a getenv costs nothing beside a step.
-ffi::Error ReadPrefetch(Prefetch* out);
+// (t0, nta or none), for experiments; and an error for a malformed
+// JAX_SUPEROFFLOAD_HOST_THREADS (see OwnHelperThreads). Read on every call:
+// the environment is the only state, and a getenv costs nothing beside a
+// step.
+ffi::Error ReadEnvironment(Prefetch* out);
 
 bool ToElementType(ffi::DataType dtype, ElementType* out);
 

@@ -190,7 +190,7 @@ ffi::Error AdamStepLowpSegmentsHandler(
   }
   const int64_t k = leaf_runs.k();
   Prefetch prefetch;
-  if (ffi::Error e = ReadPrefetch(&prefetch); e.failure()) return e;
+  if (ffi::Error e = ReadEnvironment(&prefetch); e.failure()) return e;
   std::vector<LowpMomentBuffers> leaves(k);
   std::vector<const void*> params(k, nullptr);
   std::vector<ElementType> param_types(k, ElementType::kF32);

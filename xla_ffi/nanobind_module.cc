@@ -3,10 +3,12 @@
 
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
 #include <cstdlib>
 
 #include "xla_ffi/adam_ffi.h"
 #include "xla_ffi/adam_kernel.h"
+#include "xla_ffi/ffi_support.h"
 
 namespace nb = nanobind;
 
@@ -48,4 +50,9 @@ NB_MODULE(_grace_adam, m) {
         return jax_superoffload::PrefetchName(prefetch);
       },
       "The software prefetch the kernel's handlers use now: t0, nta or none.");
+  m.def("own_helper_threads", &jax_superoffload::OwnHelperThreads,
+        nb::arg("pool_threads"),
+        "Threads a step would start beside the caller given an intra-op "
+        "pool of `pool_threads` (-1: it uses the pool), as the environment "
+        "now says.");
 }
