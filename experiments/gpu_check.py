@@ -160,8 +160,14 @@ def check_technique(name: str, executor: str | None, steps: int) -> dict:
 
 
 def mlp_loss(stack, x, policy: str):
+  # Full fp32 dots: a GPU's default takes fp32 matmuls through TF32, whose
+  # gradients then differ from the CPU reference's by about 2e-3, whatever
+  # the optimizer (the H200 run of 2026-12-04, results/gpu_h200/).
+  def dot(a, b):
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
   def body(layer, x):
-    return x + jnp.tanh(x @ layer['up']) @ layer['down'], None
+    return x + dot(jnp.tanh(dot(x, layer['up'])), layer['down']), None
 
   if policy == 'reference':
     x, _ = jax.lax.scan(lambda c, p: body(p, c), x, stack)
