@@ -293,6 +293,47 @@ def optax_adamw(n: int, lowp: bool) -> Callable[[], None]:
   return run
 
 
+def grace_adam_mixed(n: int, reseed: bool) -> Callable[[], None]:
+  """The mixed-precision step: bf16 gradients in, bf16 weights out.
+
+  With `reseed`, the step is also handed the bf16 parameters (the weights
+  it produced last, as in training) and starts from them where they are
+  not the master rounded (issue 13: the parameters are the source of
+  truth); their read is 2 B/param more than the 28 without.
+  """
+  params, grads = _state(n, 0)
+  box = [
+    [jnp.asarray(params)],
+    [jnp.zeros(n, jnp.float32)],
+    [jnp.zeros(n, jnp.float32)],
+    [jnp.asarray(params, jnp.bfloat16)],
+  ]
+  grad = [jnp.asarray(grads, jnp.bfloat16)]
+
+  def step(master, mu, nu, weights, grad, count):
+    master, mu, nu, weights, _ = grace_adam_ffi.adam_step_segments(
+      master,
+      mu,
+      nu,
+      grad,
+      [jnp.bfloat16],
+      _hyper(count),
+      params=weights if reseed else None,
+    )
+    return master, mu, nu, weights
+
+  step = jax.jit(step, donate_argnums=(0, 1, 2))
+  count = [0]
+
+  def run():
+    out = step(*box, grad, jnp.int32(count[0]))
+    jax.block_until_ready(out)
+    box[:] = out
+    count[0] += 1
+
+  return run
+
+
 def kernel_stream(n: int) -> Callable[[], None]:
   """The kernel's own stream loop (`kernels.stream_roofline`): no limit."""
   params, grads = _state(n, 0)
@@ -449,6 +490,18 @@ def build_candidates(n: int, threads: int) -> tuple[list[Candidate], str]:
       BYTES_PER_PARAM_STV,
       'ours_stv',
     ),
+    Candidate(
+      'grace adam, bf16 grads in, bf16 weights out',
+      grace_adam_mixed(n, reseed=False),
+      BYTES_PER_PARAM,
+      'ours_mixed',
+    ),
+    Candidate(
+      'the same, re-seeded from the bf16 params',
+      grace_adam_mixed(n, reseed=True),
+      BYTES_PER_PARAM + 2,
+      'ours_mixed_reseed',
+    ),
     *moment_candidates(n),
     *torch_candidates(n),
   ]
@@ -502,6 +555,11 @@ def ratios(
     # What speculation costs the kernel call (the speculative step's time
     # over the plain one's; its traffic alone would give 32 / 28).
     'stv_step_over_plain': median[groups['ours_stv'][0]] / ours,
+    # What honouring the parameters costs the mixed-precision step (issue
+    # 13 asks for at most 1.03; the read alone is 30 / 28).
+    'reseed_over_mixed': (
+      median[groups['ours_mixed_reseed'][0]] / median[groups['ours_mixed'][0]]
+    ),
   }
   out.update(_moment_ratios(groups, median, ours))
   for group, names in groups.items():
