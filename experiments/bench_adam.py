@@ -88,6 +88,19 @@ def _stepper(step, state: list[jax.Array], grad: jax.Array):
   return run
 
 
+def _box_stepper(step, box: list, grad):
+  """Runs step(*box, grad, count) on a donated `box`, keeping its results."""
+  count = [0]
+
+  def run():
+    out = step(*box, grad, jnp.int32(count[0]))
+    jax.block_until_ready(out)
+    box[:] = out
+    count[0] += 1
+
+  return run
+
+
 def grace_adam(n: int) -> Callable[[], None]:
   params, grads = _state(n, 0)
   state = [
@@ -137,15 +150,7 @@ def grace_adam_lowp(n: int) -> Callable[[], None]:
     )
 
   step = jax.jit(step, donate_argnums=(0, 1, 2, 3))
-  count = [0]
-
-  def run():
-    out = step(*box, grad, jnp.int32(count[0]))
-    jax.block_until_ready(out)
-    box[:] = out
-    count[0] += 1
-
-  return run
+  return _box_stepper(step, box, grad)
 
 
 # Moment storage formats: (mu dtype, nu dtype, 8-bit blockwise).
@@ -323,15 +328,7 @@ def grace_adam_mixed(n: int, reseed: bool) -> Callable[[], None]:
     return master, mu, nu, weights
 
   step = jax.jit(step, donate_argnums=(0, 1, 2))
-  count = [0]
-
-  def run():
-    out = step(*box, grad, jnp.int32(count[0]))
-    jax.block_until_ready(out)
-    box[:] = out
-    count[0] += 1
-
-  return run
+  return _box_stepper(step, box, grad)
 
 
 def kernel_stream(n: int) -> Callable[[], None]:
