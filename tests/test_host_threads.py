@@ -3,10 +3,13 @@
 Where XLA hands the kernel a pool of one thread (the CUDA plugin's host
 compute ran it at about one core's speed on an H200 machine), the kernel
 starts helpers of its own; `JAX_SUPEROFFLOAD_HOST_THREADS` sets the count.
-Work chunks are fixed, so no thread count may change a bit.
+Work chunks are fixed, so no thread count may change a bit. (Equal bits
+cannot tell whether helpers ran; with these shapes' six chunks, 3 and 7
+threads take the helper path.)
 """
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +40,7 @@ def test_a_one_thread_pool_gets_helpers_for_the_allowed_cpus(monkeypatch):
   monkeypatch.delenv(ENV, raising=False)
   allowed = len(os.sched_getaffinity(0))
   assert _grace_adam.own_helper_threads(1) == allowed - 1
+  assert _grace_adam.own_helper_threads(0) == allowed - 1  # No pool at all.
 
 
 def test_the_environment_sets_the_count(monkeypatch):
@@ -89,8 +93,12 @@ def test_own_threads_give_the_pools_bits(monkeypatch, name):
       )
 
 
-@pytest.mark.parametrize('value', ['four', '0', '-2', '5000', '3x'])
+@pytest.mark.parametrize(
+  'value', ['four', '0', '-2', '5000', '3x', '+3', ' 3', '3 ', '0x10']
+)
 def test_a_malformed_count_is_refused_naming_the_variable(monkeypatch, value):
   monkeypatch.setenv(ENV, value)
-  with pytest.raises(Exception, match=f"{ENV} must be .* not '{value}'"):
+  with pytest.raises(
+    Exception, match=f"{ENV} must be .* not '{re.escape(value)}'"
+  ):
     _steps({}, steps=1)

@@ -54,17 +54,23 @@ ffi::Error InvalidArgument(const std::string& message) {
 
 namespace {
 
-// The thread count JAX_SUPEROFFLOAD_HOST_THREADS asks for: 0 when unset,
-// -1 when it is not a whole number from 1 to 4096.
-int64_t RequestedThreads() {
-  const char* value = std::getenv("JAX_SUPEROFFLOAD_HOST_THREADS");
+constexpr char kHostThreadsVariable[] = "JAX_SUPEROFFLOAD_HOST_THREADS";
+
+// The thread count `value` (JAX_SUPEROFFLOAD_HOST_THREADS) asks for: 0 when
+// unset or empty, -1 unless it is only the digits of a number from 1 to
+// 4096.
+int64_t ParseThreads(const char* value) {
   if (value == nullptr || *value == '\0') return 0;
-  char* end = nullptr;
-  const long long n = std::strtoll(value, &end, 10);
-  return (*end == '\0' && n >= 1 && n <= 4096) ? n : -1;
+  int64_t n = 0;
+  for (const char* c = value; *c != '\0'; ++c) {
+    if (*c < '0' || *c > '9' || n > 4096) return -1;
+    n = 10 * n + (*c - '0');
+  }
+  return (n >= 1 && n <= 4096) ? n : -1;
 }
 
-// The CPUs this process may run on (its affinity mask), at least 1.
+// The CPUs the calling thread may run on (its affinity mask, which the
+// helpers it starts inherit), at least 1.
 int64_t AllowedCpus() {
 #if defined(__linux__)
   cpu_set_t set;
@@ -78,18 +84,19 @@ int64_t AllowedCpus() {
 }  // namespace
 
 int64_t OwnHelperThreads(int64_t pool_threads) {
-  const int64_t requested = RequestedThreads();
+  const int64_t requested = ParseThreads(std::getenv(kHostThreadsVariable));
   if (requested > 0) return requested - 1;
   if (pool_threads > 1) return -1;
   return AllowedCpus() - 1;
 }
 
 ffi::Error ReadEnvironment(Prefetch* out) {
-  if (RequestedThreads() < 0) {
-    return InvalidArgument(
-        std::string("JAX_SUPEROFFLOAD_HOST_THREADS must be a whole number "
-                    "from 1 to 4096 or unset, not '") +
-        std::getenv("JAX_SUPEROFFLOAD_HOST_THREADS") + "'");
+  const char* threads = std::getenv(kHostThreadsVariable);
+  if (ParseThreads(threads) < 0) {
+    return InvalidArgument(std::string(kHostThreadsVariable) +
+                           " must be a whole number from 1 to 4096 or "
+                           "unset, not '" +
+                           threads + "'");
   }
   const char* name = std::getenv("JAX_SUPEROFFLOAD_PREFETCH");
   if (ParsePrefetch(name, out)) return ffi::Error::Success();

@@ -11,10 +11,10 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -29,24 +29,45 @@ namespace ffi = xla::ffi;
 // How many threads of its own a step starts beside the caller, or -1 when it
 // uses XLA's intra-op pool. JAX_SUPEROFFLOAD_HOST_THREADS=N asks for N threads
 // in all. Otherwise the pool, when it has more than one thread (XLA:CPU);
-// where XLA hands the kernel a one-thread pool (the GPU plugin's host
-// compute ran it at about one core's speed on an H200 machine), up to the
-// CPUs this process may run on. A malformed value counts as unset here;
-// ReadEnvironment reports it.
+// where XLA hands the kernel a one-thread pool, or none (the GPU plugin's
+// host compute ran it at about one core's speed on an H200 machine), up to
+// the CPUs the calling thread may run on. A malformed value counts as unset
+// here; ReadEnvironment reports it. Each call starts its own helpers, so
+// several devices' host computations at once in one process oversubscribe
+// the CPUs (set the variable there).
 int64_t OwnHelperThreads(int64_t pool_threads);
+
+// Joins its threads when it goes out of scope, on every path.
+class JoinOnExit {
+ public:
+  explicit JoinOnExit(std::vector<std::thread>& threads) : threads_(threads) {}
+  JoinOnExit(const JoinOnExit&) = delete;
+  JoinOnExit& operator=(const JoinOnExit&) = delete;
+  ~JoinOnExit() {
+    for (std::thread& t : threads_) t.join();
+  }
+
+ private:
+  std::vector<std::thread>& threads_;
+};
 
 // Runs fn(chunk) for chunk in [0, num_chunks) on the calling thread and up to
 // `pool.num_threads() - 1` pool threads, or on helpers of its own (see
 // OwnHelperThreads). The caller takes chunks too, so it never blocks on work
 // nobody has started; a helper that starts after all chunks are claimed
 // returns without touching `fn`. Chunks are fixed, so the thread count never
-// changes a result.
+// changes a result. `fn` must not throw.
 template <class Fn>
 void ParallelChunks(ffi::ThreadPool& pool, int64_t num_chunks, const Fn& fn) {
-  const int64_t own = OwnHelperThreads(pool.num_threads());
+  if (num_chunks <= 1) {
+    if (num_chunks == 1) fn(0);
+    return;
+  }
+  const int64_t pool_threads = pool.num_threads();
+  const int64_t own = OwnHelperThreads(pool_threads);
   const bool use_pool = own < 0;
-  const int64_t helpers = std::min<int64_t>(
-      use_pool ? pool.num_threads() - 1 : own, num_chunks - 1);
+  const int64_t helpers =
+      std::min<int64_t>(use_pool ? pool_threads - 1 : own, num_chunks - 1);
   if (helpers <= 0) {
     for (int64_t c = 0; c < num_chunks; ++c) fn(c);
     return;
@@ -71,24 +92,25 @@ void ParallelChunks(ffi::ThreadPool& pool, int64_t num_chunks, const Fn& fn) {
     if (shared->done == num_chunks) shared->all_done.notify_all();
   };
   std::vector<std::thread> threads;
-  for (int64_t i = 0; i < helpers; ++i) {
-    auto task = work;  // Each helper owns its copy.
-    if (use_pool) {
+  const JoinOnExit join(threads);
+  if (use_pool) {
+    for (int64_t i = 0; i < helpers; ++i) {
+      auto task = work;  // Schedule takes ownership of its own copy.
       pool.Schedule(std::move(task));
-      continue;
     }
+  } else {
+    // std::thread reports failure only by throwing (no more threads, or no
+    // memory): then fewer helpers run, and the caller's loop claims the
+    // rest.
     try {
-      threads.emplace_back(std::move(task));
-    } catch (const std::system_error&) {
-      break;  // No more threads: the caller's loop claims what is left.
+      threads.reserve(helpers);
+      for (int64_t i = 0; i < helpers; ++i) threads.emplace_back(work);
+    } catch (const std::exception&) {
     }
   }
   work();
-  {
-    std::unique_lock<std::mutex> lock(shared->mutex);
-    shared->all_done.wait(lock, [&] { return shared->done == num_chunks; });
-  }
-  for (std::thread& t : threads) t.join();
+  std::unique_lock<std::mutex> lock(shared->mutex);
+  shared->all_done.wait(lock, [&] { return shared->done == num_chunks; });
 }
 
 ffi::Error InvalidArgument(const std::string& message);
