@@ -17,6 +17,8 @@
 #include "xla_ffi/adam_ffi.h"
 #include "xla_ffi/adam_kernel.h"
 #include "xla_ffi/ffi_support.h"
+#include "xla_ffi/launch.h"
+#include "xla_ffi/stream_launch.h"
 #include "xla_ffi/float_convert.h"
 #include "xla_ffi/stv_kernel.h"
 
@@ -194,14 +196,16 @@ void StepStreamingState(const AdamConstants& constants, AdamBuffers b,
 // new masters, mu and nu (aliased to their operands by the caller), and
 // optionally k new weights in the parameters' dtypes, written by the same
 // pass.
-ffi::Error AdamStepSegmentsHandler(
-    ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
-    ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
-    ffi::ResultBuffer<ffi::F32> sumsq, ffi::RemainingRets rets,
-    bool nesterov, bool keep_nonfinite, bool compute_sumsq,
-    int64_t num_leaves, bool reseed) {
-  const LeafRuns runs(num_leaves, args.size(), rets.size());
-  const bool copy_weights = runs.CopiesWeights(3);
+ffi::Error AdamStepSegments(
+    Launch& launch, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
+    ffi::RemainingArgs args, ffi::ResultBuffer<ffi::F32> sumsq,
+    ffi::RemainingRets rets, bool nesterov, bool keep_nonfinite,
+    bool compute_sumsq, int64_t num_leaves, bool reseed, bool into) {
+  const bool copy_weights =
+      LeafRuns(num_leaves, 0, rets.size()).CopiesWeights(3);
+  const int64_t extra =
+      DestinationOperands(into, copy_weights, reseed, num_leaves);
+  const LeafRuns runs(num_leaves, args.size() - extra, rets.size());
   if (ffi::Error error = runs.Expect(reseed ? 5 : 4, copy_weights ? 4 : 3);
       error.failure()) {
     return error;
@@ -260,75 +264,86 @@ ffi::Error AdamStepSegmentsHandler(
     }
     sizes[j] = n;
   }
-  AdamConstants constants;
-  const std::vector<int64_t> starts = Starts(sizes);
+  ScalarSet set;
+  std::vector<int64_t> starts = Starts(sizes);
   int64_t num_chunks = 0;
-  if (ffi::Error error =
-          BucketSetup(count, scalars, nesterov, keep_nonfinite, starts, sumsq,
-                      &constants, &num_chunks);
+  if (ffi::Error error = BucketSetup(count, scalars, nesterov, keep_nonfinite,
+                                     starts, sumsq, &set, &num_chunks);
       error.failure()) {
     return error;
   }
-  // Per-chunk sums of squared (scaled) gradients, for speculation-then-
-  // validation's global norm: taken by the step's own pass over the chunk,
-  // and added in chunk order. Chunks are fixed, so the result does not
-  // depend on the number of threads.
-  std::vector<double> partial(compute_sumsq ? num_chunks : 0, 0.0);
-  const Isa isa = BestIsa();
-  ForEachPiece(pool, starts, [&](size_t j, int64_t begin, int64_t end,
-                                 int64_t chunk) {
+  float* sumsq_out = sumsq->typed_data();
+  std::vector<const void*> touched = {set.count, set.scalars, sumsq_out};
+  for (int64_t j = 0; j < k; ++j) {
     const AdamBuffers& b = leaves[j];
-    auto step = [&](const AdamBuffers& buffers, int64_t from, int64_t to) {
-      if (compute_sumsq) {
-        partial[chunk] +=
-            AdamStepSumSquaresRange(constants, buffers, from, to, isa);
-      } else {
-        AdamStepRange(constants, buffers, from, to, isa);
+    touched.insert(touched.end(), {b.master_in, b.mu_in, b.nu_in, b.grad,
+                                   b.master_out, b.mu_out, b.nu_out,
+                                   b.lowp_out, params[j]});
+  }
+  Work work = [=](Workers workers) {
+    const AdamConstants constants = set.Read();
+    // Per-chunk sums of squared (scaled) gradients, for speculation-then-
+    // validation's global norm: taken by the step's own pass over the
+    // chunk, and added in chunk order. Chunks are fixed, so the result does
+    // not depend on the number of threads.
+    std::vector<double> partial(compute_sumsq ? num_chunks : 0, 0.0);
+    const Isa isa = BestIsa();
+    ForEachPiece(workers, starts, [&](size_t j, int64_t begin, int64_t end,
+                                      int64_t chunk) {
+      const AdamBuffers& b = leaves[j];
+      auto step = [&](const AdamBuffers& buffers, int64_t from, int64_t to) {
+        if (compute_sumsq) {
+          partial[chunk] +=
+              AdamStepSumSquaresRange(constants, buffers, from, to, isa);
+        } else {
+          AdamStepRange(constants, buffers, from, to, isa);
+        }
+      };
+      if (params[j] == nullptr) {
+        step(b, begin, end);
+        return;
       }
-    };
-    if (params[j] == nullptr) {
-      step(b, begin, end);
-      return;
-    }
-    if (param_types[j] == ElementType::kF32) {
-      // fp32 parameters are the master itself: the step reads them in its
-      // place, which adds no traffic (ReseedRange would copy them over).
-      AdamBuffers from_params = b;
-      from_params.master_in = static_cast<const float*>(params[j]);
-      if (compute_sumsq) {
-        step(from_params, begin, end);
-      } else {
-        StepStreamingState(constants, from_params, begin, end, isa);
+      if (param_types[j] == ElementType::kF32) {
+        // fp32 parameters are the master itself: the step reads them in its
+        // place, which adds no traffic (ReseedRange would copy them over).
+        AdamBuffers from_params = b;
+        from_params.master_in = static_cast<const float*>(params[j]);
+        if (compute_sumsq) {
+          step(from_params, begin, end);
+        } else {
+          StepStreamingState(constants, from_params, begin, end, isa);
+        }
+        return;
       }
-      return;
-    }
-    // Re-seeded into the output and stepped there from cache.
-    AdamBuffers fixed = b;
-    fixed.master_in = b.master_out;
-    ReseedThenStep(b.master_in, params[j], param_types[j], constants,
-                   b.master_out, begin, end, isa,
-                   [&](int64_t from, int64_t to) {
-                     step(fixed, from, to);
-                     return 0.0;
-                   });
-  });
-  TotalInChunkOrder(partial, sumsq);
-  return ffi::Error::Success();
+      // Re-seeded into the output and stepped there from cache.
+      AdamBuffers fixed = b;
+      fixed.master_in = b.master_out;
+      ReseedThenStep(b.master_in, params[j], param_types[j], constants,
+                     b.master_out, begin, end, isa,
+                     [&](int64_t from, int64_t to) {
+                       step(fixed, from, to);
+                       return 0.0;
+                     });
+    });
+    TotalInChunkOrder(partial, sumsq_out);
+    return ffi::Error::Success();
+  };
+  return launch.Run(std::move(work), touched);
 }
 
 // The double-buffered leaves of speculation-then-validation (stv_kernel.h):
 // each leaf's master, mu and nu hold two rows (f32[2, n]) of which `row`
 // (s32[1]) names the current one; `kept` (f32[n] per leaf) receives the
 // gradients as fp32. Operands from `first_run` on: k masters, k mu, k nu,
-// k kept. The state must alias its results.
+// k kept. The state must alias its results. The row itself is read when
+// the step runs (ReadRow).
 ffi::Error PairLeaves(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
                       int64_t k, ffi::Buffer<ffi::S32> row,
                       std::vector<PairBuffers>* pairs,
-                      std::vector<int64_t>* sizes, int* from) {
-  if (row.element_count() != 1 || (row.typed_data()[0] & ~1) != 0) {
+                      std::vector<int64_t>* sizes) {
+  if (row.element_count() != 1) {
     return InvalidArgument("row must be one s32 scalar, 0 or 1");
   }
-  *from = row.typed_data()[0];
   Prefetch prefetch;
   if (ffi::Error error = ReadEnvironment(&prefetch); error.failure()) {
     return error;
@@ -368,6 +383,22 @@ ffi::Error PairLeaves(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
   return ffi::Error::Success();
 }
 
+ffi::Error ReadRow(const int32_t* row, int* from) {
+  if ((*row & ~1) != 0) {
+    return InvalidArgument("row must be 0 or 1, got " + std::to_string(*row));
+  }
+  *from = *row;
+  return ffi::Error::Success();
+}
+
+void TouchPairs(const std::vector<PairBuffers>& pairs,
+                std::vector<const void*>* touched) {
+  for (const PairBuffers& p : pairs) {
+    touched->insert(touched->end(),
+                    {p.master, p.mu, p.nu, p.kept_grad, p.lowp_out, p.grad});
+  }
+}
+
 ffi::Error PairWeights(ffi::RemainingRets& rets, int64_t k, int64_t run,
                        size_t j, PairBuffers* p) {
   return GetRet(rets, k, run, j, p->size, &p->lowp_out, &p->lowp_type);
@@ -379,14 +410,16 @@ ffi::Error PairWeights(ffi::RemainingRets& rets, int64_t k, int64_t run,
 // k parameters copied into the current row where they differ from it.
 // Results: the sum of squares (f32[1]), the 4k state buffers (aliased) and
 // optionally k weights.
-ffi::Error AdamStepSpeculativeHandler(
-    ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
-    ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> row,
-    ffi::RemainingArgs args, ffi::ResultBuffer<ffi::F32> sumsq,
-    ffi::RemainingRets rets, bool nesterov, bool keep_nonfinite,
-    int64_t num_leaves, bool reseed) {
-  const LeafRuns runs(num_leaves, args.size(), rets.size());
-  const bool copy_weights = runs.CopiesWeights(4);
+ffi::Error AdamStepSpeculative(
+    Launch& launch, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
+    ffi::Buffer<ffi::S32> row, ffi::RemainingArgs args,
+    ffi::ResultBuffer<ffi::F32> sumsq, ffi::RemainingRets rets, bool nesterov,
+    bool keep_nonfinite, int64_t num_leaves, bool reseed, bool into) {
+  const bool copy_weights =
+      LeafRuns(num_leaves, 0, rets.size()).CopiesWeights(4);
+  const int64_t extra =
+      DestinationOperands(into, copy_weights, reseed, num_leaves);
+  const LeafRuns runs(num_leaves, args.size() - extra, rets.size());
   if (ffi::Error error = runs.Expect(reseed ? 6 : 5, copy_weights ? 5 : 4);
       error.failure()) {
     return error;
@@ -394,8 +427,7 @@ ffi::Error AdamStepSpeculativeHandler(
   const int64_t k = runs.k();
   std::vector<PairBuffers> pairs;
   std::vector<int64_t> sizes;
-  int from = 0;
-  if (ffi::Error e = PairLeaves(args, rets, k, row, &pairs, &sizes, &from);
+  if (ffi::Error e = PairLeaves(args, rets, k, row, &pairs, &sizes);
       e.failure()) {
     return e;
   }
@@ -428,35 +460,47 @@ ffi::Error AdamStepSpeculativeHandler(
       }
     }
   }
-  AdamConstants constants;
+  ScalarSet set;
   const std::vector<int64_t> starts = Starts(sizes);
   int64_t num_chunks = 0;
-  if (ffi::Error error =
-          BucketSetup(count, scalars, nesterov, keep_nonfinite, starts, sumsq,
-                      &constants, &num_chunks);
+  if (ffi::Error error = BucketSetup(count, scalars, nesterov, keep_nonfinite,
+                                     starts, sumsq, &set, &num_chunks);
       error.failure()) {
     return error;
   }
-  // Per-chunk partial sums, added in chunk order: independent of threads.
-  std::vector<double> partial(num_chunks, 0.0);
-  const Isa isa = BestIsa();
-  ForEachPiece(pool, starts, [&](size_t j, int64_t begin, int64_t end,
-                                 int64_t chunk) {
-    if (params[j] == nullptr) {
-      partial[chunk] +=
-          SpeculativeStepRange(constants, pairs[j], from, begin, end, isa);
-      return;
-    }
-    // The current row re-seeded in place and stepped from cache.
-    float* current = pairs[j].master + from * pairs[j].row_stride;
-    partial[chunk] += ReseedThenStep(
-        current, params[j], param_types[j], constants, current, begin, end,
-        isa, [&](int64_t lo, int64_t hi) {
-          return SpeculativeStepRange(constants, pairs[j], from, lo, hi, isa);
-        });
-  });
-  TotalInChunkOrder(partial, sumsq);
-  return ffi::Error::Success();
+  const int32_t* row_data = row.typed_data();
+  float* sumsq_out = sumsq->typed_data();
+  std::vector<const void*> touched = {set.count, set.scalars, row_data,
+                                      sumsq_out};
+  TouchPairs(pairs, &touched);
+  touched.insert(touched.end(), params.begin(), params.end());
+  Work work = [=](Workers workers) {
+    int from = 0;
+    if (ffi::Error e = ReadRow(row_data, &from); e.failure()) return e;
+    const AdamConstants constants = set.Read();
+    // Per-chunk partial sums, added in chunk order: independent of threads.
+    std::vector<double> partial(num_chunks, 0.0);
+    const Isa isa = BestIsa();
+    ForEachPiece(workers, starts, [&](size_t j, int64_t begin, int64_t end,
+                                      int64_t chunk) {
+      if (params[j] == nullptr) {
+        partial[chunk] +=
+            SpeculativeStepRange(constants, pairs[j], from, begin, end, isa);
+        return;
+      }
+      // The current row re-seeded in place and stepped from cache.
+      float* current = pairs[j].master + from * pairs[j].row_stride;
+      partial[chunk] += ReseedThenStep(
+          current, params[j], param_types[j], constants, current, begin, end,
+          isa, [&](int64_t lo, int64_t hi) {
+            return SpeculativeStepRange(constants, pairs[j], from, lo, hi,
+                                        isa);
+          });
+    });
+    TotalInChunkOrder(partial, sumsq_out);
+    return ffi::Error::Success();
+  };
+  return launch.Run(std::move(work), touched);
 }
 
 // After validation: for a clipped step (flags[0]), the step again from the
@@ -466,12 +510,11 @@ ffi::Error AdamStepSpeculativeHandler(
 // aliases its output, so a step that validates costs a call that returns.
 // Operands: k masters, mu, nu, kept (see PairLeaves) and optionally the k
 // speculative weights copies; results: the 3k state buffers and the copies.
-ffi::Error AdamStepValidatedHandler(
-    ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
-    ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> row,
-    ffi::Buffer<ffi::S32> flags, ffi::Buffer<ffi::F32> redo_scale,
-    ffi::RemainingArgs args, ffi::RemainingRets rets, bool nesterov,
-    int64_t num_leaves) {
+ffi::Error AdamStepValidated(
+    Launch& launch, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
+    ffi::Buffer<ffi::S32> row, ffi::Buffer<ffi::S32> flags,
+    ffi::Buffer<ffi::F32> redo_scale, ffi::RemainingArgs args,
+    ffi::RemainingRets rets, bool nesterov, int64_t num_leaves) {
   if (flags.element_count() != 2 || redo_scale.element_count() != 1) {
     return InvalidArgument("validation needs flags [redo, skip] and a scale");
   }
@@ -484,8 +527,7 @@ ffi::Error AdamStepValidatedHandler(
   const int64_t k = runs.k();
   std::vector<PairBuffers> pairs;
   std::vector<int64_t> sizes;
-  int from = 0;
-  if (ffi::Error e = PairLeaves(args, rets, k, row, &pairs, &sizes, &from);
+  if (ffi::Error e = PairLeaves(args, rets, k, row, &pairs, &sizes);
       e.failure()) {
     return e;
   }
@@ -501,22 +543,113 @@ ffi::Error AdamStepValidatedHandler(
       return LeafError(j, "weights copies must alias their results");
     }
   }
-  const bool redo = flags.typed_data()[0] != 0;
-  if (!redo) return ffi::Error::Success();
-  AdamConstants again;
-  const std::vector<int64_t> starts = Starts(sizes);
-  if (ffi::Error error = OneScalarSet(count, scalars, nesterov, false,
-                                      starts.back(), &again);
+  ScalarSet set;
+  if (ffi::Error error =
+          CheckOneScalarSet(count, scalars, nesterov, false, &set);
       error.failure()) {
     return error;
   }
-  again.grad_scale = redo_scale.typed_data()[0];
-  const Isa isa = BestIsa();
-  ForEachPiece(pool, starts, [&](size_t j, int64_t begin, int64_t end,
-                                 int64_t) {
-    RedoStepRange(again, pairs[j], from, begin, end, isa);
-  });
-  return ffi::Error::Success();
+  const std::vector<int64_t> starts = Starts(sizes);
+  const int32_t* row_data = row.typed_data();
+  const int32_t* flag_data = flags.typed_data();
+  const float* scale_data = redo_scale.typed_data();
+  std::vector<const void*> touched = {set.count, set.scalars, row_data,
+                                      flag_data, scale_data};
+  TouchPairs(pairs, &touched);
+  Work work = [=](Workers workers) {
+    if (flag_data[0] == 0) return ffi::Error::Success();
+    int from = 0;
+    if (ffi::Error e = ReadRow(row_data, &from); e.failure()) return e;
+    AdamConstants again = set.Read();
+    again.grad_scale = scale_data[0];
+    const Isa isa = BestIsa();
+    ForEachPiece(workers, starts, [&](size_t j, int64_t begin, int64_t end,
+                                      int64_t) {
+      RedoStepRange(again, pairs[j], from, begin, end, isa);
+    });
+    return ffi::Error::Success();
+  };
+  return launch.Run(std::move(work), touched);
+}
+
+// Each bucket handler twice: on XLA:CPU's pool (also the CUDA plugin's host
+// compute) and ordered on a CUDA stream (stream_launch.h).
+ffi::Error SegmentsOnCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
+                         ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
+                         ffi::ResultBuffer<ffi::F32> sumsq,
+                         ffi::RemainingRets rets, bool nesterov,
+                         bool keep_nonfinite, bool compute_sumsq,
+                         int64_t num_leaves, bool reseed,
+    bool into) {
+  RunNow launch(&pool);
+  return AdamStepSegments(launch, count, scalars, args, sumsq, rets, nesterov,
+                          keep_nonfinite, compute_sumsq, num_leaves, reseed,
+      into);
+}
+
+ffi::Error SegmentsOnStream(void* stream, ffi::Buffer<ffi::S32> count,
+                            ffi::Buffer<ffi::F32> scalars,
+                            ffi::RemainingArgs args,
+                            ffi::ResultBuffer<ffi::F32> sumsq,
+                            ffi::RemainingRets rets, bool nesterov,
+                            bool keep_nonfinite, bool compute_sumsq,
+                            int64_t num_leaves, bool reseed,
+    bool into) {
+  OnStream launch(SystemCudaDriver(nullptr), stream);
+  return AdamStepSegments(launch, count, scalars, args, sumsq, rets, nesterov,
+                          keep_nonfinite, compute_sumsq, num_leaves, reseed,
+      into);
+}
+
+ffi::Error SpeculativeOnCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
+                            ffi::Buffer<ffi::F32> scalars,
+                            ffi::Buffer<ffi::S32> row, ffi::RemainingArgs args,
+                            ffi::ResultBuffer<ffi::F32> sumsq,
+                            ffi::RemainingRets rets, bool nesterov,
+                            bool keep_nonfinite, int64_t num_leaves,
+                            bool reseed, bool into) {
+  RunNow launch(&pool);
+  return AdamStepSpeculative(launch, count, scalars, row, args, sumsq, rets,
+                             nesterov, keep_nonfinite, num_leaves, reseed,
+                             into);
+}
+
+ffi::Error SpeculativeOnStream(void* stream, ffi::Buffer<ffi::S32> count,
+                               ffi::Buffer<ffi::F32> scalars,
+                               ffi::Buffer<ffi::S32> row,
+                               ffi::RemainingArgs args,
+                               ffi::ResultBuffer<ffi::F32> sumsq,
+                               ffi::RemainingRets rets, bool nesterov,
+                               bool keep_nonfinite, int64_t num_leaves,
+                               bool reseed, bool into) {
+  OnStream launch(SystemCudaDriver(nullptr), stream);
+  return AdamStepSpeculative(launch, count, scalars, row, args, sumsq, rets,
+                             nesterov, keep_nonfinite, num_leaves, reseed,
+                             into);
+}
+
+ffi::Error ValidatedOnCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
+                          ffi::Buffer<ffi::F32> scalars,
+                          ffi::Buffer<ffi::S32> row,
+                          ffi::Buffer<ffi::S32> flags,
+                          ffi::Buffer<ffi::F32> redo_scale,
+                          ffi::RemainingArgs args, ffi::RemainingRets rets,
+                          bool nesterov, int64_t num_leaves) {
+  RunNow launch(&pool);
+  return AdamStepValidated(launch, count, scalars, row, flags, redo_scale, args,
+                           rets, nesterov, num_leaves);
+}
+
+ffi::Error ValidatedOnStream(void* stream, ffi::Buffer<ffi::S32> count,
+                             ffi::Buffer<ffi::F32> scalars,
+                             ffi::Buffer<ffi::S32> row,
+                             ffi::Buffer<ffi::S32> flags,
+                             ffi::Buffer<ffi::F32> redo_scale,
+                             ffi::RemainingArgs args, ffi::RemainingRets rets,
+                             bool nesterov, int64_t num_leaves) {
+  OnStream launch(SystemCudaDriver(nullptr), stream);
+  return AdamStepValidated(launch, count, scalars, row, flags, redo_scale, args,
+                           rets, nesterov, num_leaves);
 }
 
 }  // namespace
@@ -581,7 +714,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamRoofline,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSegments,
-                              jax_superoffload::AdamStepSegmentsHandler,
+                              jax_superoffload::SegmentsOnCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -593,10 +726,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSegments,
                                   .Attr<bool>("keep_nonfinite")
                                   .Attr<bool>("compute_sumsq")
                                   .Attr<int64_t>("num_leaves")
-                                  .Attr<bool>("reseed"));
+                                  .Attr<bool>("reseed")
+                                  .Attr<bool>("into"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSegmentsStream,
+                              jax_superoffload::SegmentsOnStream,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets()
+                                  .Attr<bool>("nesterov")
+                                  .Attr<bool>("keep_nonfinite")
+                                  .Attr<bool>("compute_sumsq")
+                                  .Attr<int64_t>("num_leaves")
+                                  .Attr<bool>("reseed")
+                                  .Attr<bool>("into"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSpeculative,
-                              jax_superoffload::AdamStepSpeculativeHandler,
+                              jax_superoffload::SpeculativeOnCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -608,12 +758,43 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSpeculative,
                                   .Attr<bool>("nesterov")
                                   .Attr<bool>("keep_nonfinite")
                                   .Attr<int64_t>("num_leaves")
-                                  .Attr<bool>("reseed"));
+                                  .Attr<bool>("reseed")
+                                  .Attr<bool>("into"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSpeculativeStream,
+                              jax_superoffload::SpeculativeOnStream,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets()
+                                  .Attr<bool>("nesterov")
+                                  .Attr<bool>("keep_nonfinite")
+                                  .Attr<int64_t>("num_leaves")
+                                  .Attr<bool>("reseed")
+                                  .Attr<bool>("into"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepValidated,
-                              jax_superoffload::AdamStepValidatedHandler,
+                              jax_superoffload::ValidatedOnCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<bool>("nesterov")
+                                  .Attr<int64_t>("num_leaves"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepValidatedStream,
+                              jax_superoffload::ValidatedOnStream,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -14,16 +14,26 @@ XLA_FFI_Error* JsoAdamStepSegments(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepLowpSegments(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepSpeculative(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepValidated(XLA_FFI_CallFrame* call_frame);
+// The bucket handlers ordered on a CUDA stream (stream_launch.h).
+XLA_FFI_Error* JsoAdamStepSegmentsStream(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JsoAdamStepLowpSegmentsStream(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JsoAdamStepSpeculativeStream(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JsoAdamStepValidatedStream(XLA_FFI_CallFrame* call_frame);
 }
 
 namespace jax_superoffload {
 
+using FfiHandler = XLA_FFI_Error*(XLA_FFI_CallFrame*);
+
 // Every FFI target, declared here only: the nanobind module files each
-// handler under `name` and gives Python the name as attribute `attr`.
+// handler under `name` and gives Python the name as attribute `attr`. The
+// bucket handlers also have a `stream_handler`, filed under the same name
+// for the CUDA platform, where the program calls them outside host compute.
 struct FfiTarget {
   const char* attr;
   const char* name;
-  XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*);
+  FfiHandler* handler;
+  FfiHandler* stream_handler = nullptr;
 };
 
 inline constexpr FfiTarget kFfiTargets[] = {
@@ -33,13 +43,14 @@ inline constexpr FfiTarget kFfiTargets[] = {
     {"ADAM_STEP_LOWP_INTO_TARGET", "jax_superoffload_adam_step_lowp_into",
      JsoAdamStepLowpInto},
     {"ADAM_STEP_SEGMENTS_TARGET", "jax_superoffload_adam_step_segments",
-     JsoAdamStepSegments},
+     JsoAdamStepSegments, JsoAdamStepSegmentsStream},
     {"ADAM_STEP_LOWP_SEGMENTS_TARGET",
-     "jax_superoffload_adam_step_lowp_segments", JsoAdamStepLowpSegments},
+     "jax_superoffload_adam_step_lowp_segments", JsoAdamStepLowpSegments,
+     JsoAdamStepLowpSegmentsStream},
     {"ADAM_STEP_SPECULATIVE_TARGET", "jax_superoffload_adam_step_speculative",
-     JsoAdamStepSpeculative},
+     JsoAdamStepSpeculative, JsoAdamStepSpeculativeStream},
     {"ADAM_STEP_VALIDATED_TARGET", "jax_superoffload_adam_step_validated",
-     JsoAdamStepValidated},
+     JsoAdamStepValidated, JsoAdamStepValidatedStream},
     {"STREAM_ROOFLINE_TARGET", "jax_superoffload_stream_roofline",
      JsoStreamRoofline},
 };

@@ -121,6 +121,31 @@ bool ToElementType(ffi::DataType dtype, ElementType* out) {
   }
 }
 
+namespace {
+
+// Scalar set s of `count` and `scalars` (in ScalarIndex order) as constants.
+void ConfigFromScalars(const int32_t* count, const float* scalars,
+                       bool nesterov, bool keep_nonfinite, int64_t s,
+                       AdamConstants* out) {
+  const float* x = scalars + s * kNumScalars;
+  AdamConfig config;
+  config.learning_rate = x[kLearningRate];
+  config.b1 = x[kB1];
+  config.one_minus_b1 = x[kOneMinusB1];
+  config.b2 = x[kB2];
+  config.one_minus_b2 = x[kOneMinusB2];
+  config.eps = x[kEps];
+  config.eps_root = x[kEpsRoot];
+  config.weight_decay = x[kWeightDecay];
+  config.grad_scale = x[kGradScale];
+  config.nesterov = nesterov;
+  config.keep_nonfinite = keep_nonfinite;
+  config.count = count[s];
+  *out = MakeAdamConstants(config);
+}
+
+}  // namespace
+
 // Checks the scalars and splits the arrays into one block per scalar set.
 ffi::Error ReadScalarSets(ffi::Buffer<ffi::S32> count,
                           ffi::Buffer<ffi::F32> scalars, bool nesterov,
@@ -142,21 +167,8 @@ ffi::Error ReadScalarSets(ffi::Buffer<ffi::S32> count,
   *block = size / num_sets;
   sets->resize(num_sets);
   for (int64_t s = 0; s < num_sets; ++s) {
-    const float* x = scalars.typed_data() + s * kNumScalars;
-    AdamConfig config;
-    config.learning_rate = x[kLearningRate];
-    config.b1 = x[kB1];
-    config.one_minus_b1 = x[kOneMinusB1];
-    config.b2 = x[kB2];
-    config.one_minus_b2 = x[kOneMinusB2];
-    config.eps = x[kEps];
-    config.eps_root = x[kEpsRoot];
-    config.weight_decay = x[kWeightDecay];
-    config.grad_scale = x[kGradScale];
-    config.nesterov = nesterov;
-    config.keep_nonfinite = keep_nonfinite;
-    config.count = count.typed_data()[s];
-    (*sets)[s] = MakeAdamConstants(config);
+    ConfigFromScalars(count.typed_data(), scalars.typed_data(), nesterov,
+                      keep_nonfinite, s, &(*sets)[s]);
   }
   return ffi::Error::Success();
 }
@@ -197,11 +209,10 @@ ffi::Error GetTyped(ffi::RemainingArgs& args, int64_t k, int64_t run, size_t j,
 
 // The per-chunk partial sums of squares added in chunk order (independent of
 // threads), into the f32[1] result.
-void TotalInChunkOrder(const std::vector<double>& partial,
-                       ffi::ResultBuffer<ffi::F32>& sumsq) {
+void TotalInChunkOrder(const std::vector<double>& partial, float* sumsq) {
   double total = 0.0;
   for (double p : partial) total += p;
-  sumsq->typed_data()[0] = static_cast<float>(total);
+  *sumsq = static_cast<float>(total);
 }
 
 ffi::Error GetRet(ffi::RemainingRets& rets, int64_t k, int64_t run, size_t j,
@@ -288,34 +299,37 @@ std::vector<int64_t> Starts(const std::vector<int64_t>& sizes) {
   return starts;
 }
 
-ffi::Error OneScalarSet(ffi::Buffer<ffi::S32> count,
-                        ffi::Buffer<ffi::F32> scalars, bool nesterov,
-                        bool keep_nonfinite, int64_t size,
-                        AdamConstants* constants) {
-  std::vector<AdamConstants> sets;
-  int64_t block = 0;
-  // Any positive size: the leaves are one block of one scalar set.
-  if (ffi::Error error = ReadScalarSets(count, scalars, nesterov,
-                                       std::max<int64_t>(size, 1), &sets,
-                                       &block, keep_nonfinite);
-      error.failure()) {
-    return error;
+AdamConstants ScalarSet::Read() const {
+  AdamConstants constants;
+  ConfigFromScalars(count, scalars, nesterov, keep_nonfinite, 0, &constants);
+  return constants;
+}
+
+ffi::Error CheckOneScalarSet(ffi::Buffer<ffi::S32> count,
+                             ffi::Buffer<ffi::F32> scalars, bool nesterov,
+                             bool keep_nonfinite, ScalarSet* out) {
+  if (count.element_count() != 1 ||
+      static_cast<int64_t>(scalars.element_count()) != kNumScalars) {
+    return InvalidArgument("expected one count and " +
+                           std::to_string(kNumScalars) + " scalars, got " +
+                           std::to_string(count.element_count()) + " and " +
+                           std::to_string(scalars.element_count()) +
+                           " (leaves cannot be batched)");
   }
-  if (sets.size() != 1) return InvalidArgument("leaves cannot be batched");
-  *constants = sets[0];
+  out->count = count.typed_data();
+  out->scalars = scalars.typed_data();
+  out->nesterov = nesterov;
+  out->keep_nonfinite = keep_nonfinite;
   return ffi::Error::Success();
 }
 
-// A bucket's constants (one scalar set for all its leaves), its f32[1] sum
-// of squares checked, and the number of fixed work chunks over its
-// `starts.back()` elements.
 ffi::Error BucketSetup(ffi::Buffer<ffi::S32> count,
                        ffi::Buffer<ffi::F32> scalars, bool nesterov,
                        bool keep_nonfinite, const std::vector<int64_t>& starts,
-                       ffi::ResultBuffer<ffi::F32>& sumsq,
-                       AdamConstants* constants, int64_t* num_chunks) {
-  if (ffi::Error error = OneScalarSet(count, scalars, nesterov, keep_nonfinite,
-                                      starts.back(), constants);
+                       ffi::ResultBuffer<ffi::F32>& sumsq, ScalarSet* set,
+                       int64_t* num_chunks) {
+  if (ffi::Error error =
+          CheckOneScalarSet(count, scalars, nesterov, keep_nonfinite, set);
       error.failure()) {
     return error;
   }

@@ -15,59 +15,37 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/adam_kernel.h"
+#include "xla_ffi/host_pool.h"
 
 namespace jax_superoffload {
 
 namespace ffi = xla::ffi;
 
-// How many threads of its own a step starts beside the caller, or -1 when it
-// uses XLA's intra-op pool. JAX_SUPEROFFLOAD_HOST_THREADS=N asks for N threads
-// in all. Otherwise the pool, when it has more than one thread (XLA:CPU);
-// where XLA hands the kernel a one-thread pool, or none (the GPU plugin's
-// host compute ran it at about one core's speed on an H200 machine), up to
-// the CPUs the calling thread may run on. A malformed value counts as unset
-// here; ReadEnvironment reports it. Each call starts its own helpers, so
-// several devices' host computations at once in one process oversubscribe
-// the CPUs (set the variable there).
+// How many helper threads a step takes from the process's HostPool beside
+// the caller, or -1 when it uses XLA's intra-op pool. JAX_SUPEROFFLOAD_HOST_
+// THREADS=N asks for N threads in all. Otherwise XLA's pool, when it has
+// more than one thread (XLA:CPU); where XLA hands the kernel a one-thread
+// pool (the GPU plugin's host compute ran it at about one core's speed on
+// an H200 machine), or none (a step ordered on a GPU stream, pool_threads
+// 0), up to the CPUs the calling thread may run on. A malformed value counts
+// as unset here; ReadEnvironment reports it.
 int64_t OwnHelperThreads(int64_t pool_threads);
 
-// Joins its threads when it goes out of scope, on every path.
-class JoinOnExit {
- public:
-  explicit JoinOnExit(std::vector<std::thread>& threads) : threads_(threads) {}
-  JoinOnExit(const JoinOnExit&) = delete;
-  JoinOnExit& operator=(const JoinOnExit&) = delete;
-  ~JoinOnExit() {
-    for (std::thread& t : threads_) t.join();
-  }
-
- private:
-  std::vector<std::thread>& threads_;
-};
-
-// Runs fn(chunk) for chunk in [0, num_chunks) on the calling thread and up to
-// `pool.num_threads() - 1` pool threads, or on helpers of its own (see
-// OwnHelperThreads). The caller takes chunks too, so it never blocks on work
-// nobody has started; a helper that starts after all chunks are claimed
-// returns without touching `fn`. Chunks are fixed, so the thread count never
-// changes a result. `fn` must not throw.
-template <class Fn>
-void ParallelChunks(ffi::ThreadPool& pool, int64_t num_chunks, const Fn& fn) {
-  if (num_chunks <= 1) {
-    if (num_chunks == 1) fn(0);
-    return;
-  }
-  const int64_t pool_threads = pool.num_threads();
-  const int64_t own = OwnHelperThreads(pool_threads);
-  const bool use_pool = own < 0;
-  const int64_t helpers =
-      std::min<int64_t>(use_pool ? pool_threads - 1 : own, num_chunks - 1);
+// Runs fn(chunk) for chunk in [0, num_chunks) on the calling thread and up
+// to `helpers` tasks handed to `schedule`. The caller takes chunks too, so
+// it never blocks on work nobody has started, and a task that starts after
+// all chunks are claimed returns without touching `fn` (which may then be
+// gone). Chunks are fixed, so the thread count never changes a result.
+// `fn` must not throw.
+template <class Schedule, class Fn>
+void RunChunks(const Schedule& schedule, int64_t helpers, int64_t num_chunks,
+               const Fn& fn) {
+  helpers = std::min<int64_t>(helpers, num_chunks - 1);
   if (helpers <= 0) {
     for (int64_t c = 0; c < num_chunks; ++c) fn(c);
     return;
@@ -91,26 +69,54 @@ void ParallelChunks(ffi::ThreadPool& pool, int64_t num_chunks, const Fn& fn) {
     shared->done += finished;
     if (shared->done == num_chunks) shared->all_done.notify_all();
   };
-  std::vector<std::thread> threads;
-  const JoinOnExit join(threads);
-  if (use_pool) {
-    for (int64_t i = 0; i < helpers; ++i) {
-      auto task = work;  // Schedule takes ownership of its own copy.
-      pool.Schedule(std::move(task));
-    }
-  } else {
-    // std::thread reports failure only by throwing (no more threads, or no
-    // memory): then fewer helpers run, and the caller's loop claims the
-    // rest.
-    try {
-      threads.reserve(helpers);
-      for (int64_t i = 0; i < helpers; ++i) threads.emplace_back(work);
-    } catch (const std::exception&) {
-    }
-  }
+  for (int64_t i = 0; i < helpers; ++i) schedule(work);
   work();
   std::unique_lock<std::mutex> lock(shared->mutex);
   shared->all_done.wait(lock, [&] { return shared->done == num_chunks; });
+}
+
+// RunChunks on the process's pool, with OwnHelperThreads(pool_threads)
+// helpers (pool_threads: the threads of XLA's pool, 0 where there is none).
+template <class Fn>
+void RunChunksOnHostPool(int64_t pool_threads, int64_t num_chunks,
+                         const Fn& fn) {
+  HostPool& host = HostPool::Process();
+  const int64_t want =
+      std::min<int64_t>(std::max<int64_t>(OwnHelperThreads(pool_threads), 0),
+                        num_chunks - 1);
+  const int64_t helpers = want > 0 ? std::min(want, host.Reserve(want)) : 0;
+  RunChunks([&host](auto task) { host.Schedule(std::move(task)); }, helpers,
+            num_chunks, fn);
+}
+
+// Where the work of a step runs: XLA's intra-op pool (`xla` set; CPU
+// handlers) or only the process's pool (a step run from a GPU stream).
+struct Workers {
+  ffi::ThreadPool* xla = nullptr;
+};
+
+// RunChunks on XLA's pool where it has more than one thread and nothing
+// asks otherwise, else on the process's pool (see OwnHelperThreads).
+template <class Fn>
+void ParallelChunks(Workers workers, int64_t num_chunks, const Fn& fn) {
+  if (num_chunks <= 1) {
+    if (num_chunks == 1) fn(0);
+    return;
+  }
+  const int64_t pool_threads =
+      workers.xla == nullptr ? 0 : workers.xla->num_threads();
+  if (OwnHelperThreads(pool_threads) >= 0) {
+    RunChunksOnHostPool(pool_threads, num_chunks, fn);
+    return;
+  }
+  ffi::ThreadPool& pool = *workers.xla;
+  RunChunks([&pool](auto task) { pool.Schedule(std::move(task)); },
+            pool_threads - 1, num_chunks, fn);
+}
+
+template <class Fn>
+void ParallelChunks(ffi::ThreadPool& pool, int64_t num_chunks, const Fn& fn) {
+  ParallelChunks(Workers{&pool}, num_chunks, fn);
 }
 
 ffi::Error InvalidArgument(const std::string& message);
@@ -165,6 +171,18 @@ class LeafRuns {
   int64_t num_rets_;
 };
 
+// With `into`, every result of a bucket call that is not state is written
+// into an operand it aliases, so that a step run from a GPU stream writes
+// only host memory: the last operand is the sum of squares' destination
+// and, for weights copies without `reseed`, the run before it holds the
+// weights' (with `reseed`, the parameters' run is aliased to them). The
+// handler reads none of them; these are their count.
+inline int64_t DestinationOperands(bool into, bool copy_weights, bool reseed,
+                                   int64_t k) {
+  if (!into) return 0;
+  return 1 + (copy_weights && !reseed ? k : 0);
+}
+
 ffi::Error LeafError(size_t j, const std::string& message);
 
 // Operand `run * k + j` as a buffer of `n` elements (n < 0: any size).
@@ -179,8 +197,7 @@ ffi::Error GetTyped(ffi::RemainingArgs& args, int64_t k, int64_t run, size_t j,
 
 // The per-chunk partial sums of squares added in chunk order (independent of
 // threads), into the f32[1] result.
-void TotalInChunkOrder(const std::vector<double>& partial,
-                       ffi::ResultBuffer<ffi::F32>& sumsq);
+void TotalInChunkOrder(const std::vector<double>& partial, float* sumsq);
 
 ffi::Error GetRet(ffi::RemainingRets& rets, int64_t k, int64_t run, size_t j,
                   int64_t n, void** data, ElementType* type = nullptr);
@@ -230,8 +247,8 @@ double ReseedThenStep(const float* master, const void* params,
 
 // Runs fn(leaf, begin, end, chunk) over every leaf piece of every chunk of
 // the leaves laid (virtually) end to end; `starts` are their offsets.
-template <class Fn>
-void ForEachPiece(ffi::ThreadPool& pool, const std::vector<int64_t>& starts,
+template <class Pool, class Fn>
+void ForEachPiece(Pool&& pool, const std::vector<int64_t>& starts,
                   const Fn& fn) {
   const int64_t size = starts.back();
   const int64_t num_chunks = (size + kChunkElements - 1) / kChunkElements;
@@ -250,19 +267,29 @@ void ForEachPiece(ffi::ThreadPool& pool, const std::vector<int64_t>& starts,
 
 std::vector<int64_t> Starts(const std::vector<int64_t>& sizes);
 
-ffi::Error OneScalarSet(ffi::Buffer<ffi::S32> count,
-                        ffi::Buffer<ffi::F32> scalars, bool nesterov,
-                        bool keep_nonfinite, int64_t size,
-                        AdamConstants* constants);
+// One scalar set, checked for its sizes while decoding and read (`Read`)
+// when the step runs: on a GPU stream its values are written by copies
+// that have not run yet when the handler is called.
+struct ScalarSet {
+  const int32_t* count = nullptr;
+  const float* scalars = nullptr;
+  bool nesterov = false;
+  bool keep_nonfinite = false;
 
-// A bucket's constants (one scalar set for all its leaves), its f32[1] sum
-// of squares checked, and the number of fixed work chunks over its
-// `starts.back()` elements.
+  AdamConstants Read() const;
+};
+
+ffi::Error CheckOneScalarSet(ffi::Buffer<ffi::S32> count,
+                             ffi::Buffer<ffi::F32> scalars, bool nesterov,
+                             bool keep_nonfinite, ScalarSet* out);
+
+// A bucket's scalar set and its f32[1] sum of squares checked, and the
+// number of fixed work chunks over its `starts.back()` elements.
 ffi::Error BucketSetup(ffi::Buffer<ffi::S32> count,
                        ffi::Buffer<ffi::F32> scalars, bool nesterov,
                        bool keep_nonfinite, const std::vector<int64_t>& starts,
-                       ffi::ResultBuffer<ffi::F32>& sumsq,
-                       AdamConstants* constants, int64_t* num_chunks);
+                       ffi::ResultBuffer<ffi::F32>& sumsq, ScalarSet* set,
+                       int64_t* num_chunks);
 
 }  // namespace jax_superoffload
 

@@ -11,6 +11,8 @@
 #include "xla_ffi/adam_ffi.h"
 #include "xla_ffi/adam_kernel.h"
 #include "xla_ffi/ffi_support.h"
+#include "xla_ffi/launch.h"
+#include "xla_ffi/stream_launch.h"
 #include "xla_ffi/lowp_moments.h"
 
 namespace ffi = xla::ffi;
@@ -175,16 +177,19 @@ double StepLowpPiece(const AdamConstants& constants, const LowpMomentBuffers& b,
 // that a piece of a leaf starts on a block and nothing depends on the
 // number of threads. `skip` (s32[1]) nonzero: no step (STV dropped it);
 // the state is left as it is and the weights are not written.
-ffi::Error AdamStepLowpSegmentsHandler(
-    ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
+ffi::Error AdamStepLowpSegments(
+    Launch& launch, ffi::Buffer<ffi::S32> count,
     ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> skip,
     ffi::RemainingArgs args,
     ffi::ResultBuffer<ffi::F32> sumsq, ffi::RemainingRets rets,
     bool nesterov, bool keep_nonfinite, bool compute_sumsq,
-    int64_t num_leaves, bool reseed, bool quantized) {
+    int64_t num_leaves, bool reseed, bool quantized, bool into) {
   LowpRuns runs{quantized, reseed, false};
-  const LeafRuns leaf_runs(num_leaves, args.size(), rets.size());
-  runs.copy_weights = leaf_runs.CopiesWeights(runs.weights());
+  runs.copy_weights =
+      LeafRuns(num_leaves, 0, rets.size()).CopiesWeights(runs.weights());
+  const int64_t extra =
+      DestinationOperands(into, runs.copy_weights, reseed, num_leaves);
+  const LeafRuns leaf_runs(num_leaves, args.size() - extra, rets.size());
   if (ffi::Error e = leaf_runs.Expect(runs.args(), runs.rets()); e.failure()) {
     return e;
   }
@@ -204,39 +209,78 @@ ffi::Error AdamStepLowpSegmentsHandler(
     leaves[j].prefetch = prefetch;
     padded[j] = NumBlocks(leaves[j].size) * kQuantBlock;
   }
-  AdamConstants constants;
+  ScalarSet set;
   const std::vector<int64_t> starts = Starts(padded);
   int64_t num_chunks = 0;
-  if (ffi::Error error =
-          BucketSetup(count, scalars, nesterov, keep_nonfinite, starts, sumsq,
-                      &constants, &num_chunks);
+  if (ffi::Error error = BucketSetup(count, scalars, nesterov, keep_nonfinite,
+                                     starts, sumsq, &set, &num_chunks);
       error.failure()) {
     return error;
   }
   if (skip.element_count() != 1) return InvalidArgument("skip is a scalar");
-  if (skip.typed_data()[0] != 0) {
-    sumsq->typed_data()[0] = 0.0f;
-    return ffi::Error::Success();
+  const int32_t* skip_data = skip.typed_data();
+  float* sumsq_out = sumsq->typed_data();
+  std::vector<const void*> touched = {set.count, set.scalars, skip_data,
+                                      sumsq_out};
+  for (int64_t j = 0; j < k; ++j) {
+    const LowpMomentBuffers& b = leaves[j];
+    touched.insert(touched.end(),
+                   {b.master_in, b.master_out, b.grad, b.mu_in, b.mu_out,
+                    b.mu_scale_in, b.mu_scale_out, b.nu_in, b.nu_out,
+                    b.nu_scale_in, b.nu_scale_out, b.lowp_out, params[j]});
   }
-  std::vector<double> partial(num_chunks, 0.0);
-  const Isa isa = BestIsa();
-  ForEachPiece(pool, starts, [&](size_t j, int64_t begin, int64_t end,
-                                 int64_t chunk) {
-    end = std::min(end, leaves[j].size);  // The padding is not stepped.
-    if (begin >= end) return;
-    partial[chunk] +=
-        StepLowpPiece(constants, leaves[j], params[j], param_types[j], begin,
-                      end, isa, compute_sumsq);
-  });
-  TotalInChunkOrder(partial, sumsq);
-  return ffi::Error::Success();
+  Work work = [=](Workers workers) {
+    if (skip_data[0] != 0) {
+      *sumsq_out = 0.0f;
+      return ffi::Error::Success();
+    }
+    const AdamConstants constants = set.Read();
+    std::vector<double> partial(num_chunks, 0.0);
+    const Isa isa = BestIsa();
+    ForEachPiece(workers, starts, [&](size_t j, int64_t begin, int64_t end,
+                                      int64_t chunk) {
+      end = std::min(end, leaves[j].size);  // The padding is not stepped.
+      if (begin >= end) return;
+      partial[chunk] +=
+          StepLowpPiece(constants, leaves[j], params[j], param_types[j], begin,
+                        end, isa, compute_sumsq);
+    });
+    TotalInChunkOrder(partial, sumsq_out);
+    return ffi::Error::Success();
+  };
+  return launch.Run(std::move(work), touched);
+}
+
+ffi::Error LowpSegmentsOnCpu(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
+    ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> skip,
+    ffi::RemainingArgs args, ffi::ResultBuffer<ffi::F32> sumsq,
+    ffi::RemainingRets rets, bool nesterov, bool keep_nonfinite,
+    bool compute_sumsq, int64_t num_leaves, bool reseed, bool quantized,
+    bool into) {
+  RunNow launch(&pool);
+  return AdamStepLowpSegments(launch, count, scalars, skip, args, sumsq, rets,
+                              nesterov, keep_nonfinite, compute_sumsq,
+                              num_leaves, reseed, quantized, into);
+}
+
+ffi::Error LowpSegmentsOnStream(
+    void* stream, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
+    ffi::Buffer<ffi::S32> skip, ffi::RemainingArgs args,
+    ffi::ResultBuffer<ffi::F32> sumsq, ffi::RemainingRets rets, bool nesterov,
+    bool keep_nonfinite, bool compute_sumsq, int64_t num_leaves, bool reseed,
+    bool quantized, bool into) {
+  OnStream launch(SystemCudaDriver(nullptr), stream);
+  return AdamStepLowpSegments(launch, count, scalars, skip, args, sumsq, rets,
+                              nesterov, keep_nonfinite, compute_sumsq,
+                              num_leaves, reseed, quantized, into);
 }
 
 }  // namespace
 }  // namespace jax_superoffload
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowpSegments,
-                              jax_superoffload::AdamStepLowpSegmentsHandler,
+                              jax_superoffload::LowpSegmentsOnCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -250,4 +294,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowpSegments,
                                   .Attr<bool>("compute_sumsq")
                                   .Attr<int64_t>("num_leaves")
                                   .Attr<bool>("reseed")
-                                  .Attr<bool>("quantized"));
+                                  .Attr<bool>("quantized")
+                                  .Attr<bool>("into"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowpSegmentsStream,
+                              jax_superoffload::LowpSegmentsOnStream,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets()
+                                  .Attr<bool>("nesterov")
+                                  .Attr<bool>("keep_nonfinite")
+                                  .Attr<bool>("compute_sumsq")
+                                  .Attr<int64_t>("num_leaves")
+                                  .Attr<bool>("reseed")
+                                  .Attr<bool>("quantized")
+                                  .Attr<bool>("into"));

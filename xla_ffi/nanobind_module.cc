@@ -2,13 +2,17 @@
 // JAX as capsules and reports which instruction set the kernel uses.
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 #include "xla_ffi/adam_ffi.h"
 #include "xla_ffi/adam_kernel.h"
 #include "xla_ffi/ffi_support.h"
+#include "xla_ffi/host_pool.h"
+#include "xla_ffi/stream_launch.h"
 
 namespace nb = nanobind;
 
@@ -31,6 +35,30 @@ NB_MODULE(_grace_adam, m) {
     }
     return handlers;
   });
+  m.def(
+      "stream_registrations",
+      []() {
+        nb::dict handlers;
+        for (const jax_superoffload::FfiTarget& target :
+             jax_superoffload::kFfiTargets) {
+          if (target.stream_handler == nullptr) continue;
+          handlers[target.name] = EncapsulateFfiHandler(target.stream_handler);
+        }
+        return handlers;
+      },
+      "The handlers ordered on a CUDA stream, by target name.");
+  m.def(
+      "cuda_driver",
+      []() {
+        std::string why;
+        const bool ok = jax_superoffload::SystemCudaDriver(&why) != nullptr;
+        return nb::make_tuple(ok, why);
+      },
+      "(loaded, why not): whether the CUDA driver a stream step needs loads.");
+  m.def(
+      "host_pool_workers",
+      []() { return jax_superoffload::HostPool::Process().num_workers(); },
+      "Worker threads the process's host pool has started so far.");
   for (const jax_superoffload::FfiTarget& target :
        jax_superoffload::kFfiTargets) {
     m.attr(target.attr) = target.name;

@@ -1,0 +1,57 @@
+// Grace Adam ordered on a CUDA stream: the handler returns at once and the
+// step runs on the process's host threads when the stream reaches it, as a
+// host function (cuLaunchHostFunc). Everything the step touches must be in
+// host memory (pinned_host operands, and gradients the program moved
+// there): the launch refuses device pointers. The CUDA driver is looked up
+// at run time, so this library needs no CUDA to build or load.
+
+#ifndef JAX_SUPEROFFLOAD_XLA_FFI_STREAM_LAUNCH_H_
+#define JAX_SUPEROFFLOAD_XLA_FFI_STREAM_LAUNCH_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/launch.h"
+
+namespace jax_superoffload {
+
+// The CUDA driver entry points the launch uses (CUresult is an int, 0 for
+// success; streams and functions are passed as the driver declares them).
+struct CudaDriver {
+  // cuLaunchHostFunc(stream, fn, data).
+  int (*launch_host_func)(void* stream, void (*fn)(void*), void* data);
+  // cuPointerGetAttribute(data, attribute, pointer).
+  int (*pointer_get_attribute)(void* data, int attribute, uint64_t pointer);
+  // cuGetErrorString(error, &text); may be null.
+  int (*get_error_string)(int error, const char** text);
+};
+
+// libcuda's entry points, or null (with the reason in `why`) where the
+// driver cannot be loaded. Looked up once.
+const CudaDriver* SystemCudaDriver(std::string* why);
+
+// CU_POINTER_ATTRIBUTE_MEMORY_TYPE and CU_MEMORYTYPE_DEVICE (cuda.h).
+inline constexpr int kPointerMemoryType = 2;
+inline constexpr unsigned kMemoryTypeDevice = 2;
+
+class OnStream final : public Launch {
+ public:
+  OnStream(const CudaDriver* driver, void* stream)
+      : driver_(driver), stream_(stream) {}
+  ffi::Error Run(Work work, const std::vector<const void*>& touched) override;
+
+ private:
+  const CudaDriver* driver_;
+  void* stream_;
+};
+
+// A step that ran from a stream cannot fail its call, which has returned:
+// its error is printed, kept, and returned by the next stream launch in the
+// process (which then clears it). Returns and clears it.
+ffi::Error TakeDeferredError();
+
+}  // namespace jax_superoffload
+
+#endif  // JAX_SUPEROFFLOAD_XLA_FFI_STREAM_LAUNCH_H_
