@@ -14,6 +14,13 @@ drop. Options choose the executor once, at construction
   compute; the fallback where the kernel is not registered with the
   accelerator's PJRT plugin ("auto" picks "ffi" on a GPU only where that
   registration works).
+- "stream" (`Stream`): the same kernel outside host compute, ordered on
+  the accelerator's stream: the program moves the gradients (flattened) to
+  host memory, the kernel steps the state where it lives on the process's
+  host threads when the stream reaches it, and the program moves the new
+  weights back. XLA's host compute stages every operand through buffers of
+  its own on a GPU; this keeps the state out of it. "auto" picks it on a
+  GPU where its handlers are filed for CUDA.
 - "device" (`Device`): the MaxText-style baseline: the state lives in host
   memory between steps but is copied to the accelerator, updated there and
   copied back.
@@ -42,7 +49,7 @@ from jax_superoffload._src import plugin_ffi
 from jax_superoffload._src import zero as zero_lib
 from jax_superoffload._src.hyperparams import Hyperparams
 
-EXECUTORS = ('auto', 'ffi', 'xla_host', 'device')
+EXECUTORS = ('auto', 'ffi', 'stream', 'xla_host', 'device')
 
 
 class LeafState(NamedTuple):
@@ -107,20 +114,34 @@ def resolve(executor: str) -> str:
   """Validates an executor name and resolves "auto" for the backend."""
   if executor not in EXECUTORS:
     raise ValueError(f'executor must be one of {EXECUTORS}, got {executor!r}')
-  if executor in ('xla_host', 'device') or jax.default_backend() == 'cpu':
+  backend = jax.default_backend()
+  if executor == 'stream' and backend not in ('cpu', 'gpu'):
+    raise ValueError(
+      f'executor="stream" runs on the CPU and CUDA backends, not {backend!r}'
+    )
+  if executor == 'stream' and backend == 'gpu':
+    filed, why = grace_adam.stream_registration()
+    if not filed:
+      raise ValueError(f'executor="stream" needs the CUDA driver: {why}')
+  if executor != 'auto' or backend == 'cpu':
+    if executor == 'ffi' and backend != 'cpu':
+      _check_host_registration()
     return 'ffi' if executor == 'auto' else executor
+  if backend == 'gpu' and grace_adam.stream_registration()[0]:
+    return 'stream'
   # Elsewhere host compute is compiled inside the accelerator's PJRT plugin,
   # which finds the kernel only in its own registry (plugin_ffi.py).
+  return 'ffi' if plugin_ffi.host_registration().ok else 'xla_host'
+
+
+def _check_host_registration() -> None:
   registration = plugin_ffi.host_registration()
-  if executor == 'ffi' and not registration.ok:
+  if not registration.ok:
     warnings.warn(
       f'executor="ffi": Grace Adam is not in the PJRT plugin\'s registry '
       f'({registration.reason}); XLA may not find it in host compute',
-      stacklevel=2,
+      stacklevel=3,
     )
-  if executor == 'ffi' or registration.ok:
-    return 'ffi'
-  return 'xla_host'
 
 
 def reseed(
@@ -199,16 +220,25 @@ def _stored(new: jax.Array, old, signed: bool):
 
 
 def _kernel_step(
-  hyper: Hyperparams, dtypes, master, mu, nu, grads, params, skip=False
+  hyper: Hyperparams,
+  dtypes,
+  master,
+  mu,
+  nu,
+  grads,
+  params,
+  skip=False,
+  place: grace_adam.Place | None = None,
 ):
-  """The step by the Grace Adam kernel (inside host compute).
+  """The step by the Grace Adam kernel (in host compute, or `Stream`'s).
 
-  `skip` (low-precision moments only): no step where it is true.
+  `skip` (low-precision moments only): no step where it is true. `place`:
+  see `grace_adam.Place`.
   """
   if all(x.dtype == jnp.float32 for x in jax.tree.leaves((mu, nu))):
     assert skip is False, 'fp32 moments are skipped by the paired kernel'
     m, a, v, w, _ = grace_adam.adam_step_segments(
-      master, mu, nu, list(grads), dtypes, hyper, params=params
+      master, mu, nu, list(grads), dtypes, hyper, params=params, place=place
     )
     return BucketOut(m, a, v, None if dtypes is None else w)
   blockwise = isinstance(mu[0], moments.Blockwise)
@@ -217,7 +247,16 @@ def _kernel_step(
     scales = ([x.scales for x in mu], [x.scales for x in nu])
     mu, nu = [x.codes for x in mu], [x.codes for x in nu]
   m, a, v, s, w, _ = grace_adam.adam_step_lowp_segments(
-    master, mu, nu, scales, list(grads), dtypes, hyper, params=params, skip=skip
+    master,
+    mu,
+    nu,
+    scales,
+    list(grads),
+    dtypes,
+    hyper,
+    params=params,
+    skip=skip,
+    place=place,
   )
   if blockwise:
     a = [moments.Blockwise(c, x) for c, x in zip(a, s[0], strict=True)]
@@ -352,6 +391,47 @@ class _OnHost(_Plain):
 class Kernel(_OnHost):
   name = 'ffi'
   math = staticmethod(_kernel_step)
+
+
+def to_host_flat(x: jax.Array) -> jax.Array:
+  """`x` flattened where it is, then moved to host memory.
+
+  Flattened on the device: a gradient that a dot left column-major would
+  otherwise reach the host step in a layout it does not read, and XLA:GPU
+  does not reconcile layouts across host offloading.
+  """
+  return host_memory.to_host(x.reshape(-1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream(_Plain):
+  """The kernel ordered on the accelerator's stream, outside host compute."""
+
+  name = 'stream'
+
+  def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params, **skip):
+    out = _kernel_step(
+      hyper,
+      weight_dtypes(b),
+      master,
+      mu,
+      nu,
+      grads,
+      params,
+      place=to_host_flat,
+      **skip,
+    )
+    if out.weights is None:
+      return out._replace(weights=_delta_or_new(b, out.master, master))
+    return out._replace(weights=weights_to_device(out.weights, grads))
+
+
+def weights_to_device(weights: list, like: list) -> list[jax.Array]:
+  """New weights (host memory, maybe flat) on the device, shaped `like`."""
+  return [
+    host_memory.to_device(w).reshape(x.shape)
+    for w, x in zip(weights, like, strict=True)
+  ]
 
 
 @dataclasses.dataclass(frozen=True)

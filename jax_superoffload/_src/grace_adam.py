@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +25,30 @@ ADAM_STEP_VALIDATED_TARGET = _grace_adam.ADAM_STEP_VALIDATED_TARGET
 
 for _name, _capsule in _grace_adam.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform='cpu')
+
+
+@functools.cache
+def stream_registration() -> tuple[bool, str]:
+  """Files the stream-ordered handlers for the CUDA platform, once.
+
+  They take the bucket targets' names, so a bucket call outside host
+  compute on a GPU runs Grace Adam from the GPU's stream (stream_launch.h).
+  Returns (filed, why not).
+  """
+  loaded, why = _grace_adam.cuda_driver()
+  if not loaded:
+    return False, why
+  try:
+    for name, capsule in _grace_adam.stream_registrations().items():
+      jax.ffi.register_ffi_target(name, capsule, platform='CUDA')
+  except Exception as e:  # JAX raises several types here.
+    return False, f'{type(e).__name__}: {e}'
+  return True, ''
+
+
+def host_pool_workers() -> int:
+  """Worker threads the process's host pool has started so far."""
+  return _grace_adam.host_pool_workers()
 
 
 def instruction_set() -> str:
@@ -161,6 +188,64 @@ def stream_roofline(
   return tuple(call(master, grad, mu, nu))
 
 
+# Moves an operand that is not state to where a handler reads it: as it is
+# for host compute, to host memory (flattened on the way) for the handlers
+# ordered on a GPU stream (executors.Stream). Results shaped like the
+# gradients take the placed gradients' shapes.
+Place = Callable[[jax.Array], jax.Array]
+
+
+def _as_is(x: jax.Array) -> jax.Array:
+  return x
+
+
+def _destinations(
+  place: Place,
+  grads: list[jax.Array],
+  weight_dtypes: list | None,
+  params: list[jax.Array] | None,
+  first_params: int,
+  num_operands: int,
+  first_weights: int,
+) -> tuple[list[jax.Array], dict[int, int]]:
+  """Operands for the results that are not state to be written into.
+
+  Only for handlers ordered on a GPU stream (`place` set), which write host
+  memory alone: a result XLA allocates itself would be device memory. The
+  weights copies are written over the parameters' host copies they start
+  from (each element read before it is written), or into fresh buffers
+  without parameters; the sum of squares into the last operand (see
+  DestinationOperands in ffi_support.h). Returns the extra operands and
+  the aliases they add (the sum of squares is result 0).
+  """
+  if place is _as_is:
+    return [], {}
+  extra, aliases = [], {}
+  if weight_dtypes is not None:
+    k = len(grads)
+    if params is not None:
+      aliases = {first_params + j: first_weights + j for j in range(k)}
+    else:
+      extra = [
+        place(jnp.zeros(g.shape, d))
+        for g, d in zip(grads, weight_dtypes, strict=True)
+      ]
+      aliases = {num_operands + j: first_weights + j for j in range(k)}
+  aliases[num_operands + len(extra)] = 0
+  extra.append(place(jnp.zeros((1,), jnp.float32)))
+  return extra, aliases
+
+
+def _in_host_memory(xs: list[jax.Array]) -> list[jax.Array]:
+  """Results aliased to host-memory operands, typed as host memory.
+
+  JAX types every `ffi_call` result as device memory, while XLA keeps a
+  result aliased to a pinned_host operand in that operand's buffer; typed
+  so, a later move to the device is a real copy, not a no-op.
+  """
+  return [jax.device_put(x, jax.memory.Space.Host) for x in xs]
+
+
 def _like(xs: list[jax.Array], dtype=None) -> list[jax.ShapeDtypeStruct]:
   return [jax.ShapeDtypeStruct(x.shape, dtype or x.dtype) for x in xs]
 
@@ -180,6 +265,7 @@ def adam_step_segments(
   params: list[jax.Array] | None = None,
   keep_nonfinite: bool = False,
   compute_sumsq: bool = False,
+  place: Place | None = None,
 ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], list, jax.Array]:
   """One kernel call over a bucket of k leaves (internal).
 
@@ -190,7 +276,8 @@ def adam_step_segments(
   (the parameters are the source of truth). Returns the new master, mu and
   nu per leaf, the new weights in `weight_dtypes` (or an empty list), and
   the sum of the squared scaled gradients (f32[1]; zero unless
-  `compute_sumsq`).
+  `compute_sumsq`). `place` moves every operand but the state where the
+  handler reads it (see `Place`).
   """
   runs, weights, sumsq = _bucket_call(
     ADAM_STEP_SEGMENTS_TARGET,
@@ -199,6 +286,7 @@ def adam_step_segments(
     weight_dtypes,
     params,
     hyper,
+    place=place,
     keep_nonfinite=bool(keep_nonfinite),
     compute_sumsq=bool(compute_sumsq),
   )
@@ -213,6 +301,7 @@ def _bucket_call(
   params: list[jax.Array] | None,
   hyper: Hyperparams,
   flags: tuple[jax.Array, ...] = (),
+  place: Place | None = None,
   **attrs,
 ) -> tuple[list[list[jax.Array]], list[jax.Array], jax.Array]:
   """One call of a bucket handler (Segments or LowpSegments).
@@ -221,8 +310,11 @@ def _bucket_call(
   them), runs of k state leaves (each aliased to its result), the k
   gradients and, optionally, the k parameters. Out: the new state runs,
   the weights in `weight_dtypes` (or an empty list) and the f32[1] sum of
-  squares.
+  squares. `place` moves the operands that are not state (see `Place`).
   """
+  place = place or _as_is
+  grads = [place(g) for g in grads]
+  params = None if params is None else [place(p) for p in params]
   k = len(grads)
   out_types = [jax.ShapeDtypeStruct((1,), jnp.float32)]
   for run in state:
@@ -232,27 +324,48 @@ def _bucket_call(
       jax.ShapeDtypeStruct(g.shape, d)
       for g, d in zip(grads, weight_dtypes, strict=True)
     ]
+  operands = [
+    place(jnp.asarray(hyper.count, jnp.int32)),
+    place(hyper.packed()),
+    *(place(f) for f in flags),
+    *(x for run in state for x in run),
+    *grads,
+    *(params or []),
+  ]
+  aliases = _aliases(2 + len(flags), 1, len(state) * k)
+  first_params = 2 + len(flags) + (len(state) + 1) * k
+  extra, more = _destinations(
+    place,
+    grads,
+    weight_dtypes,
+    params,
+    first_params,
+    len(operands),
+    1 + len(state) * k,
+  )
   call = jax.ffi.ffi_call(
     target,
     out_types,
     vmap_method='sequential',
-    input_output_aliases=_aliases(2 + len(flags), 1, len(state) * k),
+    input_output_aliases=aliases | more,
   )
   out = call(
-    jnp.asarray(hyper.count, jnp.int32),
-    hyper.packed(),
-    *flags,
-    *(x for run in state for x in run),
-    *grads,
-    *(params or []),
+    *operands,
+    *extra,
     nesterov=hyper.nesterov,
     num_leaves=np.int64(k),
     reseed=params is not None,
+    into=place is not _as_is,
     **attrs,
   )
   n = len(state)
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(n)]
-  return runs, list(out[1 + n * k :]), out[0]
+  weights, sumsq = list(out[1 + n * k :]), out[0]
+  if place is not _as_is:
+    runs = [_in_host_memory(run) for run in runs]
+    weights = _in_host_memory(weights)
+    [sumsq] = _in_host_memory([sumsq])
+  return runs, weights, sumsq
 
 
 def adam_step_lowp_segments(
@@ -268,6 +381,7 @@ def adam_step_lowp_segments(
   keep_nonfinite: bool = False,
   compute_sumsq: bool = False,
   skip: jax.typing.ArrayLike = False,
+  place: Place | None = None,
 ) -> tuple[list, list, list, tuple | None, list, jax.Array]:
   """`adam_step_segments` with low-precision moments (internal).
 
@@ -290,6 +404,7 @@ def adam_step_lowp_segments(
     params,
     hyper,
     (jnp.asarray(skip, jnp.int32).reshape(1),),
+    place=place,
     keep_nonfinite=bool(keep_nonfinite),
     compute_sumsq=bool(compute_sumsq),
     quantized=scales is not None,
@@ -310,6 +425,7 @@ def adam_step_speculative(
   *,
   params: list[jax.Array] | None = None,
   keep_nonfinite: bool = False,
+  place: Place | None = None,
 ) -> tuple[list, list, list, list, jax.Array, list]:
   """STV's speculative step on double-buffered leaves (internal).
 
@@ -319,8 +435,12 @@ def adam_step_speculative(
   and the new weights in `weight_dtypes`. With `params`, they are copied
   into the current row first where it does not round to them. Every state
   buffer aliases its result. Returns master, mu, nu and kept per leaf, the
-  sum of the squared scaled gradients (f32[1]) and the weights.
+  sum of the squared scaled gradients (f32[1]) and the weights. `place`
+  moves the operands that are not state (see `Place`).
   """
+  place = place or _as_is
+  grads = [place(g) for g in grads]
+  params = None if params is None else [place(p) for p in params]
   k = len(master)
   out_types = [jax.ShapeDtypeStruct((1,), jnp.float32)]
   out_types += _like(master) + _like(mu) + _like(nu) + _like(kept)
@@ -329,29 +449,42 @@ def adam_step_speculative(
       jax.ShapeDtypeStruct(g.shape, d)
       for g, d in zip(grads, weight_dtypes, strict=True)
     ]
-  call = jax.ffi.ffi_call(
-    ADAM_STEP_SPECULATIVE_TARGET,
-    out_types,
-    vmap_method='sequential',
-    input_output_aliases=_aliases(3, 1, 4 * k),
-  )
-  out = call(
-    jnp.asarray(hyper.count, jnp.int32),
-    hyper.packed(),
-    jnp.asarray(row, jnp.int32).reshape(1),
+  operands = [
+    place(jnp.asarray(hyper.count, jnp.int32)),
+    place(hyper.packed()),
+    place(jnp.asarray(row, jnp.int32).reshape(1)),
     *master,
     *mu,
     *nu,
     *kept,
     *grads,
     *(params or []),
+  ]
+  extra, more = _destinations(
+    place, grads, weight_dtypes, params, 3 + 5 * k, len(operands), 1 + 4 * k
+  )
+  call = jax.ffi.ffi_call(
+    ADAM_STEP_SPECULATIVE_TARGET,
+    out_types,
+    vmap_method='sequential',
+    input_output_aliases=_aliases(3, 1, 4 * k) | more,
+  )
+  out = call(
+    *operands,
+    *extra,
     nesterov=hyper.nesterov,
     keep_nonfinite=bool(keep_nonfinite),
     num_leaves=np.int64(k),
     reseed=params is not None,
+    into=place is not _as_is,
   )
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(4)]
-  return (*runs, out[0], list(out[1 + 4 * k :]))
+  weights, sumsq = list(out[1 + 4 * k :]), out[0]
+  if place is not _as_is:
+    runs = [_in_host_memory(run) for run in runs]
+    weights = _in_host_memory(weights)
+    [sumsq] = _in_host_memory([sumsq])
+  return (*runs, sumsq, weights)
 
 
 def adam_step_validated(
@@ -366,6 +499,7 @@ def adam_step_validated(
   redo: jax.Array,
   skip: jax.Array,
   redo_scale: jax.Array,
+  place: Place | None = None,
 ) -> tuple[list, list, list, list]:
   """Finishes `adam_step_speculative` once validation has spoken (internal).
 
@@ -388,13 +522,14 @@ def adam_step_validated(
       **_aliases(5 + 4 * k, 3 * k, len(weights)),
     },
   )
+  place = place or _as_is
   flags = jnp.stack([redo, skip]).astype(jnp.int32)
   out = call(
-    jnp.asarray(hyper.count, jnp.int32),
-    hyper.packed(),
-    jnp.asarray(row, jnp.int32).reshape(1),
-    flags,
-    jnp.asarray(redo_scale, jnp.float32).reshape(1),
+    place(jnp.asarray(hyper.count, jnp.int32)),
+    place(hyper.packed()),
+    place(jnp.asarray(row, jnp.int32).reshape(1)),
+    place(flags),
+    place(jnp.asarray(redo_scale, jnp.float32).reshape(1)),
     *master,
     *mu,
     *nu,
@@ -404,4 +539,8 @@ def adam_step_validated(
     num_leaves=np.int64(k),
   )
   runs = [list(out[r * k : (r + 1) * k]) for r in range(3)]
-  return (*runs, list(out[3 * k :]))
+  weights = list(out[3 * k :])
+  if place is not _as_is:
+    runs = [_in_host_memory(run) for run in runs]
+    weights = _in_host_memory(weights)
+  return (*runs, weights)

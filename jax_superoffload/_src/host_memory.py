@@ -74,14 +74,34 @@ def on_host(fn: Callable[..., Any], *args: Any) -> Any:
   runs it asynchronously to the device stream. The outputs are pinned to
   host memory explicitly: memory-space propagation cannot see through a
   custom call, and a donated host buffer must come back as a host buffer.
+
+  Every array operand of more than one dimension enters the region
+  flattened and is reshaped back inside it: XLA:GPU's layout assignment
+  fixes the host call's parameter layouts but not its operands' (a
+  gradient a dot left column-major fails the verifier), and a rank-1
+  array has one layout only.
   """
   if not host_memory_available():
     return fn(*args)
-  out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
+  leaves, tree = jax.tree.flatten(args)
+  shapes = [getattr(x, 'shape', None) for x in leaves]
+
+  def unflattened(*flat):
+    restored = [
+      x if s is None or len(s) <= 1 else x.reshape(s)
+      for x, s in zip(flat, shapes, strict=True)
+    ]
+    return fn(*jax.tree.unflatten(tree, restored))
+
+  flat = [
+    x if s is None or len(s) <= 1 else x.reshape(-1)
+    for x, s in zip(leaves, shapes, strict=True)
+  ]
+  out_tree = jax.tree.structure(jax.eval_shape(unflattened, *flat))
   host_spaces = jax.tree.unflatten(
     out_tree, [jax.memory.Space.Host] * out_tree.num_leaves
   )
   wrapped = function_form()(
-    fn, compute_type='device_host', out_memory_spaces=host_spaces
+    unflattened, compute_type='device_host', out_memory_spaces=host_spaces
   )
-  return wrapped(*args)
+  return wrapped(*flat)

@@ -50,7 +50,7 @@ class AfterVerdict:
   but the host step no longer overlaps the rest of the backward pass.
   """
 
-  inner: Kernel = dataclasses.field(default_factory=Kernel)
+  inner: Kernel | executors.Stream = dataclasses.field(default_factory=Kernel)
   paired = False
 
   @property
@@ -75,15 +75,23 @@ class PairedKernel:
 
   `step` reads the current row and writes the other, keeping the gradients
   it read; `fix` redoes the step in place from the untouched row when
-  validation clips it (see stv.py).
+  validation clips it (see stv.py). `stream`: both calls ordered on the
+  accelerator's stream (executors.Stream) rather than in host compute.
   """
 
-  name = 'ffi'
+  stream: bool = False
   paired = True
 
+  @property
+  def name(self) -> str:
+    return 'stream' if self.stream else 'ffi'
+
   def step(self, zero, b: Bucket, state: LeafState) -> Speculated:
+    stream = self.stream
+
     def fn(hyper, row, master, mu, nu, kept, grads, params):
-      return _speculate(hyper, b, row, master, mu, nu, kept, grads, params)
+      args = (hyper, b, row, master, mu, nu, kept, grads, params)
+      return _speculate(*args, stream=stream)
 
     specs, pairs = b.specs, _pair_specs(b.specs)
     wrapped = zero_lib.per_shard(
@@ -109,9 +117,11 @@ class PairedKernel:
     )
 
   def fix(self, zero, b: Bucket, before: LeafState, out, verdict) -> BucketOut:
+    stream = self.stream
+
     def fn(hyper, flags, out):
       row, redo, skip, scale = flags
-      fixed = _validate_pair(hyper, out, row, redo, skip, scale)
+      fixed = _validate_pair(hyper, out, row, redo, skip, scale, stream)
       return _finish_pair(b, fixed, row)
 
     specs, pairs = b.specs, _pair_specs(b.specs)
@@ -144,16 +154,33 @@ def _speculated_specs(zero, b: Bucket) -> Speculated:
   )
 
 
-def _speculate(hyper, b: Bucket, row, master, mu, nu, kept, grads, params):
+def _speculate(
+  hyper, b: Bucket, row, master, mu, nu, kept, grads, params, stream=False
+):
   """STV's speculative kernel step on double-buffered leaves (see stv.py)."""
   dtypes = executors.weight_dtypes(b)
+  place = executors.to_host_flat if stream else None
 
   def fn(hyper, row, master, mu, nu, kept, grads, params):
     m, a, v, k, sumsq, weights = grace_adam.adam_step_speculative(
-      master, mu, nu, kept, row, list(grads), dtypes, hyper, params=params
+      master,
+      mu,
+      nu,
+      kept,
+      row,
+      list(grads),
+      dtypes,
+      hyper,
+      params=params,
+      place=place,
     )
-    return Speculated(m, a, v, k, sumsq, None if dtypes is None else weights)
+    weights = None if dtypes is None else weights
+    if stream and weights is not None:  # Flat: shaped like the kept grads.
+      weights = [w.reshape(x.shape) for w, x in zip(weights, k, strict=True)]
+    return Speculated(m, a, v, k, sumsq, weights)
 
+  if stream:
+    return fn(hyper, row, master, mu, nu, kept, grads, params)
   return host_memory.on_host(
     fn,
     hyper,
@@ -167,8 +194,11 @@ def _speculate(hyper, b: Bucket, row, master, mu, nu, kept, grads, params):
   )
 
 
-def _validate_pair(hyper, out: Speculated, row, redo, skip, scale):
+def _validate_pair(
+  hyper, out: Speculated, row, redo, skip, scale, stream=False
+):
   """Redoes a clipped speculative step from its untouched row, in place."""
+  place = executors.to_host_flat if stream else None
 
   def fn(hyper, master, mu, nu, kept, weights, flags):
     row, redo, skip, scale = flags
@@ -183,10 +213,10 @@ def _validate_pair(hyper, out: Speculated, row, redo, skip, scale):
       redo=redo,
       skip=skip,
       redo_scale=scale,
+      place=place,
     )
 
-  m, a, v, w = host_memory.on_host(
-    fn,
+  args = (
     hyper,
     out.master,
     out.mu,
@@ -195,6 +225,7 @@ def _validate_pair(hyper, out: Speculated, row, redo, skip, scale):
     out.weights or [],
     (row, redo, skip, scale),
   )
+  m, a, v, w = fn(*args) if stream else host_memory.on_host(fn, *args)
   weights = w if out.weights is not None else None
   return out._replace(master=m, mu=a, nu=v, weights=weights)
 
@@ -228,8 +259,11 @@ def for_name(executor: str, stv: bool, fp32_moments: bool) -> Executor:
   state before a speculative step is still there for its fix.
   """
   name = executors.resolve(executor)
-  if name == 'ffi':
+  if name in ('ffi', 'stream'):
+    stream = name == 'stream'
     if not stv:
-      return Kernel()
-    return PairedKernel() if fp32_moments else AfterVerdict()
+      return executors.Stream() if stream else Kernel()
+    if fp32_moments:
+      return PairedKernel(stream=stream)
+    return AfterVerdict(executors.Stream() if stream else Kernel())
   return executors.HostMath() if name == 'xla_host' else executors.Device()
