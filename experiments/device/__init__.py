@@ -1,0 +1,1 @@
+"""The prepared GPU command and the parts it runs (see run.sh)."""

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The prepared GPU command of issue 25 (experiments/device/prepare.sh first,
+# then the device tool's run with carry [".gpu"]):
+#   bash experiments/device/run.sh
+# Each part runs in its own process under `timeout` (an abort is a finding,
+# not the end); every PART_RESULT line goes to $OUT/parts.jsonl and the
+# whole log to $OUT/log.txt. PARTS picks parts by name (default: all, most
+# important first); --dry-run runs every part at tiny sizes on the CPU.
+set -u
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT="${OUT:-results/tmp/gpu_run}"
+mkdir -p "$OUT"
+DRY=""
+if [[ "${1:-}" == "--dry-run" ]]; then DRY="--dry-run"; fi
+if [[ -z "$DRY" && -d .gpu ]]; then cp .gpu/_grace_adam*.so jax_superoffload/; fi
+ALL="link opt:stream opt:stream:bfloat16 opt:optax opt:optax:bfloat16
+opt:stream+stv opt:stream+clip train:stream:noscan:4 train:optax:noscan:4
+train:stream:scan:4 train:optax:scan:4 profile:stream opt:device
+train:stream:scan:8 train:optax:scan:8 train:stream:noscan:8
+train:optax:noscan:8 opt:ffi opt:device:bfloat16 profile:ffi"
+PARTS="${PARTS:-$ALL}"
+LIMIT="${PART_TIMEOUT_S:-120}"
+LOG="$OUT/log.txt"
+{
+  date -u
+  nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
+  python3 -c 'import sys, jax, optax, flax; print(sys.version.split()[0], jax.__version__, optax.__version__, flax.__version__, jax.devices())'
+  for part in $PARTS; do
+    IFS=: read -r name case third fourth <<<"$part"
+    args=("$name")
+    [[ -n "${case:-}" ]] && args+=("$case")
+    if [[ "$name" == "train" ]]; then
+      args+=(--layout "$third" --batch "$fourth")
+    elif [[ -n "${third:-}" ]]; then
+      args+=(--dtype "$third")
+    fi
+    echo "== $part"
+    start=$SECONDS
+    timeout "$LIMIT" python3 -m experiments.device.gpu_parts "${args[@]}" $DRY \
+      2>&1 | tee -a "$OUT/part.tmp" | grep -v '^PART_RESULT' | tail -n 25
+    grep '^PART_RESULT' "$OUT/part.tmp" | cut -c13- >>"$OUT/parts.jsonl"
+    rm -f "$OUT/part.tmp"
+    echo "== $part: $((SECONDS - start)) s"
+  done
+  date -u
+} 2>&1 | tee "$LOG"
