@@ -79,12 +79,14 @@ def largest_fits(seq_len: int, batch: int) -> dict[str, float]:
   best.update({f'superoffload_{m}_no_stv': 0.0 for m in LOWP_MOMENTS})
   for size in SCAN_B:
     model = spec(size, seq_len, batch)
-    p = planner.plan(model, HW)
+    p = planner.plan(model, HW, moments='fp32')
     fits = {
       'device_adam': p.device_adam.fits,
       'zero_offload': p.zero_offload.fits,
       'superoffload': p.fits,
-      'superoffload_no_stv': planner.plan(model, HW, stv=False).fits,
+      'superoffload_no_stv': planner.plan(
+        model, HW, stv=False, moments='fp32'
+      ).fits,
     }
     for m in LOWP_MOMENTS:
       fits[f'superoffload_{m}_no_stv'] = planner.plan(
@@ -110,7 +112,7 @@ def _system(est: planner.Estimate | planner.Plan, recompute: float) -> dict:
 
 
 def throughput_row(params_b: float, seq_len: int, batch: int) -> dict:
-  p = planner.plan(spec(params_b, seq_len, batch), HW)
+  p = planner.plan(spec(params_b, seq_len, batch), HW, moments='fp32')
   recompute = 8 / 6 if p.model.activation_checkpointing else 1.0
   zero = p.zero_offload
   return {
@@ -159,7 +161,9 @@ def cast_sensitivity(seq_len: int) -> list[dict]:
   for gbs in (40.0, 120.0, HW.host_adam_bytes_per_s / 1e9):
     hw = dataclasses.replace(HW, host_cast_gbs=gbs)
     for batch in (1, 8):
-      p = planner.plan(spec(SENSITIVITY_SIZE_B, seq_len, batch), hw)
+      p = planner.plan(
+        spec(SENSITIVITY_SIZE_B, seq_len, batch), hw, moments='fp32'
+      )
       rows.append(
         {
           'host_cast_gbs': gbs,

@@ -178,7 +178,7 @@ def test_slow_host_keeps_more_buckets_on_device():
 def test_largest_models_on_gh200_are_ordered():
   def fits(n, system, stv=False):
     spec = ModelSpec.from_params(n, seq_len=4096, batch=8)
-    p = plan(spec, GH200, stv=stv)
+    p = plan(spec, GH200, stv=stv, moments='fp32')
     return {'so': p, 'zero': p.zero_offload, 'dev': p.device_adam}[system].fits
 
   assert fits(4e9, 'dev') and not fits(8e9, 'dev')
@@ -342,3 +342,58 @@ def test_measure_host_bandwidth_is_positive():
   assert hw.link_gbs == pytest.approx(hw.host_bandwidth_gbs / 2)
   assert plan(MODEL, hw).step_time_s > 0
   assert np.isfinite(hw.host_q8_gparams_s) and hw.host_q8_gparams_s > 0
+
+
+def test_auto_moments_fit_25b_on_gh200_by_default():
+  # The paper's headline: 25B on one GH200, with clipping (STV) armed.
+  # fp32 moments with exact STV need 28 B/param of host state (678 GB of
+  # 432 GB usable); the plan gives up fp32 moments, not exact STV.
+  p = plan(ModelSpec.from_params(25e9, seq_len=4096, batch=8), GH200)
+  assert p.fits and p.stv
+  assert p.moments == 'bf16'
+  assert p.stv_form == 'after_verdict'
+  assert p.host_bytes <= GH200.usable_host_bytes
+  assert 'fp32 needs 678 GB host' in p.moments_reason
+  text = str(p)
+  assert 'moments: bf16' in text and 'after the verdict' in text
+  fp32 = plan(p.model, GH200, moments='fp32')
+  assert not fp32.fits and fp32.stv_form == 'double_buffered'
+  assert fp32.moments_reason == 'as asked'
+
+
+def test_auto_moments_keep_fp32_where_it_fits():
+  spec = ModelSpec.from_params(7e9, seq_len=4096, batch=8)
+  p = plan(spec, GH200)
+  assert p.fits and p.moments == 'fp32' and p.stv_form == 'double_buffered'
+  assert p.moments_reason == 'the most precise that fits'
+  assert p == dataclasses.replace(
+    plan(spec, GH200, moments='fp32'), moments_reason=p.moments_reason
+  )
+  huge = plan(ModelSpec.from_params(400e9, seq_len=4096, batch=8), GH200)
+  assert not huge.fits and huge.moments == 'fp32'
+  assert huge.moments_reason.startswith('none fits')
+
+
+def test_stv_form_is_the_librarys():
+  # The planner's STV form is the executor the library builds for it.
+  from jax_superoffload._src import cost_model
+  from jax_superoffload._src import executors
+  from jax_superoffload._src import stv_executors
+
+  kinds = {
+    stv_executors.PairedKernel: 'double_buffered',
+    stv_executors.AfterVerdict: 'after_verdict',
+    executors.Kernel: 'off',
+  }
+  for moments in ('fp32', 'bf16', '8bit'):
+    for stv in (False, True):
+      built = stv_executors.for_name('ffi', stv, moments == 'fp32')
+      assert kinds[type(built)] == cost_model.stv_form(stv, moments)
+  # Low-precision moments' STV keeps no spare row: the host bytes are
+  # those without STV.
+  spec = ModelSpec.from_params(13e9, seq_len=4096, batch=8)
+  for moments in ('bf16', '8bit'):
+    on = plan(spec, GH200, moments=moments, device_buckets=0)
+    off = plan(spec, GH200, moments=moments, device_buckets=0, stv=False)
+    assert on.host_bytes == off.host_bytes
+    assert on.stv_redo_s == 0.0

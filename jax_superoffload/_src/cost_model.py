@@ -23,10 +23,12 @@ Model (N parameters, T = seq_len x batch tokens per step):
   whole gradient tree), fp32 master, m, v and gradient on the host (16 B;
   the gradient is kept so that a failed speculation can be redone), plus
   one bucket in flight each way (fp32, or bf16 when casting on the host).
-  STV adds the spare row of its double-buffered state, fp32 master, m and
-  v (+12 B on the host, 28 B in all). With low-precision moments
-  (`moments`) m and v take 2 B each (bf16) or 1 B each plus an fp32 scale
-  per 256 (8-bit): 12 or about 10 B on the host instead of 16.
+  STV with fp32 moments adds the spare row of its double-buffered state,
+  fp32 master, m and v (+12 B on the host, 28 B in all). With
+  low-precision moments (`moments`) m and v take 2 B each (bf16) or 1 B
+  each plus an fp32 scale per 256 (8-bit): 12 or about 10 B on the host
+  instead of 16; their STV steps after the verdict, with no spare row
+  (`stv_form`).
   Weight-flow keeps two layers' bf16 weights and gradients on the device
   and a bf16 (host cast) copy of the weights on the host (+2 B). A bucket
   kept on the device adds its fp32 master, m and v there (12 B; with
@@ -50,7 +52,8 @@ Model (N parameters, T = seq_len x batch tokens per step):
   can be taken again from the untouched state after validation: that redo
   is one more 28 B pass over the host buckets, after backward, on the
   clipped steps only (`stv_redo`, not in the step time). With speculation
-  (STV) each bucket's Adam starts when its gradients reach the host; the
+  (STV on fp32 moments) each bucket's Adam starts when its gradients reach
+  the host (after backward otherwise, low-precision moments' STV too); the
   buckets go through a three-stage pipeline (device-to-host copy, host
   cast + Adam, host-to-device copy), one bucket at a time per stage, which
   is what overlaps them with backward.
@@ -229,10 +232,31 @@ def stationary_device_bytes(
   )
 
 
+def stv_form(stv: bool, moments: str = 'fp32') -> str:
+  """How the library runs STV for these moments (stv_executors.for_name).
+
+  'double_buffered': fp32 moments step speculatively on two rows of the
+  host state during backward and redo a clipped step from the untouched
+  row (a spare row and the kept gradients on the host). 'after_verdict':
+  bf16 and 8-bit moments, updated in place, step once the global norm is
+  known (no spare row, but the host step waits for backward, as without
+  STV). 'off': no clipping or skipping armed.
+  """
+  if not stv:
+    return 'off'
+  moment_bytes(moments)  # Checked.
+  return 'double_buffered' if moments == 'fp32' else 'after_verdict'
+
+
+def speculates(stv: bool, moments: str = 'fp32') -> bool:
+  """Whether host Adam starts per bucket during backward (see stv_form)."""
+  return stv_form(stv, moments) == 'double_buffered'
+
+
 def offload_host_bytes_per_param(stv: bool, moments: str = 'fp32') -> float:
   """Host bytes per parameter of a host bucket (weight-stationary)."""
   smaller = 8.0 - moment_bytes(moments)  # Than fp32 m and v.
-  spare = STV_SPARE_HOST_BYTES_PER_PARAM - smaller if stv else 0.0
+  spare = STV_SPARE_HOST_BYTES_PER_PARAM if speculates(stv, moments) else 0.0
   return OFFLOAD_HOST_BYTES_PER_PARAM - smaller + spare
 
 
@@ -371,8 +395,9 @@ def offload_step(
   host_cast_pp = (
     CAST_BYTES_PER_PARAM / (hw.host_cast_gbs * 1e9) if cast == 'host' else 0.0
   )
+  speculative = speculates(stv, moments)
   adam_bytes = host_adam_bytes_per_param(moments) + (
-    STV_KEPT_GRAD_BYTES_PER_PARAM if stv else 0
+    STV_KEPT_GRAD_BYTES_PER_PARAM if speculative else 0
   )
   adam_pp = hw.host_adam_seconds_per_param(adam_bytes, moments)
   device_adam = n_dev * ADAM_LOWP_BYTES_PER_PARAM / hbm
@@ -381,7 +406,7 @@ def offload_step(
     n,
     (fwd, bwd),
     (wire / link, host_cast_pp + adam_pp, update_wire / link),
-    stv,
+    speculative,
   )
   device_end = fwd + bwd + device_cast + device_adam
   device_bytes, host_bytes = _offload_bytes(
@@ -404,7 +429,7 @@ def offload_step(
       * hw.host_adam_seconds_per_param(
         host_adam_bytes_per_param(moments), moments
       )
-      if stv
+      if speculative
       else 0.0
     ),
   )

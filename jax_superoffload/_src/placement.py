@@ -41,8 +41,14 @@ def _profile(profile: hardware_lib.HardwareProfile | None):
 
 
 def _plan(params: Any, profile):
+  # The moments the optimizer was built with are not known here; fp32 keeps
+  # the choices as they were before the planner chose moments.
   return planner.plan(
-    params, _profile(profile), seq_len=AUTO_SEQ_LEN, batch=AUTO_BATCH
+    params,
+    _profile(profile),
+    seq_len=AUTO_SEQ_LEN,
+    batch=AUTO_BATCH,
+    moments='fp32',
   )
 
 

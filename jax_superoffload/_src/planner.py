@@ -89,6 +89,11 @@ class Plan:
   stv: bool
   # How Adam's moments are stored: 'fp32', 'bf16' or '8bit'.
   moments: str
+  # How STV runs for those moments: 'double_buffered', 'after_verdict' or
+  # 'off' (cost_model.stv_form).
+  stv_form: str
+  # Why these moments: the rule applied, in words.
+  moments_reason: str
   # Whether device_bytes and host_bytes fit in the usable memories.
   fits: bool
   # Accelerator bytes needed.
@@ -156,6 +161,8 @@ class Plan:
       ' (host state'
       f' {cost_model.offload_host_bytes_per_param(self.stv, self.moments):g}'
       f' B/param, {self.moments} moments)',
+      f'  moments: {self.moments} ({self.moments_reason}); STV:'
+      f' {STV_FORM_WORDS[self.stv_form]}',
       f'  step total   {self.step_time_s * ms:10.1f} ms:'
       f' {self.tokens_per_s:,.0f} tokens/s, {self.tflops:.1f} TFLOPS,'
       f' accelerator busy {self.device_busy_fraction:.0%}',
@@ -170,6 +177,17 @@ class Plan:
         f' {ref.device_busy_fraction:.0%}, fits: {ref.fits}'
       )
     return '\n'.join(lines)
+
+
+STV_FORM_WORDS = {
+  'double_buffered': 'speculative on two rows of the host state (exact; '
+  'host Adam overlaps backward)',
+  'after_verdict': 'after the verdict (exact, in place, no spare row; host '
+  'Adam waits for backward)',
+  'off': 'off (no clipping or skipping armed)',
+}
+# moments='auto' tries these in order and keeps the first that fits.
+AUTO_MOMENTS = ('fp32', 'bf16', '8bit')
 
 
 def default_bucket_elements(params: int) -> int:
@@ -340,7 +358,7 @@ def plan(
   bucket_elements: int | str = 'auto',
   device_buckets: int | str = 'auto',
   stv: bool = True,
-  moments: str = 'fp32',
+  moments: str = 'auto',
 ) -> Plan:
   """Chooses SuperOffload's policies for a model and predicts its step.
 
@@ -374,7 +392,12 @@ def plan(
     stv: Speculation-then-validation: host Adam starts per bucket during
       backward rather than after the global gradient norm is known.
     moments: How Adam's moments are stored on the host: 'fp32', 'bf16'
-      (`mu_dtype` and `nu_dtype` bfloat16) or '8bit' (`moments_8bit`).
+      (`mu_dtype` and `nu_dtype` bfloat16), '8bit' (`moments_8bit`), or
+      'auto': the first of fp32, bf16 and 8-bit whose plan fits in device
+      and host memory (fp32 where none fits). With STV, fp32 moments need
+      a spare row of the host state (28 B/param) and the others none, so
+      'auto' gives up fp32 moments before it gives up exact STV;
+      `Plan.moments_reason` says why, `Plan.stv_form` how STV runs.
 
   Returns:
     A `Plan`; `print(plan)` shows the parts of the predicted step.
@@ -383,12 +406,50 @@ def plan(
     seq_len=seq_len, batch=batch, layers=layers, hidden=hidden, vocab=vocab
   )
   spec = _resolve_spec(model, overrides)
-  cost_model.moment_bytes(moments)  # Checked.
+  choices = dict(
+    weights=weights,
+    cast=cast,
+    bucket_elements=bucket_elements,
+    device_buckets=device_buckets,
+  )
+  if moments != 'auto':
+    cost_model.moment_bytes(moments)  # Checked.
+    return _plan_with(spec, hardware, choices, stv, moments, 'as asked')
+  tried = []
+  for candidate in AUTO_MOMENTS:
+    p = _plan_with(spec, hardware, choices, stv, candidate, '')
+    if p.fits:
+      why = 'the most precise that fits'
+      if tried:
+        why = f'{"; ".join(tried)}: {candidate} is the most precise that fits'
+      return dataclasses.replace(p, moments_reason=why)
+    tried.append(
+      f'{candidate} needs {p.host_bytes / 1e9:.0f} GB host (of'
+      f' {hardware.usable_host_bytes / 1e9:.0f}) and'
+      f' {p.device_bytes / 1e9:.0f} GB device (of'
+      f' {hardware.usable_device_bytes / 1e9:.0f})'
+    )
+  p = _plan_with(spec, hardware, choices, stv, 'fp32', '')
+  return dataclasses.replace(
+    p, moments_reason='none fits (' + '; '.join(tried) + ')'
+  )
+
+
+def _plan_with(
+  spec: ModelSpec,
+  hardware: HardwareProfile,
+  choices: dict,
+  stv: bool,
+  moments: str,
+  reason: str,
+) -> Plan:
+  """The plan for one moments format, `reason` recorded with it."""
   policies = _resolve_policies(
-    spec, hardware, weights, cast, bucket_elements, device_buckets, stv,
-    moments,
+    spec, hardware, choices['weights'], choices['cast'],
+    choices['bucket_elements'], choices['device_buckets'], stv, moments,
   )  # fmt: skip
-  return _predict(spec, hardware, *policies, stv, moments)
+  p = _predict(spec, hardware, *policies, stv, moments)
+  return dataclasses.replace(p, moments_reason=reason)
 
 
 def _resolve_spec(model: ModelSpec | Any, overrides: dict) -> ModelSpec:
@@ -444,6 +505,8 @@ def _predict(
     stv_redo_s=step.stv_redo,
     stv=stv,
     moments=moments,
+    stv_form=cost_model.stv_form(stv, moments),
+    moments_reason='',
     step_time_s=step.step,
     tokens_per_s=ref.tokens_per_s,
     tflops=ref.tflops,
