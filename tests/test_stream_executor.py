@@ -59,9 +59,7 @@ def _grads(params, i):
 
 
 def _train(executor: str, options: dict, steps: int = 4):
-  tx = superoffload.adamw(
-    1e-2, weight_decay=0.1, executor=executor, **options
-  )
+  tx = superoffload.adamw(1e-2, weight_decay=0.1, executor=executor, **options)
   params = _params()
   state = tx.init(params)
 
