@@ -90,12 +90,17 @@ def adam(
       of buckets. Only a schedule: the state does not depend on it.
       `None` rather than a number by default so that
       `optax.inject_hyperparams` does not turn it into an array.
-    executor: Where the update runs: "ffi" (the Grace Adam kernel as host
-      compute), "xla_host" (the same math in `jax.numpy` as host compute),
-      "device" (state in host memory between steps, update on the
-      accelerator: the MaxText-style baseline) or "auto" ("ffi" on CPU, and on
-      an accelerator where the kernel registers with its PJRT plugin's host
-      compute; "xla_host" elsewhere).
+    executor: Where the update runs: "stream" (the Grace Adam kernel on
+      the process's host threads, ordered on the accelerator's stream:
+      the gradients are moved to host memory, the state is stepped where
+      it lives, the new weights are moved back; no XLA host compute),
+      "ffi" (the same kernel as XLA host compute), "xla_host" (the same
+      math in `jax.numpy` as host compute), "device" (state in host memory
+      between steps, update on the accelerator: the MaxText-style
+      baseline) or "auto" ("ffi" on CPU; "stream" on a GPU whose CUDA
+      driver loads; else "ffi" where the kernel registers with the PJRT
+      plugin's host compute, "xla_host" where it does not). On the CPU
+      backend "stream" and "ffi" give the same bits.
     clip_norm: If set, gradients are clipped to this global norm, with the
       result of `optax.chain(optax.clip_by_global_norm(clip_norm), ...)`,
       by speculation-then-validation: each bucket's step starts without
@@ -106,10 +111,11 @@ def adam(
       array (`optax.inject_hyperparams` may change it between steps).
     skip_nonfinite: If True, a step whose gradients hold a NaN or Inf leaves
       the parameters and the whole state (count included) as they were
-      (counted in `state.skipped`). With either option on the "ffi"
-      executor, each host bucket's state is double-buffered (+12 B/param
-      of host memory) and its gradients are kept in host memory until
-      validation (4 B/param); see `SuperOffloadState`.
+      (counted in `state.skipped`). With either option on the "ffi" or
+      "stream" executor and fp32 moments, each host bucket's state is
+      double-buffered (+12 B/param of host memory) and its gradients are
+      kept in host memory until validation (4 B/param); see
+      `SuperOffloadState`.
     device_buckets: Bucket repartitioning: how many buckets keep their state
       on the accelerator and are updated there, an int, a fraction of the
       buckets, or "auto" (the planner's choice). They are the buckets whose
@@ -234,7 +240,7 @@ def adamw(
     nu_dtype: Dtype of the second moment on the kernel (see `adam`).
     moments_8bit: 8-bit blockwise moments (see `adam`).
     bucket_bytes: State bytes per kernel call (see `adam`).
-    executor: "ffi", "xla_host", "device" or "auto" (see `adam`).
+    executor: "stream", "ffi", "xla_host", "device" or "auto" (see `adam`).
     clip_norm: Global-norm clipping by speculation-then-validation (see
       `adam`).
     skip_nonfinite: Drop steps with NaN/Inf gradients (see `adam`).
