@@ -14,7 +14,7 @@ import pytest
 
 import jax_superoffload as superoffload
 
-EXECUTORS = ('ffi', 'xla_host', 'device')
+EXECUTORS = ('ffi', 'stream', 'xla_host', 'device')
 
 
 def tree(dtype=jnp.float32):

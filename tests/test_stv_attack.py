@@ -19,7 +19,7 @@ import pytest
 import jax_superoffload as superoffload
 
 LR, WD, CLIP = 1e-2, 1e-4, 1.0
-EXECUTORS = ('ffi', 'xla_host', 'device')
+EXECUTORS = ('ffi', 'stream', 'xla_host', 'device')
 
 
 def serial(params, grads, clip_norm=CLIP, learning_rate=LR):

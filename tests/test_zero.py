@@ -187,7 +187,7 @@ def test_nonfinite_step_is_skipped_on_every_shard():
     np.testing.assert_array_equal(y, x)
 
 
-@pytest.mark.parametrize('executor', ['xla_host', 'device'])
+@pytest.mark.parametrize('executor', ['xla_host', 'device', 'stream'])
 def test_other_executors_shard_too(executor):
   def tx_fn(**kw):
     return _adamw(executor=executor, **kw)
