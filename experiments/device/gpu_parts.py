@@ -4,6 +4,8 @@
   python -m experiments.device.gpu_parts train CASE --layout scan|noscan
       [--batch 4]
   python -m experiments.device.gpu_parts profile CASE
+  python -m experiments.device.gpu_parts capacity CASE [--moments 8bit]
+      [--clip-norm 1.0]
   python -m experiments.device.gpu_parts link
 
 CASE: `optax`, or an executor of superoffload.adamw (`stream`, `ffi`,
@@ -246,6 +248,77 @@ def part_train(case: str, layout: str, batch: int, dry: bool) -> dict:
   }
 
 
+# Of the device's bytes_limit, and of the host's physical memory, what a
+# model may take: the rest is the runtime's, the data's and the OS's.
+DEVICE_SHARE = 0.95
+HOST_SHARE = 0.8
+
+
+def part_capacity(
+  case: str, moments: str, clip_norm: float | None, dry: bool
+) -> dict[str, Any]:
+  """The largest scanned decoder whose step fits, then 3 real steps of it.
+
+  Compiled `memory_analysis()` bytes decide: the device's within
+  DEVICE_SHARE of its limit and, for superoffload, the host's within
+  HOST_SHARE of physical memory (its state lives there). Then the model of
+  that size is allocated and trained for 3 steps.
+  """
+  import dataclasses
+
+  from experiments import gpu_analysis
+  from experiments import gpu_bench
+
+  sizes = gpu_analysis.DRY_SIZES
+  if not dry:
+    sizes = gpu_analysis.gpu_sizes(gpu_bench._device_limit())
+  device_limit = sizes.capacity_limit
+  if not dry:
+    device_limit = int(DEVICE_SHARE * gpu_bench._device_limit())
+  ram = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  host_limit = int(HOST_SHARE * ram) if not dry else 2**30
+  name = case if case == 'optax' else f'superoffload:{case}'
+  extra = {} if case == 'optax' else {'moments': moments}
+  if clip_norm is not None:
+    extra['clip_norm'] = clip_norm
+  found: dict[int, Any] = {}
+
+  def measure(layers: int) -> int:
+    cfg = gpu_bench._decoder_config(
+      sizes, name, num_layers=layers, scan_layers=True, **extra
+    )
+    found[layers] = got = gpu_bench.compiled_step_bytes(cfg) or {}
+    if got.get('host', 0) > host_limit:
+      return device_limit + 1  # Does not fit: the host bounds it.
+    return got.get('device', 0)
+
+  out = gpu_analysis.largest_fitting(
+    measure, device_limit, max_probes=sizes.capacity_probes
+  )
+  layers = out['largest']
+  result: dict[str, Any] = {
+    'case': case,
+    'moments': extra.get('moments'),
+    'clip_norm': clip_norm,
+    'device_limit': device_limit,
+    'host_limit': host_limit,
+    'search': out,
+    'bytes': found,
+  }
+  if layers < 1:
+    return result | {'trained': None}
+  model = dict(sizes.model, num_layers=layers)
+  trained_sizes = dataclasses.replace(sizes, model=model, warmup=1, steps=2)
+  original = gpu_bench._decoder_config
+  gpu_bench._decoder_config = lambda s, c, **o: original(s, c, **(extra | o))
+  try:
+    r = gpu_bench.run_train(trained_sizes, name)
+  finally:
+    gpu_bench._decoder_config = original
+  keep = ('num_params', 'median_step_s', 'losses', 'memory_bytes')
+  return result | {'layers': layers, 'trained': {k: r.get(k) for k in keep}}
+
+
 def part_link(dry: bool) -> dict[str, Any]:
   """PCIe (or the CPU's memory) both ways: 1 GiB device_put."""
   import jax
@@ -265,12 +338,16 @@ def part_link(dry: bool) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('part', choices=('opt', 'train', 'profile', 'link'))
+  parser.add_argument(
+    'part', choices=('opt', 'train', 'profile', 'capacity', 'link')
+  )
   parser.add_argument('case', nargs='?', default='stream')
   parser.add_argument('--dtype', default='float32')
   parser.add_argument('--layout', default='scan', choices=('scan', 'noscan'))
   parser.add_argument('--batch', type=int, default=4)
   parser.add_argument('--reps', type=int, default=5)
+  parser.add_argument('--moments', default='fp32')
+  parser.add_argument('--clip-norm', type=float, default=None)
   parser.add_argument('--dry-run', action='store_true')
   args = parser.parse_args(argv)
   import jax
@@ -283,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     r = part_train(args.case, args.layout, args.batch, dry)
   elif args.part == 'profile':
     r = part_profile(args.case, dry)
+  elif args.part == 'capacity':
+    r = part_capacity(args.case, args.moments, args.clip_norm, dry)
   else:
     r = part_link(dry)
   r = {'part': args.part, 'dry_run': dry, 'wall_s': 0.0} | r

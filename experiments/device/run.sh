@@ -5,7 +5,11 @@
 # Each part runs in its own process under `timeout` (an abort is a finding,
 # not the end); every PART_RESULT line goes to $OUT/parts.jsonl and the
 # whole log to $OUT/log.txt. PARTS picks parts by name (default: all, most
-# important first); --dry-run runs every part at tiny sizes on the CPU.
+# important first; NAME:CASE[:DTYPE] for opt and profile,
+# train:CASE:scan|noscan:BATCH, capacity:CASE[:MOMENTS]); --dry-run runs
+# every part at tiny sizes on the CPU. PART_TIMEOUT_S bounds each part
+# (default 120 s); on a warm H200 the default list is meant to fit in
+# 8 minutes with the capacity parts last but two.
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT="${OUT:-results/tmp/gpu_run}"
@@ -17,7 +21,8 @@ ALL="link opt:stream opt:stream:bfloat16 opt:optax opt:optax:bfloat16
 opt:stream+stv opt:stream+clip train:stream:noscan:4 train:optax:noscan:4
 train:stream:scan:4 train:optax:scan:4 profile:stream opt:device
 train:stream:scan:8 train:optax:scan:8 train:stream:noscan:8
-train:optax:noscan:8 opt:ffi opt:device:bfloat16 profile:ffi"
+train:optax:noscan:8 capacity:optax capacity:stream:8bit opt:ffi
+opt:device:bfloat16 profile:ffi"
 PARTS="${PARTS:-$ALL}"
 LIMIT="${PART_TIMEOUT_S:-120}"
 LOG="$OUT/log.txt"
@@ -31,6 +36,8 @@ LOG="$OUT/log.txt"
     [[ -n "${case:-}" ]] && args+=("$case")
     if [[ "$name" == "train" ]]; then
       args+=(--layout "$third" --batch "$fourth")
+    elif [[ "$name" == "capacity" && -n "${third:-}" ]]; then
+      args+=(--moments "$third" --clip-norm 1.0)
     elif [[ -n "${third:-}" ]]; then
       args+=(--dtype "$third")
     fi
