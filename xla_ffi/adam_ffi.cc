@@ -200,12 +200,9 @@ ffi::Error AdamStepSegments(
     Launch& launch, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
     ffi::RemainingArgs args, ffi::ResultBuffer<ffi::F32> sumsq,
     ffi::RemainingRets rets, bool nesterov, bool keep_nonfinite,
-    bool compute_sumsq, int64_t num_leaves, bool reseed, bool into) {
-  const bool copy_weights =
-      LeafRuns(num_leaves, 0, rets.size()).CopiesWeights(3);
-  const int64_t extra =
-      DestinationOperands(into, copy_weights, reseed, num_leaves);
-  const LeafRuns runs(num_leaves, args.size() - extra, rets.size());
+    bool compute_sumsq, int64_t num_leaves, bool reseed) {
+  const LeafRuns runs(num_leaves, args.size(), rets.size());
+  const bool copy_weights = runs.CopiesWeights(3);
   if (ffi::Error error = runs.Expect(reseed ? 5 : 4, copy_weights ? 4 : 3);
       error.failure()) {
     return error;
@@ -273,13 +270,27 @@ ffi::Error AdamStepSegments(
     return error;
   }
   float* sumsq_out = sumsq->typed_data();
-  std::vector<const void*> touched = {set.count, set.scalars, sumsq_out};
+  using Role = Touched::Role;
+  std::vector<Touched> touched = {
+      Touch(set.count, 4, Role::kInput),
+      Touch(set.scalars, 4 * kNumScalarsPerSet, Role::kInput),
+      Touch(sumsq_out, 4, Role::kOutput)};
   for (int64_t j = 0; j < k; ++j) {
-    const AdamBuffers& b = leaves[j];
-    touched.insert(touched.end(), {b.master_in, b.mu_in, b.nu_in, b.grad,
-                                   b.master_out, b.mu_out, b.nu_out,
-                                   b.lowp_out, params[j]});
+    AdamBuffers& b = leaves[j];
+    const int64_t n = b.size;
+    for (const float** x : {&b.master_in, &b.mu_in, &b.nu_in}) {
+      touched.push_back(Touch(*x, 4 * n, Role::kState));
+    }
+    for (float** x : {&b.master_out, &b.mu_out, &b.nu_out}) {
+      touched.push_back(Touch(*x, 4 * n, Role::kState));
+    }
+    touched.push_back(Touch(b.grad, ElementBytes(b.grad_type, n), Role::kInput));
+    touched.push_back(
+        Touch(b.lowp_out, ElementBytes(b.lowp_type, n), Role::kOutput));
+    touched.push_back(
+        Touch(params[j], ElementBytes(param_types[j], n), Role::kInput));
   }
+  if (ffi::Error error = launch.Place(touched); error.failure()) return error;
   Work work = [=](Workers workers) {
     const AdamConstants constants = set.Read();
     // Per-chunk sums of squared (scaled) gradients, for speculation-then-
@@ -328,7 +339,7 @@ ffi::Error AdamStepSegments(
     TotalInChunkOrder(partial, sumsq_out);
     return ffi::Error::Success();
   };
-  return launch.Run(std::move(work), touched);
+  return launch.Run(std::move(work));
 }
 
 // The double-buffered leaves of speculation-then-validation (stv_kernel.h):
@@ -391,11 +402,23 @@ ffi::Error ReadRow(const int32_t* row, int* from) {
   return ffi::Error::Success();
 }
 
-void TouchPairs(const std::vector<PairBuffers>& pairs,
-                std::vector<const void*>* touched) {
-  for (const PairBuffers& p : pairs) {
-    touched->insert(touched->end(),
-                    {p.master, p.mu, p.nu, p.kept_grad, p.lowp_out, p.grad});
+// The buffers of double-buffered leaves: both rows of the state and the
+// kept gradients in place; the gradients (`grads`) read; the weights
+// copies written, or read and written (`weights`).
+void TouchPairs(std::vector<PairBuffers>& pairs, bool grads,
+                Touched::Role weights, std::vector<Touched>* touched) {
+  using Role = Touched::Role;
+  for (PairBuffers& p : pairs) {
+    const int64_t n = p.size;
+    for (float** x : {&p.master, &p.mu, &p.nu}) {
+      touched->push_back(Touch(*x, 8 * n, Role::kState));
+    }
+    touched->push_back(Touch(p.kept_grad, 4 * n, Role::kState));
+    touched->push_back(Touch(p.lowp_out, ElementBytes(p.lowp_type, n), weights));
+    if (grads) {
+      touched->push_back(
+          Touch(p.grad, ElementBytes(p.grad_type, n), Role::kInput));
+    }
   }
 }
 
@@ -414,12 +437,9 @@ ffi::Error AdamStepSpeculative(
     Launch& launch, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
     ffi::Buffer<ffi::S32> row, ffi::RemainingArgs args,
     ffi::ResultBuffer<ffi::F32> sumsq, ffi::RemainingRets rets, bool nesterov,
-    bool keep_nonfinite, int64_t num_leaves, bool reseed, bool into) {
-  const bool copy_weights =
-      LeafRuns(num_leaves, 0, rets.size()).CopiesWeights(4);
-  const int64_t extra =
-      DestinationOperands(into, copy_weights, reseed, num_leaves);
-  const LeafRuns runs(num_leaves, args.size() - extra, rets.size());
+    bool keep_nonfinite, int64_t num_leaves, bool reseed) {
+  const LeafRuns runs(num_leaves, args.size(), rets.size());
+  const bool copy_weights = runs.CopiesWeights(4);
   if (ffi::Error error = runs.Expect(reseed ? 6 : 5, copy_weights ? 5 : 4);
       error.failure()) {
     return error;
@@ -470,10 +490,17 @@ ffi::Error AdamStepSpeculative(
   }
   const int32_t* row_data = row.typed_data();
   float* sumsq_out = sumsq->typed_data();
-  std::vector<const void*> touched = {set.count, set.scalars, row_data,
-                                      sumsq_out};
-  TouchPairs(pairs, &touched);
-  touched.insert(touched.end(), params.begin(), params.end());
+  using Role = Touched::Role;
+  std::vector<Touched> touched = {
+      Touch(set.count, 4, Role::kInput),
+      Touch(set.scalars, 4 * kNumScalarsPerSet, Role::kInput),
+      Touch(row_data, 4, Role::kInput), Touch(sumsq_out, 4, Role::kOutput)};
+  TouchPairs(pairs, true, Role::kOutput, &touched);
+  for (int64_t j = 0; j < k; ++j) {
+    touched.push_back(Touch(params[j], ElementBytes(param_types[j], sizes[j]),
+                            Role::kInput));
+  }
+  if (ffi::Error error = launch.Place(touched); error.failure()) return error;
   Work work = [=](Workers workers) {
     int from = 0;
     if (ffi::Error e = ReadRow(row_data, &from); e.failure()) return e;
@@ -500,7 +527,7 @@ ffi::Error AdamStepSpeculative(
     TotalInChunkOrder(partial, sumsq_out);
     return ffi::Error::Success();
   };
-  return launch.Run(std::move(work), touched);
+  return launch.Run(std::move(work));
 }
 
 // After validation: for a clipped step (flags[0]), the step again from the
@@ -553,9 +580,15 @@ ffi::Error AdamStepValidated(
   const int32_t* row_data = row.typed_data();
   const int32_t* flag_data = flags.typed_data();
   const float* scale_data = redo_scale.typed_data();
-  std::vector<const void*> touched = {set.count, set.scalars, row_data,
-                                      flag_data, scale_data};
-  TouchPairs(pairs, &touched);
+  using Role = Touched::Role;
+  std::vector<Touched> touched = {
+      Touch(set.count, 4, Role::kInput),
+      Touch(set.scalars, 4 * kNumScalarsPerSet, Role::kInput),
+      Touch(row_data, 4, Role::kInput), Touch(flag_data, 8, Role::kInput),
+      Touch(scale_data, 4, Role::kInput)};
+  // The weights copies the speculative step wrote: rewritten on a redo.
+  TouchPairs(pairs, false, Role::kInOut, &touched);
+  if (ffi::Error error = launch.Place(touched); error.failure()) return error;
   Work work = [=](Workers workers) {
     if (flag_data[0] == 0) return ffi::Error::Success();
     int from = 0;
@@ -569,7 +602,7 @@ ffi::Error AdamStepValidated(
     });
     return ffi::Error::Success();
   };
-  return launch.Run(std::move(work), touched);
+  return launch.Run(std::move(work));
 }
 
 // Each bucket handler twice: on XLA:CPU's pool (also the CUDA plugin's host
@@ -579,12 +612,10 @@ ffi::Error SegmentsOnCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
                          ffi::ResultBuffer<ffi::F32> sumsq,
                          ffi::RemainingRets rets, bool nesterov,
                          bool keep_nonfinite, bool compute_sumsq,
-                         int64_t num_leaves, bool reseed,
-    bool into) {
+                         int64_t num_leaves, bool reseed) {
   RunNow launch(&pool);
   return AdamStepSegments(launch, count, scalars, args, sumsq, rets, nesterov,
-                          keep_nonfinite, compute_sumsq, num_leaves, reseed,
-      into);
+                          keep_nonfinite, compute_sumsq, num_leaves, reseed);
 }
 
 ffi::Error SegmentsOnStream(void* stream, ffi::Buffer<ffi::S32> count,
@@ -593,12 +624,10 @@ ffi::Error SegmentsOnStream(void* stream, ffi::Buffer<ffi::S32> count,
                             ffi::ResultBuffer<ffi::F32> sumsq,
                             ffi::RemainingRets rets, bool nesterov,
                             bool keep_nonfinite, bool compute_sumsq,
-                            int64_t num_leaves, bool reseed,
-    bool into) {
+                            int64_t num_leaves, bool reseed) {
   OnStream launch(SystemCudaDriver(nullptr), stream);
   return AdamStepSegments(launch, count, scalars, args, sumsq, rets, nesterov,
-                          keep_nonfinite, compute_sumsq, num_leaves, reseed,
-      into);
+                          keep_nonfinite, compute_sumsq, num_leaves, reseed);
 }
 
 ffi::Error SpeculativeOnCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
@@ -607,11 +636,10 @@ ffi::Error SpeculativeOnCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
                             ffi::ResultBuffer<ffi::F32> sumsq,
                             ffi::RemainingRets rets, bool nesterov,
                             bool keep_nonfinite, int64_t num_leaves,
-                            bool reseed, bool into) {
+                            bool reseed) {
   RunNow launch(&pool);
   return AdamStepSpeculative(launch, count, scalars, row, args, sumsq, rets,
-                             nesterov, keep_nonfinite, num_leaves, reseed,
-                             into);
+                             nesterov, keep_nonfinite, num_leaves, reseed);
 }
 
 ffi::Error SpeculativeOnStream(void* stream, ffi::Buffer<ffi::S32> count,
@@ -621,11 +649,10 @@ ffi::Error SpeculativeOnStream(void* stream, ffi::Buffer<ffi::S32> count,
                                ffi::ResultBuffer<ffi::F32> sumsq,
                                ffi::RemainingRets rets, bool nesterov,
                                bool keep_nonfinite, int64_t num_leaves,
-                               bool reseed, bool into) {
+                               bool reseed) {
   OnStream launch(SystemCudaDriver(nullptr), stream);
   return AdamStepSpeculative(launch, count, scalars, row, args, sumsq, rets,
-                             nesterov, keep_nonfinite, num_leaves, reseed,
-                             into);
+                             nesterov, keep_nonfinite, num_leaves, reseed);
 }
 
 ffi::Error ValidatedOnCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
@@ -726,8 +753,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSegments,
                                   .Attr<bool>("keep_nonfinite")
                                   .Attr<bool>("compute_sumsq")
                                   .Attr<int64_t>("num_leaves")
-                                  .Attr<bool>("reseed")
-                                  .Attr<bool>("into"));
+                                  .Attr<bool>("reseed"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSegmentsStream,
                               jax_superoffload::SegmentsOnStream,
@@ -742,8 +768,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSegmentsStream,
                                   .Attr<bool>("keep_nonfinite")
                                   .Attr<bool>("compute_sumsq")
                                   .Attr<int64_t>("num_leaves")
-                                  .Attr<bool>("reseed")
-                                  .Attr<bool>("into"));
+                                  .Attr<bool>("reseed"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSpeculative,
                               jax_superoffload::SpeculativeOnCpu,
@@ -758,8 +783,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSpeculative,
                                   .Attr<bool>("nesterov")
                                   .Attr<bool>("keep_nonfinite")
                                   .Attr<int64_t>("num_leaves")
-                                  .Attr<bool>("reseed")
-                                  .Attr<bool>("into"));
+                                  .Attr<bool>("reseed"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSpeculativeStream,
                               jax_superoffload::SpeculativeOnStream,
@@ -774,8 +798,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSpeculativeStream,
                                   .Attr<bool>("nesterov")
                                   .Attr<bool>("keep_nonfinite")
                                   .Attr<int64_t>("num_leaves")
-                                  .Attr<bool>("reseed")
-                                  .Attr<bool>("into"));
+                                  .Attr<bool>("reseed"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepValidated,
                               jax_superoffload::ValidatedOnCpu,

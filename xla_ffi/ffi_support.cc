@@ -34,6 +34,7 @@ enum ScalarIndex : int64_t {
   kGradScale,
   kNumScalars,
 };
+static_assert(kNumScalars == kNumScalarsPerSet, "see ffi_support.h");
 
 // Whether two 16-bit floats are equal or adjacent. A low-precision update
 // cannot always land exactly on the rounded master (a weight that crosses

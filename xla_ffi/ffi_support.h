@@ -130,6 +130,22 @@ ffi::Error ReadEnvironment(Prefetch* out);
 
 bool ToElementType(ffi::DataType dtype, ElementType* out);
 
+// Scalars per set in the f32 scalars operand (ScalarIndex in the .cc).
+inline constexpr int64_t kNumScalarsPerSet = 9;
+
+// Bytes of `n` elements of `type` (0 for kNone).
+inline int64_t ElementBytes(ElementType type, int64_t n) {
+  switch (type) {
+    case ElementType::kF32:
+      return 4 * n;
+    case ElementType::kBF16:
+    case ElementType::kF16:
+      return 2 * n;
+    default:
+      return 0;
+  }
+}
+
 // Checks the scalars and splits the arrays into one block per scalar set.
 ffi::Error ReadScalarSets(ffi::Buffer<ffi::S32> count,
                           ffi::Buffer<ffi::F32> scalars, bool nesterov,
@@ -170,18 +186,6 @@ class LeafRuns {
   int64_t num_args_;
   int64_t num_rets_;
 };
-
-// With `into`, every result of a bucket call that is not state is written
-// into an operand it aliases, so that a step run from a GPU stream writes
-// only host memory: the last operand is the sum of squares' destination
-// and, for weights copies without `reseed`, the run before it holds the
-// weights' (with `reseed`, the parameters' run is aliased to them). The
-// handler reads none of them; these are their count.
-inline int64_t DestinationOperands(bool into, bool copy_weights, bool reseed,
-                                   int64_t k) {
-  if (!into) return 0;
-  return 1 + (copy_weights && !reseed ? k : 0);
-}
 
 ffi::Error LeafError(size_t j, const std::string& message);
 

@@ -183,13 +183,10 @@ ffi::Error AdamStepLowpSegments(
     ffi::RemainingArgs args,
     ffi::ResultBuffer<ffi::F32> sumsq, ffi::RemainingRets rets,
     bool nesterov, bool keep_nonfinite, bool compute_sumsq,
-    int64_t num_leaves, bool reseed, bool quantized, bool into) {
+    int64_t num_leaves, bool reseed, bool quantized) {
   LowpRuns runs{quantized, reseed, false};
-  runs.copy_weights =
-      LeafRuns(num_leaves, 0, rets.size()).CopiesWeights(runs.weights());
-  const int64_t extra =
-      DestinationOperands(into, runs.copy_weights, reseed, num_leaves);
-  const LeafRuns leaf_runs(num_leaves, args.size() - extra, rets.size());
+  const LeafRuns leaf_runs(num_leaves, args.size(), rets.size());
+  runs.copy_weights = leaf_runs.CopiesWeights(runs.weights());
   if (ffi::Error e = leaf_runs.Expect(runs.args(), runs.rets()); e.failure()) {
     return e;
   }
@@ -220,15 +217,33 @@ ffi::Error AdamStepLowpSegments(
   if (skip.element_count() != 1) return InvalidArgument("skip is a scalar");
   const int32_t* skip_data = skip.typed_data();
   float* sumsq_out = sumsq->typed_data();
-  std::vector<const void*> touched = {set.count, set.scalars, skip_data,
-                                      sumsq_out};
+  using Role = Touched::Role;
+  std::vector<Touched> touched = {
+      Touch(set.count, 4, Role::kInput),
+      Touch(set.scalars, 4 * kNumScalarsPerSet, Role::kInput),
+      Touch(skip_data, 4, Role::kInput), Touch(sumsq_out, 4, Role::kOutput)};
   for (int64_t j = 0; j < k; ++j) {
-    const LowpMomentBuffers& b = leaves[j];
-    touched.insert(touched.end(),
-                   {b.master_in, b.master_out, b.grad, b.mu_in, b.mu_out,
-                    b.mu_scale_in, b.mu_scale_out, b.nu_in, b.nu_out,
-                    b.nu_scale_in, b.nu_scale_out, b.lowp_out, params[j]});
+    LowpMomentBuffers& b = leaves[j];
+    // State is only checked, never staged: its size does not matter here.
+    for (const void** x : {reinterpret_cast<const void**>(&b.master_in),
+                           &b.mu_in, &b.nu_in,
+                           reinterpret_cast<const void**>(&b.mu_scale_in),
+                           reinterpret_cast<const void**>(&b.nu_scale_in)}) {
+      touched.push_back(Touch(*x, 1, Role::kState));
+    }
+    for (void** x : {reinterpret_cast<void**>(&b.master_out), &b.mu_out,
+                     &b.nu_out, reinterpret_cast<void**>(&b.mu_scale_out),
+                     reinterpret_cast<void**>(&b.nu_scale_out)}) {
+      touched.push_back(Touch(*x, 1, Role::kState));
+    }
+    touched.push_back(
+        Touch(b.grad, ElementBytes(b.grad_type, b.size), Role::kInput));
+    touched.push_back(
+        Touch(b.lowp_out, ElementBytes(b.lowp_type, b.size), Role::kOutput));
+    touched.push_back(Touch(params[j], ElementBytes(param_types[j], b.size),
+                            Role::kInput));
   }
+  if (ffi::Error error = launch.Place(touched); error.failure()) return error;
   Work work = [=](Workers workers) {
     if (skip_data[0] != 0) {
       *sumsq_out = 0.0f;
@@ -248,7 +263,7 @@ ffi::Error AdamStepLowpSegments(
     TotalInChunkOrder(partial, sumsq_out);
     return ffi::Error::Success();
   };
-  return launch.Run(std::move(work), touched);
+  return launch.Run(std::move(work));
 }
 
 ffi::Error LowpSegmentsOnCpu(
@@ -256,12 +271,11 @@ ffi::Error LowpSegmentsOnCpu(
     ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> skip,
     ffi::RemainingArgs args, ffi::ResultBuffer<ffi::F32> sumsq,
     ffi::RemainingRets rets, bool nesterov, bool keep_nonfinite,
-    bool compute_sumsq, int64_t num_leaves, bool reseed, bool quantized,
-    bool into) {
+    bool compute_sumsq, int64_t num_leaves, bool reseed, bool quantized) {
   RunNow launch(&pool);
   return AdamStepLowpSegments(launch, count, scalars, skip, args, sumsq, rets,
                               nesterov, keep_nonfinite, compute_sumsq,
-                              num_leaves, reseed, quantized, into);
+                              num_leaves, reseed, quantized);
 }
 
 ffi::Error LowpSegmentsOnStream(
@@ -269,11 +283,11 @@ ffi::Error LowpSegmentsOnStream(
     ffi::Buffer<ffi::S32> skip, ffi::RemainingArgs args,
     ffi::ResultBuffer<ffi::F32> sumsq, ffi::RemainingRets rets, bool nesterov,
     bool keep_nonfinite, bool compute_sumsq, int64_t num_leaves, bool reseed,
-    bool quantized, bool into) {
+    bool quantized) {
   OnStream launch(SystemCudaDriver(nullptr), stream);
   return AdamStepLowpSegments(launch, count, scalars, skip, args, sumsq, rets,
                               nesterov, keep_nonfinite, compute_sumsq,
-                              num_leaves, reseed, quantized, into);
+                              num_leaves, reseed, quantized);
 }
 
 }  // namespace
@@ -294,8 +308,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowpSegments,
                                   .Attr<bool>("compute_sumsq")
                                   .Attr<int64_t>("num_leaves")
                                   .Attr<bool>("reseed")
-                                  .Attr<bool>("quantized")
-                                  .Attr<bool>("into"));
+                                  .Attr<bool>("quantized"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowpSegmentsStream,
                               jax_superoffload::LowpSegmentsOnStream,
@@ -312,5 +325,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowpSegmentsStream,
                                   .Attr<bool>("compute_sumsq")
                                   .Attr<int64_t>("num_leaves")
                                   .Attr<bool>("reseed")
-                                  .Attr<bool>("quantized")
-                                  .Attr<bool>("into"));
+                                  .Attr<bool>("quantized"));

@@ -1,9 +1,12 @@
 // Grace Adam ordered on a CUDA stream: the handler returns at once and the
 // step runs on the process's host threads when the stream reaches it, as a
-// host function (cuLaunchHostFunc). Everything the step touches must be in
-// host memory (pinned_host operands, and gradients the program moved
-// there): the launch refuses device pointers. The CUDA driver is looked up
-// at run time, so this library needs no CUDA to build or load.
+// host function (cuLaunchHostFunc). The optimizer state must be in host
+// memory (pinned_host operands): a state buffer in device memory is
+// refused. Any other operand or result that XLA placed in device memory
+// (gradients, parameters, scalars, new weights) is staged: copied to or
+// from pinned buffers of the launch's own on the same stream, around the
+// step. The CUDA driver is looked up at run time, so this library needs no
+// CUDA to build or load.
 
 #ifndef JAX_SUPEROFFLOAD_XLA_FFI_STREAM_LAUNCH_H_
 #define JAX_SUPEROFFLOAD_XLA_FFI_STREAM_LAUNCH_H_
@@ -18,12 +21,20 @@
 namespace jax_superoffload {
 
 // The CUDA driver entry points the launch uses (CUresult is an int, 0 for
-// success; streams and functions are passed as the driver declares them).
+// success; streams and device pointers are passed as the driver declares
+// them).
 struct CudaDriver {
   // cuLaunchHostFunc(stream, fn, data).
   int (*launch_host_func)(void* stream, void (*fn)(void*), void* data);
   // cuPointerGetAttribute(data, attribute, pointer).
   int (*pointer_get_attribute)(void* data, int attribute, uint64_t pointer);
+  // cuMemcpyDtoHAsync_v2(host, device, bytes, stream).
+  int (*copy_to_host)(void* host, uint64_t device, size_t bytes, void* stream);
+  // cuMemcpyHtoDAsync_v2(device, host, bytes, stream).
+  int (*copy_to_device)(uint64_t device, const void* host, size_t bytes,
+                        void* stream);
+  // cuMemHostAlloc(&pointer, bytes, flags).
+  int (*host_alloc)(void** pointer, size_t bytes, unsigned flags);
   // cuGetErrorString(error, &text); may be null.
   int (*get_error_string)(int error, const char** text);
 };
@@ -40,11 +51,20 @@ class OnStream final : public Launch {
  public:
   OnStream(const CudaDriver* driver, void* stream)
       : driver_(driver), stream_(stream) {}
-  ffi::Error Run(Work work, const std::vector<const void*>& touched) override;
+  ffi::Error Place(std::vector<Touched>& touched) override;
+  ffi::Error Run(Work work) override;
 
  private:
+  struct Copy {
+    void* host;
+    uint64_t device;
+    size_t bytes;
+  };
   const CudaDriver* driver_;
   void* stream_;
+  bool placed_ = false;
+  std::vector<Copy> in_;   // Device to staging, before the step.
+  std::vector<Copy> out_;  // Staging to device, after it.
 };
 
 // A step that ran from a stream cannot fail its call, which has returned:

@@ -1,11 +1,14 @@
 // OnStream against a fake CUDA driver (no GPU): work runs when the "stream"
-// reaches it, not when the handler returns; device pointers are refused
-// before anything is enqueued; a step's failure reaches the next launch;
-// and the process's host pool runs chunked work to the same result with
-// any number of workers.
+// reaches it, not when the handler returns; state in device memory is
+// refused before anything is enqueued, other device buffers are staged
+// through pinned memory in stream order; a step's failure reaches the next
+// launch; and the process's host pool runs chunked work to the same result
+// with any number of workers.
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -27,19 +30,20 @@ void Check(bool ok, const std::string& what) {
   }
 }
 
-// A stream that holds host functions until Drain(), and a set of pointers
-// it reports as device memory.
+// A stream that holds its operations (host functions and copies) until
+// Drain(), and a set of buffers it reports as device memory.
 struct FakeStream {
-  std::vector<std::pair<void (*)(void*), void*>> queued;
+  std::vector<std::function<void()>> queued;
   std::vector<const void*> device;
   int fail_launch = 0;
+  int allocations = 0;
 };
 FakeStream* fake = nullptr;
 
 int FakeLaunch(void* stream, void (*fn)(void*), void* data) {
   if (stream != fake) return 999;
   if (fake->fail_launch != 0) return fake->fail_launch;
-  fake->queued.emplace_back(fn, data);
+  fake->queued.push_back([fn, data] { fn(data); });
   return 0;
 }
 
@@ -54,97 +58,172 @@ int FakeAttribute(void* data, int attribute, uint64_t pointer) {
   return 1;  // CUDA_ERROR_INVALID_VALUE: memory the driver does not know.
 }
 
+int FakeToHost(void* host, uint64_t device, size_t bytes, void* stream) {
+  if (stream != fake) return 999;
+  fake->queued.push_back([=] {
+    std::memcpy(host, reinterpret_cast<const void*>(device), bytes);
+  });
+  return 0;
+}
+
+int FakeToDevice(uint64_t device, const void* host, size_t bytes,
+                 void* stream) {
+  if (stream != fake) return 999;
+  fake->queued.push_back([=] {
+    std::memcpy(reinterpret_cast<void*>(device), host, bytes);
+  });
+  return 0;
+}
+
+int FakeAlloc(void** pointer, size_t bytes, unsigned) {
+  ++fake->allocations;
+  *pointer = std::malloc(bytes);  // Leaked, as the launch keeps its blocks.
+  return *pointer == nullptr ? 2 : 0;
+}
+
+const CudaDriver kFake{&FakeLaunch,  &FakeAttribute, &FakeToHost,
+                       &FakeToDevice, &FakeAlloc,    nullptr};
+
 void Drain() {
   auto queued = std::move(fake->queued);
   fake->queued.clear();
-  for (auto& [fn, data] : queued) fn(data);
+  for (auto& op : queued) op();
+}
+
+// A step over `in` (read) and `out` (written): out = 2 * in, summed.
+struct Doubling {
+  const float* in;
+  float* out;
+  float* sum;
+  int64_t n;
+};
+
+Work DoublingWork(const Doubling& d) {
+  return [d](Workers workers) {
+    std::vector<double> partial(4, 0.0);
+    ParallelChunks(workers, 4, [&](int64_t c) {
+      for (int64_t i = c; i < d.n; i += 4) {
+        d.out[i] = 2.0f * d.in[i];
+        partial[c] += d.in[i];
+      }
+    });
+    TotalInChunkOrder(partial, d.sum);
+    return ffi::Error::Success();
+  };
+}
+
+ffi::Error Launch(OnStream& launch, Doubling& d) {
+  using Role = Touched::Role;
+  std::vector<Touched> touched = {Touch(d.in, 4 * d.n, Role::kInput),
+                                  Touch(d.out, 4 * d.n, Role::kOutput),
+                                  Touch(d.sum, 4, Role::kOutput)};
+  if (ffi::Error e = launch.Place(touched); e.failure()) return e;
+  return launch.Run(DoublingWork(d));
 }
 
 void TestDefersUntilTheStreamRuns() {
   FakeStream stream;
   fake = &stream;
-  const CudaDriver driver{&FakeLaunch, &FakeAttribute, nullptr};
-  OnStream launch(&driver, &stream);
-  std::vector<float> host(1000, 1.0f);
+  OnStream launch(&kFake, &stream);
+  std::vector<float> in(1000, 1.0f), out(1000, 0.0f);
   float sum = 0.0f;
-  ffi::Error e = launch.Run(
-      [&host, &sum](Workers workers) {
-        std::vector<double> partial(10, 0.0);
-        ParallelChunks(workers, 10, [&](int64_t c) {
-          for (int i = 0; i < 100; ++i) partial[c] += host[c * 100 + i];
-        });
-        TotalInChunkOrder(partial, &sum);
-        return ffi::Error::Success();
-      },
-      {host.data(), &sum});
+  Doubling d{in.data(), out.data(), &sum, 1000};
+  ffi::Error e = Launch(launch, d);
   Check(e.success(), "launch succeeds: " + e.message());
-  Check(sum == 0.0f, "nothing runs before the stream reaches it");
+  Check(stream.allocations == 0, "host buffers are not staged");
+  Check(sum == 0.0f && out[0] == 0.0f,
+        "nothing runs before the stream reaches it");
   Drain();
-  Check(sum == 1000.0f, "the work ran on the stream: " + std::to_string(sum));
+  Check(sum == 1000.0f && out[999] == 2.0f,
+        "the work ran on the stream: " + std::to_string(sum));
 }
 
-void TestRefusesDevicePointers() {
+void TestDeviceBuffersAreStagedInStreamOrder() {
   FakeStream stream;
   fake = &stream;
-  const CudaDriver driver{&FakeLaunch, &FakeAttribute, nullptr};
-  OnStream launch(&driver, &stream);
+  OnStream launch(&kFake, &stream);
+  std::vector<float> in(1000), out(1000, 0.0f);
+  for (int i = 0; i < 1000; ++i) in[i] = static_cast<float>(i);
+  float sum = 0.0f;
+  stream.device = {in.data(), out.data(), &sum};
+  Doubling d{in.data(), out.data(), &sum, 1000};
+  ffi::Error e = Launch(launch, d);
+  Check(e.success(), "staged launch succeeds: " + e.message());
+  Check(stream.allocations == 1, "one pinned block");
+  Check(d.in != in.data() && d.out != out.data() && d.sum != &sum,
+        "the step reads and writes stand-ins");
+  Check(stream.queued.size() == 1 + 1 + 2,
+        "copy in, step, copy out twice: " +
+            std::to_string(stream.queued.size()));
+  in[0] = 7.0f;  // Written (on the stream) before the copy in runs.
+  Drain();
+  Check(out[0] == 14.0f && out[999] == 1998.0f,
+        "results copied back: " + std::to_string(out[0]));
+  Check(sum == 499507.0f, "sum copied back: " + std::to_string(sum));
+  OnStream again(&kFake, &stream);
+  Doubling d2{in.data(), out.data(), &sum, 1000};
+  Check(Launch(again, d2).success(), "a second launch");
+  Check(stream.allocations == 1, "the stream's block is reused");
+  Drain();
+}
+
+void TestRefusesStateInDeviceMemory() {
+  FakeStream stream;
+  fake = &stream;
+  OnStream launch(&kFake, &stream);
   float host = 0.0f, on_device = 0.0f;
+  float* state = &on_device;
   stream.device.push_back(&on_device);
-  bool ran = false;
-  ffi::Error e = launch.Run(
-      [&ran](Workers) {
-        ran = true;
-        return ffi::Error::Success();
-      },
-      {&host, &on_device});
-  Check(e.failure(), "a device pointer is refused");
+  const float* input = &host;
+  std::vector<Touched> touched = {
+      Touch(input, 4, Touched::Role::kInput),
+      Touch(state, 4, Touched::Role::kState)};
+  ffi::Error e = launch.Place(touched);
+  Check(e.failure(), "device state is refused");
   Check(e.message().find("buffer 1") != std::string::npos &&
-            e.message().find("device memory") != std::string::npos,
+            e.message().find("optimizer state in device memory") !=
+                std::string::npos,
         "the error names the buffer: " + e.message());
   Check(stream.queued.empty(), "nothing was enqueued");
-  Drain();
-  Check(!ran, "the refused work never runs");
 }
 
 void TestDeferredErrorReachesTheNextLaunch() {
   FakeStream stream;
   fake = &stream;
-  const CudaDriver driver{&FakeLaunch, &FakeAttribute, nullptr};
-  OnStream launch(&driver, &stream);
-  ffi::Error e = launch.Run(
-      [](Workers) { return InvalidArgument("row must be 0 or 1, got 7"); },
-      {});
+  std::vector<Touched> none;
+  OnStream first(&kFake, &stream);
+  Check(first.Place(none).success(), "place");
+  ffi::Error e = first.Run(
+      [](Workers) { return InvalidArgument("row must be 0 or 1, got 7"); });
   Check(e.success(), "the failing work is only enqueued");
   Drain();
-  int next_ran = 0;
-  e = launch.Run(
-      [&next_ran](Workers) {
-        ++next_ran;
-        return ffi::Error::Success();
-      },
-      {});
+  OnStream second(&kFake, &stream);
+  e = second.Place(none);
   Check(e.failure() && e.message().find("got 7") != std::string::npos,
         "the next launch reports the earlier failure: " + e.message());
   Check(TakeDeferredError().success(), "and clears it");
-  e = launch.Run([](Workers) { return ffi::Error::Success(); }, {});
-  Check(e.success(), "a later launch runs again");
+  OnStream third(&kFake, &stream);
+  Check(third.Place(none).success(), "a later launch places again");
+  Check(third.Run([](Workers) { return ffi::Error::Success(); }).success(),
+        "and runs");
   Drain();
-  Check(next_ran == 0, "the launch that reported the error ran nothing");
 }
 
 void TestLaunchFailureIsAnError() {
   FakeStream stream;
   stream.fail_launch = 700;
   fake = &stream;
-  const CudaDriver driver{&FakeLaunch, &FakeAttribute, nullptr};
-  OnStream launch(&driver, &stream);
-  ffi::Error e = launch.Run([](Workers) { return ffi::Error::Success(); }, {});
+  std::vector<Touched> none;
+  OnStream launch(&kFake, &stream);
+  Check(launch.Place(none).success(), "place");
+  ffi::Error e = launch.Run([](Workers) { return ffi::Error::Success(); });
   Check(e.failure() && e.message().find("700") != std::string::npos,
         "a failed cuLaunchHostFunc is an error: " + e.message());
   OnStream no_driver(nullptr, &stream);
-  Check(no_driver.Run([](Workers) { return ffi::Error::Success(); }, {})
-            .failure(),
-        "no driver is an error");
+  Check(no_driver.Place(none).failure(), "no driver is an error");
+  OnStream unplaced(&kFake, &stream);
+  Check(unplaced.Run([](Workers) { return ffi::Error::Success(); }).failure(),
+        "Run without Place is an error");
 }
 
 void TestHostPoolResultsDoNotDependOnWorkers() {
@@ -180,7 +259,8 @@ void TestHostPoolResultsDoNotDependOnWorkers() {
 int main() {
   using namespace jax_superoffload;  // NOLINT: a test's main.
   TestDefersUntilTheStreamRuns();
-  TestRefusesDevicePointers();
+  TestDeviceBuffersAreStagedInStreamOrder();
+  TestRefusesStateInDeviceMemory();
   TestDeferredErrorReachesTheNextLaunch();
   TestLaunchFailureIsAnError();
   TestHostPoolResultsDoNotDependOnWorkers();

@@ -92,15 +92,15 @@ def adam(
       `optax.inject_hyperparams` does not turn it into an array.
     executor: Where the update runs: "stream" (the Grace Adam kernel on
       the process's host threads, ordered on the accelerator's stream:
-      the gradients are moved to host memory, the state is stepped where
-      it lives, the new weights are moved back; no XLA host compute),
+      the gradients are copied to host memory, the state is stepped where
+      it lives, the new weights are copied back; no XLA host compute),
       "ffi" (the same kernel as XLA host compute), "xla_host" (the same
       math in `jax.numpy` as host compute), "device" (state in host memory
       between steps, update on the accelerator: the MaxText-style
-      baseline) or "auto" ("ffi" on CPU; "stream" on a GPU whose CUDA
-      driver loads; else "ffi" where the kernel registers with the PJRT
-      plugin's host compute, "xla_host" where it does not). On the CPU
-      backend "stream" and "ffi" give the same bits.
+      baseline) or "auto" ("ffi" on CPU, and on an accelerator where the
+      kernel registers with its PJRT plugin's host compute; "xla_host"
+      elsewhere). "stream" is opt-in until a GPU run has measured it; on
+      the CPU backend it gives the same bits as "ffi".
     clip_norm: If set, gradients are clipped to this global norm, with the
       result of `optax.chain(optax.clip_by_global_norm(clip_norm), ...)`,
       by speculation-then-validation: each bucket's step starts without

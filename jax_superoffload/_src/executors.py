@@ -15,12 +15,12 @@ drop. Options choose the executor once, at construction
   accelerator's PJRT plugin ("auto" picks "ffi" on a GPU only where that
   registration works).
 - "stream" (`Stream`): the same kernel outside host compute, ordered on
-  the accelerator's stream: the program moves the gradients (flattened) to
-  host memory, the kernel steps the state where it lives on the process's
-  host threads when the stream reaches it, and the program moves the new
-  weights back. XLA's host compute stages every operand through buffers of
-  its own on a GPU; this keeps the state out of it. "auto" picks it on a
-  GPU where its handlers are filed for CUDA.
+  the accelerator's stream: the handler copies the gradients (flattened on
+  the device) to pinned staging, the kernel steps the state where it lives
+  on the process's host threads when the stream reaches it, and the new
+  weights are copied back, all in stream order (stream_launch.h). XLA's
+  host compute stages every operand through buffers of its own on a GPU;
+  this keeps the state out of it. Opt-in until a GPU run has measured it.
 - "device" (`Device`): the MaxText-style baseline: the state lives in host
   memory between steps but is copied to the accelerator, updated there and
   copied back.
@@ -127,10 +127,9 @@ def resolve(executor: str) -> str:
     if executor == 'ffi' and backend != 'cpu':
       _check_host_registration()
     return 'ffi' if executor == 'auto' else executor
-  if backend == 'gpu' and grace_adam.stream_registration()[0]:
-    return 'stream'
   # Elsewhere host compute is compiled inside the accelerator's PJRT plugin,
-  # which finds the kernel only in its own registry (plugin_ffi.py).
+  # which finds the kernel only in its own registry (plugin_ffi.py). The
+  # "stream" executor stays opt-in until a GPU run has measured it.
   return 'ffi' if plugin_ffi.host_registration().ok else 'xla_host'
 
 
@@ -393,14 +392,15 @@ class Kernel(_OnHost):
   math = staticmethod(_kernel_step)
 
 
-def to_host_flat(x: jax.Array) -> jax.Array:
-  """`x` flattened where it is, then moved to host memory.
+def flat(x: jax.Array) -> jax.Array:
+  """`x` flattened where it is, for the stream-ordered handlers.
 
-  Flattened on the device: a gradient that a dot left column-major would
-  otherwise reach the host step in a layout it does not read, and XLA:GPU
-  does not reconcile layouts across host offloading.
+  A gradient that a dot left column-major would otherwise reach the
+  handler in a layout it does not read; rank 1 has one layout. The handler
+  copies it to host memory itself where XLA left it in device memory
+  (XLA:GPU elides a move to host memory whose only user is a custom call).
   """
-  return host_memory.to_host(x.reshape(-1))
+  return x.reshape(-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,7 +418,7 @@ class Stream(_Plain):
       nu,
       grads,
       params,
-      place=to_host_flat,
+      place=flat,
       **skip,
     )
     if out.weights is None:

@@ -188,52 +188,16 @@ def stream_roofline(
   return tuple(call(master, grad, mu, nu))
 
 
-# Moves an operand that is not state to where a handler reads it: as it is
-# for host compute, to host memory (flattened on the way) for the handlers
-# ordered on a GPU stream (executors.Stream). Results shaped like the
-# gradients take the placed gradients' shapes.
+# Prepares an operand that is not state for a handler: as it is for host
+# compute; flattened on the device for the handlers ordered on a GPU stream
+# (executors.Stream), which copy what is in device memory to host memory
+# themselves (stream_launch.h). Results shaped like the gradients take the
+# placed gradients' shapes.
 Place = Callable[[jax.Array], jax.Array]
 
 
 def _as_is(x: jax.Array) -> jax.Array:
   return x
-
-
-def _destinations(
-  place: Place,
-  grads: list[jax.Array],
-  weight_dtypes: list | None,
-  params: list[jax.Array] | None,
-  first_params: int,
-  num_operands: int,
-  first_weights: int,
-) -> tuple[list[jax.Array], dict[int, int]]:
-  """Operands for the results that are not state to be written into.
-
-  Only for handlers ordered on a GPU stream (`place` set), which write host
-  memory alone: a result XLA allocates itself would be device memory. The
-  weights copies are written over the parameters' host copies they start
-  from (each element read before it is written), or into fresh buffers
-  without parameters; the sum of squares into the last operand (see
-  DestinationOperands in ffi_support.h). Returns the extra operands and
-  the aliases they add (the sum of squares is result 0).
-  """
-  if place is _as_is:
-    return [], {}
-  extra, aliases = [], {}
-  if weight_dtypes is not None:
-    k = len(grads)
-    if params is not None:
-      aliases = {first_params + j: first_weights + j for j in range(k)}
-    else:
-      extra = [
-        place(jnp.zeros(g.shape, d))
-        for g, d in zip(grads, weight_dtypes, strict=True)
-      ]
-      aliases = {num_operands + j: first_weights + j for j in range(k)}
-  aliases[num_operands + len(extra)] = 0
-  extra.append(place(jnp.zeros((1,), jnp.float32)))
-  return extra, aliases
 
 
 def _in_host_memory(xs: list[jax.Array]) -> list[jax.Array]:
@@ -332,40 +296,24 @@ def _bucket_call(
     *grads,
     *(params or []),
   ]
-  aliases = _aliases(2 + len(flags), 1, len(state) * k)
-  first_params = 2 + len(flags) + (len(state) + 1) * k
-  extra, more = _destinations(
-    place,
-    grads,
-    weight_dtypes,
-    params,
-    first_params,
-    len(operands),
-    1 + len(state) * k,
-  )
   call = jax.ffi.ffi_call(
     target,
     out_types,
     vmap_method='sequential',
-    input_output_aliases=aliases | more,
+    input_output_aliases=_aliases(2 + len(flags), 1, len(state) * k),
   )
   out = call(
     *operands,
-    *extra,
     nesterov=hyper.nesterov,
     num_leaves=np.int64(k),
     reseed=params is not None,
-    into=place is not _as_is,
     **attrs,
   )
   n = len(state)
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(n)]
-  weights, sumsq = list(out[1 + n * k :]), out[0]
   if place is not _as_is:
     runs = [_in_host_memory(run) for run in runs]
-    weights = _in_host_memory(weights)
-    [sumsq] = _in_host_memory([sumsq])
-  return runs, weights, sumsq
+  return runs, list(out[1 + n * k :]), out[0]
 
 
 def adam_step_lowp_segments(
@@ -460,31 +408,23 @@ def adam_step_speculative(
     *grads,
     *(params or []),
   ]
-  extra, more = _destinations(
-    place, grads, weight_dtypes, params, 3 + 5 * k, len(operands), 1 + 4 * k
-  )
   call = jax.ffi.ffi_call(
     ADAM_STEP_SPECULATIVE_TARGET,
     out_types,
     vmap_method='sequential',
-    input_output_aliases=_aliases(3, 1, 4 * k) | more,
+    input_output_aliases=_aliases(3, 1, 4 * k),
   )
   out = call(
     *operands,
-    *extra,
     nesterov=hyper.nesterov,
     keep_nonfinite=bool(keep_nonfinite),
     num_leaves=np.int64(k),
     reseed=params is not None,
-    into=place is not _as_is,
   )
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(4)]
-  weights, sumsq = list(out[1 + 4 * k :]), out[0]
   if place is not _as_is:
     runs = [_in_host_memory(run) for run in runs]
-    weights = _in_host_memory(weights)
-    [sumsq] = _in_host_memory([sumsq])
-  return (*runs, sumsq, weights)
+  return (*runs, out[0], list(out[1 + 4 * k :]))
 
 
 def adam_step_validated(
@@ -539,8 +479,6 @@ def adam_step_validated(
     num_leaves=np.int64(k),
   )
   runs = [list(out[r * k : (r + 1) * k]) for r in range(3)]
-  weights = list(out[3 * k :])
   if place is not _as_is:
     runs = [_in_host_memory(run) for run in runs]
-    weights = _in_host_memory(weights)
-  return (*runs, weights)
+  return (*runs, list(out[3 * k :]))

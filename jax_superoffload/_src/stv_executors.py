@@ -159,7 +159,7 @@ def _speculate(
 ):
   """STV's speculative kernel step on double-buffered leaves (see stv.py)."""
   dtypes = executors.weight_dtypes(b)
-  place = executors.to_host_flat if stream else None
+  place = executors.flat if stream else None
 
   def fn(hyper, row, master, mu, nu, kept, grads, params):
     m, a, v, k, sumsq, weights = grace_adam.adam_step_speculative(
@@ -174,10 +174,8 @@ def _speculate(
       params=params,
       place=place,
     )
-    weights = None if dtypes is None else weights
-    if stream and weights is not None:  # Flat: shaped like the kept grads.
-      weights = [w.reshape(x.shape) for w, x in zip(weights, k, strict=True)]
-    return Speculated(m, a, v, k, sumsq, weights)
+    # On the stream the weights are flat until _finish_pair shapes them.
+    return Speculated(m, a, v, k, sumsq, None if dtypes is None else weights)
 
   if stream:
     return fn(hyper, row, master, mu, nu, kept, grads, params)
@@ -198,7 +196,7 @@ def _validate_pair(
   hyper, out: Speculated, row, redo, skip, scale, stream=False
 ):
   """Redoes a clipped speculative step from its untouched row, in place."""
-  place = executors.to_host_flat if stream else None
+  place = executors.flat if stream else None
 
   def fn(hyper, master, mu, nu, kept, weights, flags):
     row, redo, skip, scale = flags
@@ -237,8 +235,14 @@ def _finish_pair(b: Bucket, out: Speculated, row) -> BucketOut:
   step the weights are discarded, so it does not matter which row).
   """
   state = (out.master, out.mu, out.nu)
-  if out.weights is not None:
-    return BucketOut(*state, [host_memory.to_device(w) for w in out.weights])
+  if out.weights is not None:  # Shaped like the kept gradients' leaves.
+    return BucketOut(
+      *state,
+      [
+        host_memory.to_device(w).reshape(k.shape)
+        for w, k in zip(out.weights, out.kept, strict=True)
+      ],
+    )
   row = jnp.asarray(row, jnp.int32)
   weights = []
   for pair in out.master:
