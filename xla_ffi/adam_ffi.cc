@@ -605,78 +605,53 @@ ffi::Error AdamStepValidated(
   return launch.Run(std::move(work));
 }
 
-// Each bucket handler twice: on XLA:CPU's pool (also the CUDA plugin's host
-// compute) and ordered on a CUDA stream (stream_launch.h).
-ffi::Error SegmentsOnCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
-                         ffi::Buffer<ffi::F32> scalars, ffi::RemainingArgs args,
-                         ffi::ResultBuffer<ffi::F32> sumsq,
-                         ffi::RemainingRets rets, bool nesterov,
-                         bool keep_nonfinite, bool compute_sumsq,
-                         int64_t num_leaves, bool reseed) {
-  RunNow launch(&pool);
-  return AdamStepSegments(launch, count, scalars, args, sumsq, rets, nesterov,
-                          keep_nonfinite, compute_sumsq, num_leaves, reseed);
+// The bindings of the bucket handlers, behind the context: XLA:CPU's pool,
+// or the CUDA stream (launch.h's OnCpu and OnStream).
+template <class Context>
+auto SegmentsBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Context>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .RemainingArgs()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .RemainingRets()
+      .template Attr<bool>("nesterov")
+      .template Attr<bool>("keep_nonfinite")
+      .template Attr<bool>("compute_sumsq")
+      .template Attr<int64_t>("num_leaves")
+      .template Attr<bool>("reseed");
 }
 
-ffi::Error SegmentsOnStream(void* stream, ffi::Buffer<ffi::S32> count,
-                            ffi::Buffer<ffi::F32> scalars,
-                            ffi::RemainingArgs args,
-                            ffi::ResultBuffer<ffi::F32> sumsq,
-                            ffi::RemainingRets rets, bool nesterov,
-                            bool keep_nonfinite, bool compute_sumsq,
-                            int64_t num_leaves, bool reseed) {
-  OnStream launch(SystemCudaDriver(nullptr), stream);
-  return AdamStepSegments(launch, count, scalars, args, sumsq, rets, nesterov,
-                          keep_nonfinite, compute_sumsq, num_leaves, reseed);
+template <class Context>
+auto SpeculativeBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Context>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .RemainingArgs()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .RemainingRets()
+      .template Attr<bool>("nesterov")
+      .template Attr<bool>("keep_nonfinite")
+      .template Attr<int64_t>("num_leaves")
+      .template Attr<bool>("reseed");
 }
 
-ffi::Error SpeculativeOnCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
-                            ffi::Buffer<ffi::F32> scalars,
-                            ffi::Buffer<ffi::S32> row, ffi::RemainingArgs args,
-                            ffi::ResultBuffer<ffi::F32> sumsq,
-                            ffi::RemainingRets rets, bool nesterov,
-                            bool keep_nonfinite, int64_t num_leaves,
-                            bool reseed) {
-  RunNow launch(&pool);
-  return AdamStepSpeculative(launch, count, scalars, row, args, sumsq, rets,
-                             nesterov, keep_nonfinite, num_leaves, reseed);
-}
-
-ffi::Error SpeculativeOnStream(void* stream, ffi::Buffer<ffi::S32> count,
-                               ffi::Buffer<ffi::F32> scalars,
-                               ffi::Buffer<ffi::S32> row,
-                               ffi::RemainingArgs args,
-                               ffi::ResultBuffer<ffi::F32> sumsq,
-                               ffi::RemainingRets rets, bool nesterov,
-                               bool keep_nonfinite, int64_t num_leaves,
-                               bool reseed) {
-  OnStream launch(SystemCudaDriver(nullptr), stream);
-  return AdamStepSpeculative(launch, count, scalars, row, args, sumsq, rets,
-                             nesterov, keep_nonfinite, num_leaves, reseed);
-}
-
-ffi::Error ValidatedOnCpu(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
-                          ffi::Buffer<ffi::F32> scalars,
-                          ffi::Buffer<ffi::S32> row,
-                          ffi::Buffer<ffi::S32> flags,
-                          ffi::Buffer<ffi::F32> redo_scale,
-                          ffi::RemainingArgs args, ffi::RemainingRets rets,
-                          bool nesterov, int64_t num_leaves) {
-  RunNow launch(&pool);
-  return AdamStepValidated(launch, count, scalars, row, flags, redo_scale, args,
-                           rets, nesterov, num_leaves);
-}
-
-ffi::Error ValidatedOnStream(void* stream, ffi::Buffer<ffi::S32> count,
-                             ffi::Buffer<ffi::F32> scalars,
-                             ffi::Buffer<ffi::S32> row,
-                             ffi::Buffer<ffi::S32> flags,
-                             ffi::Buffer<ffi::F32> redo_scale,
-                             ffi::RemainingArgs args, ffi::RemainingRets rets,
-                             bool nesterov, int64_t num_leaves) {
-  OnStream launch(SystemCudaDriver(nullptr), stream);
-  return AdamStepValidated(launch, count, scalars, row, flags, redo_scale, args,
-                           rets, nesterov, num_leaves);
+template <class Context>
+auto ValidatedBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Context>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .RemainingArgs()
+      .RemainingRets()
+      .template Attr<bool>("nesterov")
+      .template Attr<int64_t>("num_leaves");
 }
 
 }  // namespace
@@ -740,90 +715,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamRoofline,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSegments,
-                              jax_superoffload::SegmentsOnCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .RemainingRets()
-                                  .Attr<bool>("nesterov")
-                                  .Attr<bool>("keep_nonfinite")
-                                  .Attr<bool>("compute_sumsq")
-                                  .Attr<int64_t>("num_leaves")
-                                  .Attr<bool>("reseed"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JsoAdamStepSegments,
+    jax_superoffload::kOnCpu<jax_superoffload::AdamStepSegments>,
+    jax_superoffload::SegmentsBinding<ffi::ThreadPool>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSegmentsStream,
-                              jax_superoffload::SegmentsOnStream,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .RemainingRets()
-                                  .Attr<bool>("nesterov")
-                                  .Attr<bool>("keep_nonfinite")
-                                  .Attr<bool>("compute_sumsq")
-                                  .Attr<int64_t>("num_leaves")
-                                  .Attr<bool>("reseed"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JsoAdamStepSegmentsStream,
+    jax_superoffload::kOnStream<jax_superoffload::AdamStepSegments>,
+    jax_superoffload::SegmentsBinding<ffi::PlatformStream<void*>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSpeculative,
-                              jax_superoffload::SpeculativeOnCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .RemainingRets()
-                                  .Attr<bool>("nesterov")
-                                  .Attr<bool>("keep_nonfinite")
-                                  .Attr<int64_t>("num_leaves")
-                                  .Attr<bool>("reseed"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JsoAdamStepSpeculative,
+    jax_superoffload::kOnCpu<jax_superoffload::AdamStepSpeculative>,
+    jax_superoffload::SpeculativeBinding<ffi::ThreadPool>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepSpeculativeStream,
-                              jax_superoffload::SpeculativeOnStream,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .RemainingRets()
-                                  .Attr<bool>("nesterov")
-                                  .Attr<bool>("keep_nonfinite")
-                                  .Attr<int64_t>("num_leaves")
-                                  .Attr<bool>("reseed"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JsoAdamStepSpeculativeStream,
+    jax_superoffload::kOnStream<jax_superoffload::AdamStepSpeculative>,
+    jax_superoffload::SpeculativeBinding<ffi::PlatformStream<void*>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepValidated,
-                              jax_superoffload::ValidatedOnCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<bool>("nesterov")
-                                  .Attr<int64_t>("num_leaves"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JsoAdamStepValidated,
+    jax_superoffload::kOnCpu<jax_superoffload::AdamStepValidated>,
+    jax_superoffload::ValidatedBinding<ffi::ThreadPool>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepValidatedStream,
-                              jax_superoffload::ValidatedOnStream,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<bool>("nesterov")
-                                  .Attr<int64_t>("num_leaves"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JsoAdamStepValidatedStream,
+    jax_superoffload::kOnStream<jax_superoffload::AdamStepValidated>,
+    jax_superoffload::ValidatedBinding<ffi::PlatformStream<void*>>());

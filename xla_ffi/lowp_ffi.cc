@@ -266,63 +266,33 @@ ffi::Error AdamStepLowpSegments(
   return launch.Run(std::move(work));
 }
 
-ffi::Error LowpSegmentsOnCpu(
-    ffi::ThreadPool pool, ffi::Buffer<ffi::S32> count,
-    ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> skip,
-    ffi::RemainingArgs args, ffi::ResultBuffer<ffi::F32> sumsq,
-    ffi::RemainingRets rets, bool nesterov, bool keep_nonfinite,
-    bool compute_sumsq, int64_t num_leaves, bool reseed, bool quantized) {
-  RunNow launch(&pool);
-  return AdamStepLowpSegments(launch, count, scalars, skip, args, sumsq, rets,
-                              nesterov, keep_nonfinite, compute_sumsq,
-                              num_leaves, reseed, quantized);
-}
-
-ffi::Error LowpSegmentsOnStream(
-    void* stream, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
-    ffi::Buffer<ffi::S32> skip, ffi::RemainingArgs args,
-    ffi::ResultBuffer<ffi::F32> sumsq, ffi::RemainingRets rets, bool nesterov,
-    bool keep_nonfinite, bool compute_sumsq, int64_t num_leaves, bool reseed,
-    bool quantized) {
-  OnStream launch(SystemCudaDriver(nullptr), stream);
-  return AdamStepLowpSegments(launch, count, scalars, skip, args, sumsq, rets,
-                              nesterov, keep_nonfinite, compute_sumsq,
-                              num_leaves, reseed, quantized);
+template <class Context>
+auto LowpSegmentsBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Context>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .RemainingArgs()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .RemainingRets()
+      .template Attr<bool>("nesterov")
+      .template Attr<bool>("keep_nonfinite")
+      .template Attr<bool>("compute_sumsq")
+      .template Attr<int64_t>("num_leaves")
+      .template Attr<bool>("reseed")
+      .template Attr<bool>("quantized");
 }
 
 }  // namespace
 }  // namespace jax_superoffload
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowpSegments,
-                              jax_superoffload::LowpSegmentsOnCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .RemainingRets()
-                                  .Attr<bool>("nesterov")
-                                  .Attr<bool>("keep_nonfinite")
-                                  .Attr<bool>("compute_sumsq")
-                                  .Attr<int64_t>("num_leaves")
-                                  .Attr<bool>("reseed")
-                                  .Attr<bool>("quantized"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JsoAdamStepLowpSegments,
+    jax_superoffload::kOnCpu<jax_superoffload::AdamStepLowpSegments>,
+    jax_superoffload::LowpSegmentsBinding<ffi::ThreadPool>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowpSegmentsStream,
-                              jax_superoffload::LowpSegmentsOnStream,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .RemainingRets()
-                                  .Attr<bool>("nesterov")
-                                  .Attr<bool>("keep_nonfinite")
-                                  .Attr<bool>("compute_sumsq")
-                                  .Attr<int64_t>("num_leaves")
-                                  .Attr<bool>("reseed")
-                                  .Attr<bool>("quantized"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JsoAdamStepLowpSegmentsStream,
+    jax_superoffload::kOnStream<jax_superoffload::AdamStepLowpSegments>,
+    jax_superoffload::LowpSegmentsBinding<ffi::PlatformStream<void*>>());

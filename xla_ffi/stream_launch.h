@@ -67,6 +67,21 @@ class OnStream final : public Launch {
   std::vector<Copy> out_;  // Staging to device, after it.
 };
 
+// A bucket handler's body `Body(Launch&, operands...)` as the handler of
+// one platform: on XLA:CPU's pool (also the CUDA plugin's host compute), or
+// ordered on a CUDA stream.
+template <auto Body>
+constexpr auto kOnCpu = [](ffi::ThreadPool pool, auto... operands) {
+  RunNow launch(&pool);
+  return Body(launch, operands...);
+};
+
+template <auto Body>
+constexpr auto kOnStream = [](void* stream, auto... operands) {
+  OnStream launch(SystemCudaDriver(nullptr), stream);
+  return Body(launch, operands...);
+};
+
 // A step that ran from a stream cannot fail its call, which has returned:
 // its error is printed, kept, and returned by the next stream launch in the
 // process (which then clears it). Returns and clears it.
