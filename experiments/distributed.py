@@ -78,14 +78,18 @@ def initialize(cfg: config_lib.Config) -> Topology:
   if not jax.distributed.is_initialized():
     # CPU collectives between processes go through gloo (no-op elsewhere).
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-    jax.distributed.initialize(
-      coordinator_address=cfg.coordinator,
-      num_processes=cfg.num_processes,
-      process_id=cfg.process_id,
-      initialization_timeout=cfg.init_timeout_s,
-      heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
-      shutdown_timeout_seconds=cfg.shutdown_timeout_s,
-    )
+    try:
+      jax.distributed.initialize(
+        coordinator_address=cfg.coordinator,
+        num_processes=cfg.num_processes,
+        process_id=cfg.process_id,
+        initialization_timeout=cfg.init_timeout_s,
+        heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
+        shutdown_timeout_seconds=cfg.shutdown_timeout_s,
+      )
+    except ValueError as e:  # Auto-detection found no cluster, for one.
+      text = ' '.join(str(e).split())
+      raise config_lib.ConfigError(f'jax.distributed: {text}') from None
   return Topology(
     jax.process_index(),
     jax.process_count(),

@@ -37,11 +37,19 @@ the batch is sharded over 'data', sequences over 'seq' (Ulysses attention),
 parameters are replicated, and ``--zero`` shards SuperOffload's host state
 over 'data'.
 
+Processes: with ``--coordinator HOST:PORT --num-processes N --process-id
+I`` (or ``--distributed auto`` under SLURM and the like) the run is N
+`jax.distributed` processes whose devices form one mesh; process 0 writes
+the run folder and holds the checkpoint folder's lock, every process saves
+its own shards, and a lost process stops the others at once (exit 4, one
+line; see `experiments.distributed`).
+
 Exit status: 0 when all steps are done; 2 for a configuration refused before
 any compilation (one line, ``error: ...``, on stderr; nothing left on
 disk); 3 when the loss or the parameters became non-finite (one ``error:``
 line; the last checkpoint saved before is kept; ``--on-nonfinite continue``
-goes on instead); 128 + the signal number after SIGINT or SIGTERM.
+goes on instead); 4 when another process of the run was lost; 128 + the
+signal number after SIGINT or SIGTERM.
 """
 
 # Tensor names carry their shapes (`x_BxLxD`), NanoDO style.
