@@ -198,3 +198,24 @@ def test_lost_process_caught_then_both_resume(tmp_path, env, reference):
   assert [r['loss'] for r in tail] == [
     r['loss'] for r in reference[resumed[0] :]
   ]
+
+
+def test_incomplete_launch_flags_are_one_line(capsys):
+  assert train.main(['--preset=tiny', '--coordinator=127.0.0.1:1']) == 2
+  err = capsys.readouterr().err
+  assert err.count('\n') == 1 and '--num-processes' in err, err
+
+
+def test_auto_without_a_cluster_is_refused(env):
+  bare = {k: v for k, v in env.items() if not k.startswith(('SLURM', 'OMPI'))}
+  proc = subprocess.run(
+    [*_TRAIN, '--preset=tiny', '--distributed=auto'],
+    cwd=_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=_TIMEOUT_S,
+    env=bare,
+  )
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.startswith('error: jax.distributed: ')
+  assert proc.stderr.count('\n') == 1, proc.stderr
