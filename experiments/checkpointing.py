@@ -17,7 +17,11 @@ truncated file fails there) and the CRC-32 of every restored array against
 the one written at save (bytes changed in place). `restore_newest_intact`
 falls back to older checkpoints past damaged ones.
 
-One trainer writes a checkpoint folder at a time (`folder_lock.FolderLock`).
+One job writes a checkpoint folder at a time (`folder_lock.FolderLock`,
+taken by its process 0). Over several processes (`jax.distributed`) every
+process saves and restores its own shards through Orbax's multi-process
+checkpointing (process 0 writes the metadata and commits the step); the
+checksums are of whole arrays, so they do not depend on the topology.
 
 The trainer's only random stream after initialization is the data order,
 whose generator is re-derived from the iterator's position (seed, epoch,
@@ -295,7 +299,17 @@ class DamagedCheckpointError(Exception):
 
 
 def _crc32(x: Any) -> int:
-  """CRC-32 of an array's bytes (brought to host memory)."""
+  """CRC-32 of an array's bytes (brought to host memory).
+
+  An array sharded over several processes is gathered whole first (a
+  collective: every process calls this for the same arrays in the same
+  order), so the checksum does not depend on the topology and a restore
+  onto another process count verifies it too.
+  """
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+
+    x = multihost_utils.process_allgather(x, tiled=True)
   data = np.ascontiguousarray(np.asarray(x))
   return zlib.crc32(data.reshape(-1).view(np.uint8))
 
@@ -367,13 +381,24 @@ def restore_newest_intact(
       reasons.append(f'step {step}: {_one_line(e)}')
       damaged.append(step)
       continue
-    for bad in damaged:
-      _set_aside(checkpointer.directory, bad)
+    if damaged:
+      if jax.process_index() == 0:
+        for bad in damaged:
+          _set_aside(checkpointer.directory, bad)
+      _sync('experiments.checkpointing.set_aside')
     return Resumed(step, restored.state, restored.meta, reasons)
   raise config_lib.ConfigError(
     f'--resume: no intact checkpoint in {checkpointer.directory} '
     f'({"; ".join(reasons) or "none complete"})'
   )
+
+
+def _sync(name: str) -> None:
+  """Waits for every process to get here (nothing to wait for alone)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
 
 
 def _set_aside(directory: pathlib.Path, step: int) -> None:

@@ -138,6 +138,25 @@ class Config:
   # ZeRO: shard the optimizer's host state over the 'data' axis.
   zero: bool = False
 
+  # --- Distributed ---
+  # jax.distributed: "off" (one process unless --coordinator is given) or
+  # "auto" (the cluster auto-detection of jax.distributed.initialize:
+  # SLURM, Open MPI, Cloud TPU; explicit flags below override it).
+  distributed: str = 'off'
+  # Coordinator "host:port" (process 0's host); starts jax.distributed.
+  coordinator: str | None = None
+  # Number of processes of the run (with --coordinator).
+  num_processes: int | None = None
+  # This process's id in [0, num_processes) (with --coordinator).
+  process_id: int | None = None
+  # Seconds without heartbeats after which XLA declares a process dead and
+  # aborts the others (a killed process is caught at once by the watchdog).
+  heartbeat_timeout_s: int = 100
+  # Seconds a finishing process waits for the others at shutdown.
+  shutdown_timeout_s: int = 300
+  # Seconds to wait for every process to join at start.
+  init_timeout_s: int = 300
+
   # --- Checkpoint ---
   # Checkpoint folder (also for SIGINT/SIGTERM); None: <out_dir>/checkpoints.
   checkpoint_dir: str | None = None
@@ -185,6 +204,7 @@ MOMENTS = ('fp32', 'bf16', '8bit')
 SCHEDULES = ('cosine', 'linear', 'constant', 'wsd')
 ON_NONFINITE = ('stop', 'continue')
 DTYPES = ('float32', 'bfloat16', 'float16')
+DISTRIBUTED = ('off', 'auto')
 CHOICES: dict[str, tuple[str, ...]] = {
   'optimizer': OPTIMIZERS,
   'schedule': SCHEDULES,
@@ -196,6 +216,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
   'moments': MOMENTS,
   'pos_encoding': POS_ENCODINGS,
   'weights_policy': WEIGHTS_POLICIES,
+  'distributed': DISTRIBUTED,
 }
 
 # Overrides of the `Config` defaults for each named preset. Parameter counts
@@ -458,6 +479,40 @@ def validate(cfg: Config) -> None:
   _validate_optimizer(cfg)
   _validate_model_and_mesh(cfg)
   _validate_run(cfg)
+  _validate_distributed(cfg)
+
+
+def _validate_distributed(cfg: Config) -> None:
+  """The launch flags: all three explicit ones together, or auto."""
+  explicit = {
+    'coordinator': cfg.coordinator,
+    'num_processes': cfg.num_processes,
+    'process_id': cfg.process_id,
+  }
+  given = [k for k, v in explicit.items() if v is not None]
+  if cfg.distributed == 'off' and given and len(given) < 3:
+    missing = ', '.join(
+      '--' + k.replace('_', '-') for k in explicit if k not in given
+    )
+    raise ConfigError(
+      f'--{given[0].replace("_", "-")} needs {missing} too (or '
+      '--distributed auto)'
+    )
+  if cfg.num_processes is not None and cfg.num_processes < 1:
+    raise ConfigError(
+      f'num_processes must be at least 1, got {cfg.num_processes}'
+    )
+  if cfg.process_id is not None and not (
+    0 <= cfg.process_id < (cfg.num_processes or cfg.process_id + 1)
+  ):
+    raise ConfigError(
+      f'process_id ({cfg.process_id}) must be in [0, num_processes '
+      f'({cfg.num_processes}))'
+    )
+  if cfg.coordinator is not None and ':' not in cfg.coordinator:
+    raise ConfigError(
+      f'coordinator must be "host:port", got {cfg.coordinator!r}'
+    )
 
 
 def _validate_counts(cfg: Config) -> None:
@@ -478,6 +533,9 @@ def _validate_counts(cfg: Config) -> None:
     'data_max_bytes',
     'eval_batches',
     'final_loss_window',
+    'heartbeat_timeout_s',
+    'shutdown_timeout_s',
+    'init_timeout_s',
   )
   for field in positive:
     if getattr(cfg, field) < 1:

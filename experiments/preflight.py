@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from experiments import config as config_lib
 from experiments import data as data_lib
+from experiments import distributed
 from experiments import folder_lock
 from experiments import optim
 from experiments import steps as steps_lib
@@ -60,6 +61,8 @@ class RunPlan:
   eval_batches: list[tuple[np.ndarray, np.ndarray]]
   corpus_bytes: int
   lock: folder_lock.FolderLock | None = None
+  # This process's place in a multi-process run (process 0 writes files).
+  topology: distributed.Topology = distributed.SINGLE
   # Folders this run created, deepest first (removed if the start fails).
   created: list[pathlib.Path] = dataclasses.field(default_factory=list)
 
@@ -120,12 +123,18 @@ def _read_data(
   return batches, evals, len(tokens_N)
 
 
-def plan_run(cfg: config_lib.Config, log: Callable[[str], None]) -> RunPlan:
+def plan_run(
+  cfg: config_lib.Config,
+  log: Callable[[str], None],
+  topology: distributed.Topology = distributed.SINGLE,
+) -> RunPlan:
   """Every check that needs no compilation, in the order a user fixes them.
 
   Validates the config, builds the mesh, reads the data, builds the
   optimizer (its own checks), then takes the checkpoint folder's lock and
-  checks the folders. Nothing is left on disk when it raises.
+  checks the folders. Nothing is left on disk when it raises. Over several
+  processes, process 0 alone takes the lock and checks the folders (one
+  job per checkpoint folder), and the others stop with its verdict.
 
   Raises:
     ConfigError: For any problem, as one line.
@@ -151,8 +160,11 @@ def plan_run(cfg: config_lib.Config, log: Callable[[str], None]) -> RunPlan:
     cfg.checkpoint_dir or pathlib.Path(cfg.out_dir or out_dir) / 'checkpoints'
   )
   plan = RunPlan(mesh, ckpt_dir, out_dir, batches, evals, corpus_bytes)
+  plan.topology = topology
   try:
-    _check_folders(cfg, plan, log)
+    distributed.agree(
+      topology, 'folders', lambda: _check_folders(cfg, plan, log)
+    )
   except BaseException:
     plan.undo()
     raise
@@ -186,7 +198,12 @@ def _check_folders(
 
 
 def make_writable(plan: RunPlan, out_dir: pathlib.Path) -> None:
-  """Creates the run folder and checks a file can be written there."""
+  """Creates the run folder and checks a file can be written there.
+
+  Only process 0 writes the run folder; the others leave it alone.
+  """
+  if not plan.topology.primary:
+    return
   try:
     plan.make_dirs(out_dir)
     probe = out_dir / f'.write-test-{id(plan)}'

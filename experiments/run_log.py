@@ -72,19 +72,31 @@ class RunLog:
   discard its own events from `start_step` on.
   """
 
-  def __init__(self, out_dir: pathlib.Path, start_step: int, tensorboard: bool):
+  def __init__(
+    self,
+    out_dir: pathlib.Path,
+    start_step: int,
+    tensorboard: bool,
+    write_files: bool = True,
+  ):
     """Opens the run folder's logs.
 
     Args:
       out_dir: The run folder (it exists).
       start_step: The first step this process will log.
       tensorboard: Whether to write TensorBoard event files too.
+      write_files: False keeps the records in memory only (the processes
+        of a multi-process run other than process 0).
     """
     self.path = out_dir / METRICS_FILE
+    self._file = None
+    self._writer = None
+    if not write_files:
+      self.records = []
+      return
     self.records = read_metrics(self.path, start_step) if start_step else []
     write_jsonl(self.path, self.records)
     self._file = open(self.path, 'a')  # noqa: SIM115 (closed by close()).
-    self._writer = None
     if tensorboard:
       # Imported here: only runs that write events pay for the import.
       import tensorboardX
@@ -96,6 +108,8 @@ class RunLog:
   def write(self, record: dict[str, Any]) -> None:
     """Logs one step's record (flushed, so a kill loses at most one line)."""
     self.records.append(record)
+    if self._file is None:
+      return
     self._file.write(dumps(record) + '\n')
     self._file.flush()
     if self._writer is None:
@@ -111,6 +125,7 @@ class RunLog:
 
   def close(self) -> None:
     """Flushes and closes both logs."""
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     if self._writer is not None:
       self._writer.close()

@@ -170,7 +170,13 @@ def make_mesh(cfg: config_lib.Config) -> Mesh:
     ConfigError: If fewer devices exist.
   """
   need = cfg.mesh_data * cfg.mesh_seq
-  devices = jax.devices()
+  devices = jax.devices()  # Every process's, ordered by process.
+  if jax.process_count() > 1 and need != len(devices):
+    raise ConfigError(
+      f'mesh_data x mesh_seq = {cfg.mesh_data} x {cfg.mesh_seq} = {need} '
+      f'must span all {len(devices)} devices of the {jax.process_count()} '
+      'processes'
+    )
   if need > len(devices):
     raise ConfigError(
       f'mesh_data x mesh_seq = {cfg.mesh_data} x {cfg.mesh_seq} = {need} '

@@ -46,6 +46,12 @@ Config file format (TOML; JSON with the same structure also works)::
     preset = 'small'                       # the default
     flags = {d_model = 256, num_layers = 6, num_heads = 4, mlp_dim = 1024}
 
+A grid axis ``processes = [1, 2]`` runs each point as that many
+`jax.distributed` processes on this host (127.0.0.1, a free port, one
+``--process-id`` each; the mesh flags must span all their devices, as the
+environment's ``XLA_FLAGS`` or GPUs give them); the run is ``ok`` when
+every process exits 0, and a timeout kills them all.
+
 (TOML allows either the ``optimizer = [...]`` array or ``[[grid.optimizer]]``
 tables, not both; an array may mix names and one-line tables.) Flags are
 ``{field = value}`` tables (``d_model = 256`` becomes ``--d-model=256``,
@@ -68,6 +74,7 @@ import platform
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -112,9 +119,11 @@ class RunSpec:
   run_id: str
   grid: dict[str, Any]
   flags: tuple[str, ...]
+  # jax.distributed processes of the run (1: a plain single process).
+  processes: int = 1
 
   def argv(self, trainer: Sequence[str], out_dir: pathlib.Path) -> list[str]:
-    """The full command line of this run."""
+    """The full command line of this run (of each of its processes)."""
     return [*trainer, *self.flags, f'--out-dir={out_dir}', '--no-progress']
 
 
@@ -144,6 +153,9 @@ class ProcessResult:
 
 
 Runner = Callable[[Sequence[str], float, pathlib.Path], ProcessResult]
+MultiRunner = Callable[
+  [Sequence[Sequence[str]], float, pathlib.Path], ProcessResult
+]
 
 
 def flag_args(flags: Any) -> list[str]:
@@ -210,6 +222,9 @@ def make_run_id(grid: dict[str, Any], flags: Sequence[str]) -> str:
   if grid.get('weights_policy') is not None:
     parts.append(grid['weights_policy'])
   key = list(flags)
+  if grid.get('processes') is not None:
+    parts.append(f'p{grid["processes"]}')
+    key.append(f'processes={grid["processes"]}')
   if grid.get('repeat') is not None:
     parts.append(f'r{grid["repeat"]}')
     key.append(f'repeat={grid["repeat"]}')
@@ -243,6 +258,7 @@ def expand_grid(raw: dict[str, Any]) -> list[RunSpec]:
     raise ValueError('the grid needs at least one model and one optimizer')
   seq_lens = list(grid.get('seq_len', [None]))
   policies = list(grid.get('weights_policy', [None]))
+  process_counts = list(grid.get('processes', [None]))
   steps = int(raw.get('steps', 12))
   common = flag_args(raw.get('flags'))
   runs: list[RunSpec] = []
@@ -272,11 +288,15 @@ def expand_grid(raw: dict[str, Any]) -> list[RunSpec]:
             'weights_policy': policy,
             'steps': steps,
           }
-          runs.append(RunSpec(make_run_id(point, flags), point, tuple(flags)))
+          for count in process_counts:
+            at = point if count is None else {**point, 'processes': count}
+            runs.append(
+              RunSpec(make_run_id(at, flags), at, tuple(flags), count or 1)
+            )
   repeats = int(raw.get('repeats', 1))
   if repeats > 1:
     runs = [
-      RunSpec(make_run_id(point, r.flags), point, r.flags)
+      RunSpec(make_run_id(point, r.flags), point, r.flags, r.processes)
       for rep in range(repeats)
       for r in runs
       for point in [{**r.grid, 'repeat': rep}]
@@ -352,6 +372,59 @@ def run_subprocess(
     timed_out=timed_out,
     wall_s=time.perf_counter() - start,
   )
+
+
+def run_processes(
+  argvs: Sequence[Sequence[str]], timeout_s: float, cwd: pathlib.Path
+) -> ProcessResult:
+  """Runs the processes of one multi-process run; kills all on timeout.
+
+  Returns:
+    The first non-zero exit status (0 when all exit 0; None on timeout),
+    the output of that process (process 0's when all succeed), and the
+    wall time until the last one ended.
+  """
+  env = dict(os.environ, PYTHONUNBUFFERED='1')
+  start = time.perf_counter()
+  procs = [
+    subprocess.Popen(
+      list(argv),
+      cwd=cwd,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      start_new_session=True,
+    )
+    for argv in argvs
+  ]
+  outputs, timed_out = [], False
+  for proc in procs:
+    left = max(0.1, timeout_s - (time.perf_counter() - start))
+    try:
+      outputs.append(proc.communicate(timeout=None if timed_out else left))
+    except subprocess.TimeoutExpired:
+      timed_out = True
+      for other in procs:
+        with contextlib.suppress(ProcessLookupError):
+          os.killpg(other.pid, signal.SIGKILL)
+      outputs.append(proc.communicate())
+  codes = [p.returncode for p in procs]
+  bad = next((i for i, c in enumerate(codes) if c != 0), 0)
+  stdout, stderr = outputs[bad]
+  return ProcessResult(
+    returncode=None if timed_out else codes[bad],
+    stdout=stdout or '',
+    stderr=stderr or '',
+    timed_out=timed_out,
+    wall_s=time.perf_counter() - start,
+  )
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
 
 
 def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -457,6 +530,7 @@ class Sweep:
     config: The sweep.
     root: Working directory of the runs (the repository root).
     runner: Runs one command line; `run_subprocess` unless a test fakes it.
+    multi_runner: Runs the processes of a multi-process run together.
     log: Receives one progress line per run.
   """
 
@@ -466,10 +540,12 @@ class Sweep:
     root: str | os.PathLike[str] = '.',
     runner: Runner = run_subprocess,
     log: Callable[[str], None] = print,
+    multi_runner: MultiRunner = run_processes,
   ):
     self.config = config
     self.root = pathlib.Path(root)
     self.runner = runner
+    self.multi_runner = multi_runner
     self.log = log
 
   @property
@@ -526,7 +602,20 @@ class Sweep:
     argv = spec.argv(self.config.trainer, out_dir)
     source = source_state(self.root)  # The code this run is about to use.
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')
-    result = self.runner(argv, self.config.timeout_s, self.root)
+    if spec.processes > 1:
+      port = _free_port()
+      argvs = [
+        [
+          *argv,
+          f'--coordinator=127.0.0.1:{port}',
+          f'--num-processes={spec.processes}',
+          f'--process-id={i}',
+        ]
+        for i in range(spec.processes)
+      ]
+      result = self.multi_runner(argvs, self.config.timeout_s, self.root)
+    else:
+      result = self.runner(argv, self.config.timeout_s, self.root)
     record: dict[str, Any] = {
       'run_id': spec.run_id,
       'sweep': self.config.name,

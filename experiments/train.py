@@ -37,11 +37,19 @@ the batch is sharded over 'data', sequences over 'seq' (Ulysses attention),
 parameters are replicated, and ``--zero`` shards SuperOffload's host state
 over 'data'.
 
+Processes: with ``--coordinator HOST:PORT --num-processes N --process-id
+I`` (or ``--distributed auto`` under SLURM and the like) the run is N
+`jax.distributed` processes whose devices form one mesh; process 0 writes
+the run folder and holds the checkpoint folder's lock, every process saves
+its own shards, and a lost process stops the others at once (exit 4, one
+line; see `experiments.distributed`).
+
 Exit status: 0 when all steps are done; 2 for a configuration refused before
 any compilation (one line, ``error: ...``, on stderr; nothing left on
 disk); 3 when the loss or the parameters became non-finite (one ``error:``
 line; the last checkpoint saved before is kept; ``--on-nonfinite continue``
-goes on instead); 128 + the signal number after SIGINT or SIGTERM.
+goes on instead); 4 when another process of the run was lost; 128 + the
+signal number after SIGINT or SIGTERM.
 """
 
 # Tensor names carry their shapes (`x_BxLxD`), NanoDO style.
@@ -58,12 +66,14 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
 import jax_superoffload as superoffload
 from experiments import checkpointing
 from experiments import config as config_lib
+from experiments import distributed
 from experiments import optim
 from experiments import perf
 from experiments import preflight
@@ -100,7 +110,13 @@ NONFINITE_EXIT = 3
 
 def _changed_fields(old: dict[str, Any], cfg: config_lib.Config) -> list[str]:
   """Config fields that differ from a checkpoint's, bookkeeping aside."""
-  ignore = {'resume', 'out_dir', 'checkpoint_dir', 'progress'}
+  ignore = {
+    'resume',
+    'out_dir',
+    'checkpoint_dir',
+    'progress',
+    *config_lib.field_groups()['distributed'],
+  }
   return [
     f'{k}: {old.get(k)!r} -> {v!r}'
     for k, v in dataclasses.asdict(cfg).items()
@@ -186,8 +202,9 @@ def _summarize(
   wall_s: float,
 ) -> dict[str, Any]:
   """The run's summary (see `train`)."""
-  devices = list(plan.mesh.devices.flat)
-  by_kind = perf.bytes_by_memory_kind(trainable.state, devices[0])
+  here = jax.process_index()
+  device = next(d for d in plan.mesh.devices.flat if d.process_index == here)
+  by_kind = perf.bytes_by_memory_kind(trainable.state, device)
   num_params = trainable.num_params
   losses = [
     math.nan if r.get('loss') is None else r['loss'] for r in loop.log.records
@@ -287,18 +304,34 @@ def train(
       ``cfg.on_nonfinite`` is "stop".
   """
   wall_start = time.perf_counter()
-  plan = preflight.plan_run(cfg, log)
+  config_lib.validate(cfg)  # Before jax.distributed waits for the others.
+  topology = distributed.initialize(cfg)
+  watchdog = None
+  if topology.distributed:
+    log(
+      f'process {topology.process_id} of {topology.num_processes} '
+      f'(coordinator {topology.coordinator}, {jax.local_device_count()} of '
+      f'{jax.device_count()} devices here)'
+    )
+    watchdog = distributed.Watchdog(
+      topology, distributed.coordinator_host(topology)
+    )
   try:
-    trainable = steps_lib.build(cfg, plan.mesh)
-    start = _restore(cfg, plan, trainable, log)
-  except BaseException:
-    plan.undo()
-    raise
-  try:
-    return _train_from(cfg, plan, trainable, start, log, wall_start)
+    plan = preflight.plan_run(cfg, log, topology)
+    try:
+      trainable = steps_lib.build(cfg, plan.mesh)
+      start = _restore(cfg, plan, trainable, log)
+    except BaseException:
+      plan.undo()
+      raise
+    try:
+      return _train_from(cfg, plan, trainable, start, log, wall_start)
+    finally:
+      if plan.lock is not None:
+        plan.lock.release()
   finally:
-    if plan.lock is not None:
-      plan.lock.release()
+    if watchdog is not None:
+      watchdog.close()
 
 
 def _train_from(
@@ -311,10 +344,12 @@ def _train_from(
 ) -> dict[str, Any]:
   """Opens the run folder's logs, trains, and writes the summary."""
   out_dir = plan.out_dir
-  (out_dir / CONFIG_FILE).write_text(
-    json.dumps(config_lib.grouped(cfg), indent=2) + '\n'
-  )
-  (out_dir / SUMMARY_FILE).unlink(missing_ok=True)  # Stale once resumed.
+  primary = plan.topology.primary  # Only process 0 writes the run folder.
+  if primary:
+    (out_dir / CONFIG_FILE).write_text(
+      json.dumps(config_lib.grouped(cfg), indent=2) + '\n'
+    )
+    (out_dir / SUMMARY_FILE).unlink(missing_ok=True)  # Stale once resumed.
   loop = loop_lib.TrainLoop(cfg, plan, trainable, start)
   log(_start_line(cfg, plan, trainable, loop))
   if start.step:
@@ -322,15 +357,16 @@ def _train_from(
   if loop.peak is None:
     log('note: unknown peak FLOP/s for this device; MFU needs --peak-tflops')
   try:
-    loop.run(cfg.progress)
+    loop.run(cfg.progress and primary)
   finally:
     loop.close()
-    _write_plot(cfg, out_dir)
+    if primary:
+      _write_plot(cfg, out_dir)
   nnx.update((trainable.model, trainable.optimizer), trainable.state)
   summary = _summarize(
     cfg, plan, trainable, loop, time.perf_counter() - wall_start
   )
-  if loop.completed:
+  if loop.completed and primary:
     (out_dir / SUMMARY_FILE).write_text(
       json.dumps(run_log.json_safe(summary), indent=2) + '\n'
     )

@@ -8,7 +8,7 @@ stops.
 """
 
 # Tensor names carry their shapes (`x_BxLxD`), NanoDO style.
-# ruff: noqa: N806
+# ruff: noqa: N803, N806
 
 import dataclasses
 import datetime
@@ -127,7 +127,9 @@ class TrainLoop:
     self.saver = start.checkpointer
     self.last_saved = start.step if start.meta is not None else None
     self.step_times: list[float] = []
-    self.log = run_log.RunLog(self.out_dir, start.step, cfg.tensorboard)
+    self.log = run_log.RunLog(
+      self.out_dir, start.step, cfg.tensorboard, plan.topology.primary
+    )
     self.eval_result: dict[str, float] = {}
     self.stop = StopOnSignal()
     self.sharding = NamedSharding(
@@ -178,7 +180,7 @@ class TrainLoop:
     for inputs_BxL, targets_BxL in zip(
       inputs_AxBxL, targets_AxBxL, strict=True
     ):
-      batch = jax.device_put((inputs_BxL, targets_BxL), self.sharding)
+      batch = (self._place(inputs_BxL), self._place(targets_BxL))
       self.t.state, metrics = self.t.train_step(self.t.state, *batch)
       losses.append(metrics['loss'])
     values = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -201,10 +203,22 @@ class TrainLoop:
       record['resumed'] = True
     return record
 
+  def _place(self, x_BxL: np.ndarray) -> jax.Array:
+    """The global batch array; each process puts in its own shards.
+
+    Every process reads the same corpus in the same order, so each holds
+    the whole batch and contributes the slices its devices own.
+    """
+    if self.plan.topology.num_processes == 1:
+      return jax.device_put(x_BxL, self.sharding)
+    return jax.make_array_from_callback(
+      x_BxL.shape, self.sharding, lambda index: x_BxL[index]
+    )
+
   def evaluate(self) -> dict[str, float]:
     """Mean loss over the held-out batches, in nats and bits per byte."""
     losses = [
-      self.t.eval_step(self.t.state, *jax.device_put(b, self.sharding))
+      self.t.eval_step(self.t.state, *map(self._place, b))
       for b in self.plan.eval_batches
     ]
     loss = float(np.mean(jax.device_get(losses)))

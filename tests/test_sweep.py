@@ -395,3 +395,34 @@ def test_analyze_without_benchmarks(tmp_path):
   text = tables.read_text()
   assert 'bench_adam.json` not found' in text
   assert (tmp_path / 'o' / 'sweep_throughput.png').exists()
+
+
+def test_real_two_process_entry(tmp_path, monkeypatch):
+  """A grid point asking for 2 processes runs them under jax.distributed."""
+  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=1')
+  monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
+  text = f"""
+results = '{tmp_path}/procs.jsonl'
+runs_dir = '{tmp_path}/runs'
+steps = 3
+timeout_s = 180
+flags = ['--warmup-steps=1', '--data-max-bytes=50000', '--mesh-data=2',
+         '--peak-tflops=1', '--no-tensorboard']
+[grid]
+optimizer = ['superoffload']
+processes = [2]
+[[grid.model]]
+name = 'tiny'
+preset = 'tiny'
+"""
+  cfg = _write_config(tmp_path, text)
+  (spec,) = cfg.runs
+  assert spec.processes == 2 and '-p2-' in spec.run_id
+  sw = sweep.Sweep(cfg, root=_REPO, log=lambda _: None)
+  record = sw.run()[0]
+  assert record['status'] == 'ok', record['error']
+  assert record['grid']['processes'] == 2
+  assert record['summary']['steps'] == 3
+  # One metrics line per step: process 0 alone wrote the run folder.
+  metrics = (tmp_path / 'runs' / spec.run_id / 'metrics.jsonl').read_text()
+  assert len(metrics.splitlines()) == 3

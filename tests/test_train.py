@@ -67,6 +67,7 @@ def test_metrics_jsonl_written(optax_run):
     'data',
     'optimizer',
     'offload',
+    'distributed',
     'checkpoint',
     'logging',
   }
