@@ -134,8 +134,19 @@ def adam(
       reduce-scatter where XLA can), runs the host step per shard under
       `shard_map`, and all-gathers the new weights on the device. Axes of
       the mesh not named hold the state replicated. Without mesh
-      arguments the state follows the parameters' own shardings (FSDP,
-      tensor parallel), as `init` sees them.
+      arguments each state leaf is split as its parameter is (FSDP, tensor
+      parallel), and the step gathers neither state nor weights. `init`
+      and `update` are pure: `init` reads the parameters' shardings (when
+      traced, as under `jax.eval_shape`, their types), `update` the
+      state's own leaves (else the parameters'), so a state restored into
+      an `eval_shape` target steps as a fresh one and one transformation
+      serves any number of trees. Types name a split only over explicit
+      mesh axes: for parameters on auto axes, `init` types the state on the
+      same devices with explicit axes (combine its leaves with the
+      parameters only through `update`), and a traced `init` or a state
+      restored onto the auto mesh cannot see the split (the step is then
+      correct but gathers; restore such a state with the shardings it was
+      saved with).
     shard_axis: The mesh axis name (or tuple of names) to shard over.
 
   Returns:
