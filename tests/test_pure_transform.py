@@ -191,6 +191,40 @@ def test_one_transformation_serves_two_trees():
       ), (name, leaf_name, state.mu[leaf_name].sharding)
 
 
+@pytest.mark.parametrize(
+  'params_dtype', [jnp.bfloat16, jnp.float32, jnp.complex64]
+)
+def test_complex_mu_dtype_is_accepted_as_by_optax(params_dtype):
+  # optax.adam's own test_explicit_dtype: mu in mu_dtype whatever the params.
+  params = jnp.array([0.0, 0.3], params_dtype)
+  for make in (superoffload.adam, superoffload.adamw):
+    state = make(0.1, mu_dtype=jnp.complex64).init(params)
+    assert optax.tree_utils.tree_get(state, 'mu').dtype == jnp.complex64
+    assert optax.tree_utils.tree_get(state, 'nu').dtype == params_dtype
+
+
+def test_complex_mu_dtype_steps_as_optax():
+  # Complex parameters with complex moments: optax's path, optax's numbers.
+  rng = np.random.default_rng(0)
+
+  def cplx(shape, scale=1.0):
+    re_im = rng.standard_normal((2, *shape)) * scale
+    return jnp.asarray(re_im[0] + 1j * re_im[1], jnp.complex64)
+
+  params = {'w': cplx((3, 4)), 'b': cplx((4,))}
+  grads = [jax.tree.map(lambda p: cplx(p.shape, 0.1), params) for _ in range(3)]
+  results = []
+  for make in (superoffload.adamw, optax.adamw):
+    tx = make(LR, weight_decay=WD, mu_dtype=jnp.complex64)
+    p, state = params, tx.init(params)
+    step = jax.jit(tx.update)
+    for g in grads:
+      u, state = step(g, state, p)
+      p = optax.apply_updates(p, u)
+    results.append(p)
+  _assert_close_to(*results)
+
+
 def test_inject_hyperparams_keeps_the_state_split():
   # optax.inject_hyperparams builds the transformation anew inside each
   # update: only a pure update can know how the state is split there.
