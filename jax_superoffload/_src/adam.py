@@ -71,8 +71,14 @@ def adam(
     eps_root: Added to the second moment inside the square root.
     mu_dtype: Dtype of the first moment, as in optax: `None` or float32
       (fp32), or bfloat16 (stored rounded to nearest even, 2 B/param less
-      host memory and traffic), use the kernel; any other dtype takes the
-      optax path (state still in host memory).
+      host memory and traffic), use the kernel; any other floating or
+      complex dtype takes the optax path (state still in host memory).
+      A deliberate difference from optax: with `None`, bf16 and f16
+      parameters get fp32 moments (optax keeps them in the parameters'
+      dtype). They are the moments of the fp32 master, and a 16-bit `nu`
+      loses every change below its precision: a step moves `nu` by
+      `1 - b2` = 1e-3 of the gap to :math:`g^2`, under bf16's 2^-9 relative
+      rounding. Pass `mu_dtype` (and `nu_dtype`) for 16-bit moments.
     nesterov: Use the Nesterov (NAdam) momentum.
     nu_dtype: Dtype of the second moment on the kernel: `None` or float32,
       or bfloat16 (needs `mu_dtype=jnp.bfloat16`).
@@ -236,7 +242,8 @@ def adamw(
     b2: Decay rate of the second moment.
     eps: Added to the denominator outside the square root.
     eps_root: Added to the second moment inside the square root.
-    mu_dtype: Dtype of the first moment (see `adam`).
+    mu_dtype: Dtype of the first moment (see `adam`: `None` keeps fp32
+      moments for bf16 parameters, unlike optax).
     weight_decay: The decay rate :math:`\lambda`, a float or a schedule.
     mask: As in optax: a tree (or a prefix of one) of booleans, or a
       callable returning one from the parameters; `True` leaves are decayed.
