@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax_superoffload._src import following
 from jax_superoffload._src import host_memory
 from jax_superoffload._src import layout
 from jax_superoffload._src import moments
@@ -362,66 +363,39 @@ def init_following(opts, params: optax.Params) -> SuperOffloadState:
   if opts.zero is not None:
     return init(opts, params)
   block = moments.BLOCK if opts.moments_8bit else 0
-  return init(_following(opts, zero_lib.follow(params, block)), params)
+  return init(_following(opts, following.of_params(params, block)), params)
 
 
-def state_layout(opts, state: Any, reference: Any) -> zero_lib.Follow | None:
-  """How a state is split, read from its leaves, else from the parameters.
-
-  `reference`: the parameters (or the gradients without them). Concrete
-  leaves tell their shardings; traced ones their types, which name a spec
-  over explicit mesh axes only (`init` types the state so).
-  """
+def _state_split(opts, state: Any, reference: Any):
+  """The state's own split, else that of the parameters (or gradients)."""
   block = moments.BLOCK if opts.moments_8bit else 0
   if isinstance(state, SuperOffloadState):
-    ndims = [np.ndim(x) for x in jax.tree.leaves(reference)]
-    found = zero_lib.follow_state(state.master, ndims, block)
+    found = following.of_state(state.master, reference, block)
     if found is not None:
       return found
-  return zero_lib.follow_layouts(
-    [zero_lib.laid_out(x) for x in jax.tree.leaves(reference)], block
-  )
-
-
-def _onto(zero: zero_lib.Follow, tree: Any, mesh: Any = None) -> Any:
-  """`tree`'s leaves on `mesh` (default: the state's), split as the state.
-
-  Parameters on auto axes meet a state typed on the same devices with
-  explicit axes (see `zero.follow`): JAX combines no arrays of two meshes.
-  """
-  if tree is None:
-    return None
-  target = zero.mesh if mesh is None else mesh
-  leaves, treedef = jax.tree.flatten(tree)
-  if len(leaves) != len(zero.specs):  # Another tree: the state check says so.
-    return tree
-  out = []
-  for i, x in enumerate(leaves):
-    on = zero_lib.mesh_of(x)
-    if on is None or zero_lib.same_mesh(on, target):
-      out.append(x)
-      continue
-    spec = zero.spec_for(i, np.shape(x))
-    out.append(jax.device_put(x, jax.sharding.NamedSharding(target, spec)))
-  return jax.tree.unflatten(treedef, out)
+  leaves = jax.tree.leaves(reference)
+  return following.of_layouts([following.laid_out(x) for x in leaves], block)
 
 
 def update_following(opts, updates, state, params=None):
-  """`update`, with the state's layout read from the arguments (no mesh)."""
+  """`update`, with the state's split read from the arguments (no mesh)."""
   # Imported here: update.py uses this module's state type.
   from jax_superoffload._src import update as update_lib
 
   reference = params if params is not None else updates
-  zero = None if opts.zero is not None else state_layout(opts, state, reference)
+  zero = None if opts.zero is not None else _state_split(opts, state, reference)
   if zero is None:
     return update_lib.update(opts, updates, state, params)
-  theirs = [zero_lib.mesh_of(x) for x in jax.tree.leaves(reference)]
-  theirs = next((m for m in theirs if m is not None), None)
   out, new_state = update_lib.update(
-    _following(opts, zero), _onto(zero, updates), state, _onto(zero, params)
+    _following(opts, zero),
+    following.onto(zero, updates),
+    state,
+    following.onto(zero, params),
   )
+  meshes = map(following.mesh_of, jax.tree.leaves(reference))
+  theirs = next(filter(None, meshes), None)
   if theirs is not None:
-    out = _onto(zero, out, theirs)
+    out = following.onto(zero, out, theirs)
   return out, new_state
 
 

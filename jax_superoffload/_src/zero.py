@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AxisType
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -139,8 +138,8 @@ class Zero:
 class Follow(Zero):
   """State leaves sharded as their parameters are (FSDP, tensor parallel).
 
-  Built by `follow` from the parameters `init` is given, and by
-  `follow_state` from the state `update` is given (or by `follow` from its
+  Built by `following.of_params` from the parameters `init` is given, and
+  by `following.of_state` from the state `update` is given (or from its
   parameters when the state's leaves do not say); the host step then runs
   per shard with each leaf's own spec, and the new weights come back
   sharded as the parameters are: nothing is gathered. The mesh is concrete
@@ -172,97 +171,6 @@ class Follow(Zero):
 
   def gather(self, x: jax.Array) -> jax.Array:
     return x
-
-
-Layout = tuple[Any, P]  # A mesh (concrete or abstract) and a spec on it.
-
-
-def laid_out(x: Any) -> Layout | None:
-  """The mesh of more than one device and the spec `x` is split by, if known.
-
-  A concrete array tells its sharding; a traced one its type, which names
-  the spec only over explicit mesh axes (auto axes leave it to XLA).
-  """
-  if not isinstance(x, jax.core.Tracer):
-    sharding = getattr(x, 'sharding', None)
-    if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
-      return sharding.mesh, P(*sharding.spec)
-    return None
-  sharding = getattr(jax.typeof(x), 'sharding', None)
-  mesh = getattr(sharding, 'mesh', None)
-  if mesh is None or mesh.empty or mesh.size <= 1:
-    return None
-  if AxisType.Explicit not in tuple(mesh.axis_types):
-    return None
-  return mesh, P(*sharding.spec)
-
-
-def follow(params: Any, block: int = 0) -> Follow | None:
-  """A `Follow` when the parameters are split over one mesh, else None.
-
-  Read from the parameters themselves (`laid_out`). Under auto axes the
-  state's mesh is the same devices with explicit axes, so that its leaves'
-  types carry their specs into a traced `update` (`follow_state`).
-  `block`: see `Zero.block`.
-  """
-  found = follow_layouts([laid_out(x) for x in jax.tree.leaves(params)], block)
-  if found is None:
-    return None
-  return dataclasses.replace(found, mesh=explicit(found.mesh))
-
-
-def follow_state(master: Any, ndims: Sequence[int], block: int = 0):
-  """A `Follow` of the layout of a state's `master` leaves, else None.
-
-  `ndims`: the parameters' ranks; a leaf of one more dimension is
-  double-buffered (its rows first, never split).
-  """
-  leaves = jax.tree.leaves(master)
-  if len(leaves) != len(ndims):  # Another tree: the state check says so.
-    return None
-  layouts = []
-  for x, ndim in zip(leaves, ndims, strict=True):
-    found = laid_out(x)
-    if found is not None and len(x.shape) == ndim + 1:
-      found = (found[0], P(*tuple(found[1])[1:]))
-    layouts.append(found)
-  return follow_layouts(layouts, block)
-
-
-def follow_layouts(layouts: Sequence[Layout | None], block: int = 0):
-  """A `Follow` of the leaves' layouts when they share one mesh, else None."""
-  meshes = {found[0] for found in layouts if found is not None}
-  if len(meshes) != 1:
-    return None
-  mesh = meshes.pop()
-  specs = tuple(
-    found[1] if found is not None and found[0] == mesh else P()
-    for found in layouts
-  )
-  return Follow(mesh, None, block, specs)
-
-
-def explicit(mesh: Any) -> Any:
-  """A concrete `mesh` with every axis explicit (abstract ones as they are)."""
-  types = (AxisType.Explicit,) * len(mesh.axis_names)
-  if not isinstance(mesh, Mesh) or tuple(mesh.axis_types) == types:
-    return mesh
-  return Mesh(mesh.devices, mesh.axis_names, axis_types=types)
-
-
-def mesh_of(x: Any) -> Any:
-  """The mesh `x` lies on (concrete) or is typed on (traced), else None."""
-  if not isinstance(x, jax.core.Tracer):
-    sharding = getattr(x, 'sharding', None)
-    return sharding.mesh if isinstance(sharding, NamedSharding) else None
-  mesh = getattr(getattr(jax.typeof(x), 'sharding', None), 'mesh', None)
-  return None if mesh is None or mesh.empty else mesh
-
-
-def same_mesh(a: Any, b: Any) -> bool:
-  """Whether two meshes, concrete or abstract, are the same."""
-  abstract = lambda m: m.abstract_mesh if isinstance(m, Mesh) else m  # noqa: E731
-  return abstract(a) == abstract(b)
 
 
 def _explicit_spec(x: jax.Array) -> P | None:
