@@ -71,8 +71,14 @@ def adam(
     eps_root: Added to the second moment inside the square root.
     mu_dtype: Dtype of the first moment, as in optax: `None` or float32
       (fp32), or bfloat16 (stored rounded to nearest even, 2 B/param less
-      host memory and traffic), use the kernel; any other dtype takes the
-      optax path (state still in host memory).
+      host memory and traffic), use the kernel; any other floating or
+      complex dtype takes the optax path (state still in host memory).
+      A deliberate difference from optax: with `None`, bf16 and f16
+      parameters get fp32 moments (optax keeps them in the parameters'
+      dtype). They are the moments of the fp32 master, and a 16-bit `nu`
+      loses every change below its precision: a step moves `nu` by
+      `1 - b2` = 1e-3 of the gap to :math:`g^2`, under bf16's 2^-9 relative
+      rounding. Pass `mu_dtype` (and `nu_dtype`) for 16-bit moments.
     nesterov: Use the Nesterov (NAdam) momentum.
     nu_dtype: Dtype of the second moment on the kernel: `None` or float32,
       or bfloat16 (needs `mu_dtype=jnp.bfloat16`).
@@ -140,8 +146,19 @@ def adam(
       reduce-scatter where XLA can), runs the host step per shard under
       `shard_map`, and all-gathers the new weights on the device. Axes of
       the mesh not named hold the state replicated. Without mesh
-      arguments the state follows the parameters' own shardings (FSDP,
-      tensor parallel), as `init` sees them.
+      arguments each state leaf is split as its parameter is (FSDP, tensor
+      parallel), and the step gathers neither state nor weights. `init`
+      and `update` are pure: `init` reads the parameters' shardings (when
+      traced, as under `jax.eval_shape`, their types), `update` the
+      state's own leaves (else the parameters'), so a state restored into
+      an `eval_shape` target steps as a fresh one and one transformation
+      serves any number of trees. Types name a split only over explicit
+      mesh axes: for parameters on auto axes, `init` types the state on the
+      same devices with explicit axes (combine its leaves with the
+      parameters only through `update`), and a traced `init` or a state
+      restored onto the auto mesh cannot see the split (the step is then
+      correct but gathers; restore such a state with the shardings it was
+      saved with).
     shard_axis: The mesh axis name (or tuple of names) to shard over.
 
   Returns:
@@ -231,7 +248,8 @@ def adamw(
     b2: Decay rate of the second moment.
     eps: Added to the denominator outside the square root.
     eps_root: Added to the second moment inside the square root.
-    mu_dtype: Dtype of the first moment (see `adam`).
+    mu_dtype: Dtype of the first moment (see `adam`: `None` keeps fp32
+      moments for bf16 parameters, unlike optax).
     weight_decay: The decay rate :math:`\lambda`, a float or a schedule.
     mask: As in optax: a tree (or a prefix of one) of booleans, or a
       callable returning one from the parameters; `True` leaves are decayed.

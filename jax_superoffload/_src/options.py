@@ -151,12 +151,13 @@ def _check_bucket_bytes(bucket_bytes: Any) -> int:
 def _check_mu_dtype(mu_dtype: Any) -> None:
   if mu_dtype is None:
     return
-  bad = f'mu_dtype must be a floating dtype, got {mu_dtype!r}'
+  # As optax: complex moments too (they take optax's path, see use_kernel).
+  bad = f'mu_dtype must be a floating or complex dtype, got {mu_dtype!r}'
   try:
     dtype = jnp.dtype(mu_dtype)
   except TypeError as e:
     raise ValueError(bad) from e
-  if not jnp.issubdtype(dtype, jnp.floating):
+  if not jnp.issubdtype(dtype, jnp.inexact):
     raise ValueError(bad)
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax_superoffload._src import following
 from jax_superoffload._src import host_memory
 from jax_superoffload._src import layout
 from jax_superoffload._src import moments
@@ -323,6 +324,8 @@ def check_state(opts, plan: Plan, state: Any, from_grads: bool):
 
 def _check_on_mesh(zero, plan: Plan, leaves: list) -> None:
   """A concrete state must live on the mesh's devices (ZeRO)."""
+  if not isinstance(zero.mesh, jax.sharding.Mesh):  # Traced: no devices.
+    return
   devices = set(zero.mesh.devices.flat)
   for path, x in zip(plan.lay.paths, leaves, strict=True):
     sharding = getattr(x, 'sharding', None)
@@ -351,48 +354,66 @@ def init(opts: options_lib.Options, params: optax.Params) -> SuperOffloadState:
   )(params)
 
 
-def _concrete(params: Any) -> bool:
-  """Whether `params` has leaves and all are concrete arrays."""
-  leaves = jax.tree.leaves(params)
-  return bool(leaves) and all(
-    isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    for x in leaves
-  )
+def _following(opts, zero: zero_lib.Follow | None) -> options_lib.Options:
+  return opts if zero is None else dataclasses.replace(opts, zero=zero)
 
 
-def superoffload_adam(**kwargs: Any) -> optax.GradientTransformationExtraArgs:
-  """Builds the transformation behind `adam` and `adamw` (see their docs)."""
-  opts = options_lib.make(**kwargs)
+def init_following(opts, params: optax.Params) -> SuperOffloadState:
+  """`init`, with the state split as the parameters are (without a mesh)."""
+  if opts.zero is not None:
+    return init(opts, params)
+  block = moments.BLOCK if opts.moments_8bit else 0
+  return init(_following(opts, following.of_params(params, block)), params)
+
+
+def _state_split(opts, state: Any, reference: Any):
+  """The state's own split, else that of the parameters (or gradients)."""
+  block = moments.BLOCK if opts.moments_8bit else 0
+  if isinstance(state, SuperOffloadState):
+    found = following.of_state(state.master, reference, block)
+    if found is not None:
+      return found
+  leaves = jax.tree.leaves(reference)
+  return following.of_layouts([following.laid_out(x) for x in leaves], block)
+
+
+def update_following(opts, updates, state, params=None):
+  """`update`, with the state's split read from the arguments (no mesh)."""
   # Imported here: update.py uses this module's state type.
   from jax_superoffload._src import update as update_lib
 
-  # Without mesh arguments the state follows the parameters' shardings, as
-  # `init` sees them (concrete); `update`, traced, finds them here by the
-  # tree's structure and shapes.
-  followed: dict[Any, zero_lib.Follow] = {}
+  reference = params if params is not None else updates
+  zero = None if opts.zero is not None else _state_split(opts, state, reference)
+  if zero is None:
+    return update_lib.update(opts, updates, state, params)
+  out, new_state = update_lib.update(
+    _following(opts, zero),
+    following.onto(zero, updates),
+    state,
+    following.onto(zero, params),
+  )
+  meshes = map(following.mesh_of, jax.tree.leaves(reference))
+  theirs = next(filter(None, meshes), None)
+  if theirs is not None:
+    out = following.onto(zero, out, theirs)
+  return out, new_state
 
-  def key(tree: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple(tuple(np.shape(x)) for x in leaves)
 
-  def options_for(tree: Any) -> options_lib.Options:
-    if opts.zero is not None:
-      return opts
-    found = followed.get(key(tree))
-    return opts if found is None else dataclasses.replace(opts, zero=found)
+def superoffload_adam(**kwargs: Any) -> optax.GradientTransformationExtraArgs:
+  """Builds the transformation behind `adam` and `adamw` (see their docs).
+
+  `init` and `update` are pure: without mesh arguments, where the state
+  lives follows from their arguments alone (`init_following`,
+  `update_following`), so a state restored into an `eval_shape` target
+  steps as a fresh one, and one transformation serves any number of trees.
+  """
+  opts = options_lib.make(**kwargs)
 
   def init_fn(params):
-    if opts.zero is None and _concrete(params):
-      # The latest init of concrete parameters of this structure and these
-      # shapes decides (a single-device init after a sharded one stops
-      # following); optax.tree_map_params' placeholders change nothing.
-      block = moments.BLOCK if opts.moments_8bit else 0
-      followed[key(params)] = zero_lib.follow(params, block)
-    return init(options_for(params), params)
+    return init_following(opts, params)
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args  # Accepted for optax.GradientTransformationExtraArgs.
-    reference = params if params is not None else updates
-    return update_lib.update(options_for(reference), updates, state, params)
+    return update_following(opts, updates, state, params)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -138,9 +138,12 @@ class Zero:
 class Follow(Zero):
   """State leaves sharded as their parameters are (FSDP, tensor parallel).
 
-  Built by `follow` from the parameters `init` sees; the host step then
-  runs per shard with each leaf's own spec, and the new weights come back
-  sharded as the parameters are: nothing is gathered.
+  Built by `following.of_params` from the parameters `init` is given, and
+  by `following.of_state` from the state `update` is given (or from its
+  parameters when the state's leaves do not say); the host step then runs
+  per shard with each leaf's own spec, and the new weights come back
+  sharded as the parameters are: nothing is gathered. The mesh is concrete
+  for concrete arrays and abstract for traced ones.
   """
 
   specs: tuple[P, ...] = ()
@@ -168,31 +171,6 @@ class Follow(Zero):
 
   def gather(self, x: jax.Array) -> jax.Array:
     return x
-
-
-def follow(params: Any, block: int = 0) -> Follow | None:
-  """A `Follow` when concrete parameters are sharded over a mesh, else None.
-
-  `block`: see `Zero.block`.
-  """
-  leaves = jax.tree.leaves(params)
-  meshes = {
-    x.sharding.mesh
-    for x in leaves
-    if isinstance(getattr(x, 'sharding', None), NamedSharding)
-    and x.sharding.mesh.size > 1
-  }
-  if len(meshes) != 1:
-    return None
-  mesh = meshes.pop()
-  specs = []
-  for x in leaves:
-    sharding = x.sharding
-    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
-      specs.append(P(*sharding.spec))
-    else:
-      specs.append(P())
-  return Follow(mesh, None, block, tuple(specs))
 
 
 def _explicit_spec(x: jax.Array) -> P | None:
