@@ -13,7 +13,6 @@ operands too.
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -216,8 +215,10 @@ def test_the_cuda_driver_is_only_looked_up():
 
 def test_one_host_pool_per_process(monkeypatch):
   # XLA:CPU hands the kernel a pool of its own threads; the environment
-  # variable makes steps use the process's pool instead, which must grow
-  # to the count asked for and no further, however many steps run.
+  # variable makes steps use the process's pool instead, which grows to the
+  # count asked for (or stays as earlier steps in this process left it) and
+  # no further, however many steps run.
+  before = grace_adam.host_pool_workers()
   monkeypatch.setenv('JAX_SUPEROFFLOAD_HOST_THREADS', '3')
   tx = superoffload.adamw(1e-2, executor='stream')
   params = {'w': jnp.ones((1100, 1000)), 'v': jnp.ones((600_001,))}
@@ -226,9 +227,10 @@ def test_one_host_pool_per_process(monkeypatch):
   for _ in range(5):
     _, state = step(params, state, params)
   jax.block_until_ready(state)
-  assert grace_adam.host_pool_workers() == 2
+  grown = grace_adam.host_pool_workers()
+  assert grown == max(before, 2)
   monkeypatch.setenv('JAX_SUPEROFFLOAD_HOST_THREADS', '2')
-  _, state = step(params, state, params)
+  for _ in range(3):
+    _, state = step(params, state, params)
   jax.block_until_ready(state)
-  assert grace_adam.host_pool_workers() == 2  # Never started again.
-  assert os.environ['JAX_SUPEROFFLOAD_HOST_THREADS'] == '2'
+  assert grace_adam.host_pool_workers() == grown  # Never started again.
