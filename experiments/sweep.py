@@ -346,32 +346,7 @@ def run_subprocess(
   Returns:
     The exit status (None when killed), captured output and wall time.
   """
-  env = dict(os.environ, PYTHONUNBUFFERED='1')
-  start = time.perf_counter()
-  proc = subprocess.Popen(
-    list(argv),
-    cwd=cwd,
-    env=env,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
-    start_new_session=True,
-  )
-  try:
-    stdout, stderr = proc.communicate(timeout=timeout_s)
-    timed_out = False
-  except subprocess.TimeoutExpired:
-    with contextlib.suppress(ProcessLookupError):
-      os.killpg(proc.pid, signal.SIGKILL)
-    stdout, stderr = proc.communicate()
-    timed_out = True
-  return ProcessResult(
-    returncode=None if timed_out else proc.returncode,
-    stdout=stdout or '',
-    stderr=stderr or '',
-    timed_out=timed_out,
-    wall_s=time.perf_counter() - start,
-  )
+  return run_processes([argv], timeout_s, cwd)
 
 
 def run_processes(
