@@ -55,8 +55,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)
-	$(PY) -m experiments.bench_adam
-	$(PY) -m experiments.bench_step
+	$(PY) -m experiments.benchmarks.bench_adam
+	$(PY) -m experiments.benchmarks.bench_step
 
 clean:
 	rm -rf $(VENV) build

@@ -12,8 +12,8 @@ from flax import nnx
 
 from experiments import config
 from experiments import model
-from experiments import sweep
 from experiments import train
+from experiments.sweeps import sweep
 
 # A short, highly repetitive corpus: a tiny model learns it in a few steps.
 _CORPUS = 'the quick brown fox jumps over the lazy dog. ' * 400

@@ -212,8 +212,8 @@ def part_train(case: str, layout: str, batch: int, dry: bool) -> dict:
   """The decoder's jitted, donated train step (gpu_bench.run_train)."""
   import dataclasses
 
-  from experiments import gpu_analysis
-  from experiments import gpu_bench
+  from experiments.benchmarks import gpu_bench
+  from experiments.sweeps import gpu_analysis
 
   sizes = gpu_analysis.DRY_SIZES if dry else None
   if sizes is None:
@@ -266,8 +266,8 @@ def part_capacity(
   """
   import dataclasses
 
-  from experiments import gpu_analysis
-  from experiments import gpu_bench
+  from experiments.benchmarks import gpu_bench
+  from experiments.sweeps import gpu_analysis
 
   sizes = gpu_analysis.DRY_SIZES
   if not dry:

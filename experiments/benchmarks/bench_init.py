@@ -9,7 +9,7 @@ ready, and reports its peak RSS. The memory figure is
 
 so 1.0 means init needed nothing beyond the params and the state it made.
 
-  python -m experiments.bench_init [--params 300000000] [--reps 3]
+  python -m experiments.benchmarks.bench_init [--params 300000000] [--reps 3]
 
 Writes `results/bench_init.json` (or `--out`).
 """
@@ -25,8 +25,8 @@ import subprocess
 import sys
 from typing import Any
 
-from experiments import machine
-from experiments.report import markdown_table
+from experiments.benchmarks import machine
+from experiments.sweeps.report import markdown_table
 
 CANDIDATES = ('optax', 'superoffload')
 

@@ -1,6 +1,7 @@
 """One prepared GPU benchmark of superoffload, sized to the device it finds.
 
-  python -m experiments.gpu_bench [--dry-run] [--budget-s 400] [--out PATH]
+  python -m experiments.benchmarks.gpu_bench [--dry-run] [--budget-s 400] \
+    [--out PATH]
 
 Three parts, each case in its own subprocess (an abort in a custom call is
 a finding, not the end of the run), all within `--budget-s` seconds plus
@@ -37,10 +38,10 @@ import sys
 import time
 from typing import Any
 
-from experiments import gpu_analysis
-from experiments.gpu_analysis import DRY_SIZES
-from experiments.gpu_analysis import Sizes
-from experiments.gpu_analysis import gpu_sizes
+from experiments.sweeps import gpu_analysis
+from experiments.sweeps.gpu_analysis import DRY_SIZES
+from experiments.sweeps.gpu_analysis import Sizes
+from experiments.sweeps.gpu_analysis import gpu_sizes
 
 MARK = 'GPU_BENCH_RESULT '
 EXECUTORS = ('ffi', 'xla_host', 'device')
@@ -273,7 +274,13 @@ def spawn(part: str, case: str, args, deadline: float) -> dict[str, Any]:
   The child may overrun `deadline` by one compilation (capacity probes
   check it between compilations), not by more.
   """
-  cmd = [sys.executable, '-m', 'experiments.gpu_bench', '--part', part]
+  cmd = [
+    sys.executable,
+    '-m',
+    'experiments.benchmarks.gpu_bench',
+    '--part',
+    part,
+  ]
   cmd += ['--case', case, '--deadline', str(deadline)]
   cmd += ['--dry-run'] if args.dry_run else []
   timeout = max(1.0, deadline - time.time() + 60)
@@ -349,7 +356,7 @@ def _run_case(results, part: str, case: str, args, deadline: float) -> None:
 
 
 def run_all(args, sizes: Sizes, limit: int | None) -> int:
-  from experiments import gpu_check
+  from experiments.benchmarks import gpu_check
 
   deadline = time.time() + args.budget_s
   env = gpu_check.environment()

@@ -12,8 +12,8 @@ step's temporary memory (`memory_analysis()`) and the minor page faults per
 step (`getrusage`), which grow when XLA:CPU maps large temporaries afresh
 every step.
 
-  python -m experiments.bench_train [--sizes 5m,19m] [--rounds 15]
-  python -m experiments.bench_train --sizes 19m \
+  python -m experiments.benchmarks.bench_train [--sizes 5m,19m] [--rounds 15]
+  python -m experiments.benchmarks.bench_train --sizes 19m \
     --optimizers superoffload,superoffload_stv,superoffload_stv_redo
 
 `superoffload_stv` arms speculation-then-validation (clip_norm 1e6, never
@@ -45,8 +45,8 @@ from experiments import config as config_lib
 from experiments import model as model_lib
 from experiments import perf
 from experiments import train
-from experiments.report import fmt
-from experiments.report import markdown_table
+from experiments.sweeps.report import fmt
+from experiments.sweeps.report import markdown_table
 
 # Model shapes (byte vocabulary, tied embeddings): ~12 * layers * d_model**2.
 SIZES = {

@@ -1,4 +1,4 @@
-"""The sweep's report: tables and plots of `experiments.sweep` results.
+"""The sweep's report: tables and plots of `experiments.sweeps.sweep` results.
 
 Reads the sweep JSONL files (the last record of each run id wins) and turns
 them into a markdown section with a per-run table, a superoffload-vs-optax
@@ -15,10 +15,10 @@ from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 
-from experiments.report import fmt
-from experiments.report import markdown_table
-from experiments.report import plt
-from experiments.report import ticker
+from experiments.sweeps.report import fmt
+from experiments.sweeps.report import markdown_table
+from experiments.sweeps.report import plt
+from experiments.sweeps.report import ticker
 
 # Plot order and colours of the sweep's optimizers; others follow.
 OPTIMIZER_ORDER = ('superoffload', 'optax', 'device')

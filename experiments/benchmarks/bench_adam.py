@@ -10,7 +10,7 @@ apart from it, moves the same 28 B/param with no math in several ways
 Grace Adam also runs under each prefetch policy (the environment override),
 so one run shows whether the default is right on this CPU.
 
-  python -m experiments.bench_adam [--params 67108864] [--reps 15]
+  python -m experiments.benchmarks.bench_adam [--params 67108864] [--reps 15]
 
 Writes `results/bench_adam.json` (or `--out`).
 """
@@ -33,11 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from experiments import machine
-from experiments import stream_limit
-from experiments.report import fmt
-from experiments.report import markdown_table
-from experiments.report import plt
+from experiments.benchmarks import machine
+from experiments.benchmarks import stream_limit
+from experiments.sweeps.report import fmt
+from experiments.sweeps.report import markdown_table
+from experiments.sweeps.report import plt
 from jax_superoffload import kernels
 from jax_superoffload._src import grace_adam as grace_adam_ffi
 from jax_superoffload._src import moments

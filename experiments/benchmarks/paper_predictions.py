@@ -5,10 +5,11 @@ Nothing here is measured: every number comes from the planner's cost model
 assumption) evaluated on the built-in `GH200` profile, and is printed beside
 the figures the SuperOffload paper and blog report.
 
-  python -m experiments.paper_predictions [--seq-len 4096] [--batch 8]
+  python -m experiments.benchmarks.paper_predictions [--seq-len 4096] \
+    [--batch 8]
 
-Writes `experiments/paper_predictions.md` and `results/paper_predictions.json`
-(or `--md` / `--out`).
+Writes `experiments/benchmarks/paper_predictions.md` and
+`results/paper_predictions.json` (or `--md` / `--out`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from experiments.report import fmt
-from experiments.report import markdown_table
-from experiments.report import plt
-from experiments.report import ticker
+from experiments.sweeps.report import fmt
+from experiments.sweeps.report import markdown_table
+from experiments.sweeps.report import plt
+from experiments.sweeps.report import ticker
 from jax_superoffload._src import hardware
 from jax_superoffload._src import planner
 
@@ -361,7 +362,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--seq-len', type=int, default=4096)
   parser.add_argument('--batch', type=int, default=8)
-  parser.add_argument('--md', default='experiments/paper_predictions.md')
+  parser.add_argument(
+    '--md', default='experiments/benchmarks/paper_predictions.md'
+  )
   parser.add_argument('--out', default='results/paper_predictions.json')
   args = parser.parse_args()
   seq, batch = args.seq_len, args.batch

@@ -1,7 +1,8 @@
 """Shared pieces of the reports: number formats, markdown tables, matplotlib.
 
 Each benchmark owns its report (``report(data, out_dir) -> str``: markdown,
-plus PNGs written to `out_dir`); `experiments.analyze` only composes them.
+plus PNGs written to `out_dir`); `experiments.sweeps.analyze` only composes
+them.
 """
 
 from __future__ import annotations

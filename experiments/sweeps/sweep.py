@@ -3,8 +3,8 @@
 The grid (model size x optimizer/executor x sequence length x weights policy)
 comes from a small TOML or JSON file under ``experiments/sweeps/``::
 
-    python -m experiments.sweep experiments/sweeps/cpu_optimizers.toml
-    python -m experiments.sweep CONFIG --dry-run     # list the runs only
+    python -m experiments.sweeps.sweep experiments/sweeps/cpu_optimizers.toml
+    python -m experiments.sweeps.sweep CONFIG --dry-run     # list the runs only
 
 Every grid point becomes one ``python -m experiments.train ... --out-dir
 runs/sweep/<run-id> --no-progress --steps K`` subprocess. One JSON line per
@@ -643,7 +643,8 @@ def _json_default(value: Any) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
   """CLI entry point."""
   parser = argparse.ArgumentParser(
-    prog='python -m experiments.sweep', description=__doc__.split('\n')[0]
+    prog='python -m experiments.sweeps.sweep',
+    description=__doc__.split('\n')[0],
   )
   parser.add_argument('config', nargs='?', help='TOML or JSON sweep config')
   parser.add_argument(

@@ -7,7 +7,7 @@ holding the same 64M parameters. Each optimizer is timed beside optax.adamw
 medians; only those few are alive at once, so that a dozen 64M-parameter
 candidates do not crowd the machine's memory and skew each other.
 
-  python -m experiments.bench_step [--params 67108864] [--leaves 640]
+  python -m experiments.benchmarks.bench_step [--params 67108864] [--leaves 640]
       [--leaf-multiple 16] [--moments fp32|bf16|8bit]
 
 64M split into 640 leaves gives odd leaf sizes (104,857 and 104,858), which
@@ -36,11 +36,11 @@ import numpy as np
 import optax
 
 import jax_superoffload as superoffload
-from experiments import machine
+from experiments.benchmarks import machine
 from experiments.optim import MOMENT_OPTIONS
-from experiments.report import fmt
-from experiments.report import markdown_table
-from experiments.report import plt
+from experiments.sweeps.report import fmt
+from experiments.sweeps.report import markdown_table
+from experiments.sweeps.report import plt
 
 
 def leaf_sizes(n: int, leaves: int, multiple: int = 1) -> list[int]:

@@ -18,7 +18,7 @@ that run is reported next to the estimate. XLA's CPU attention materialises
 the `S x S` logits, so memory is quadratic in S and 8-way Ulysses, holding
 1/8 of the heads per device, should reach about sqrt(8) = 2.8x longer.
 
-  python -m experiments.bench_ulysses [--budget-gib 16] [--heads 8]
+  python -m experiments.benchmarks.bench_ulysses [--budget-gib 16] [--heads 8]
 
 Writes `results/bench_ulysses.json` (or `--out`).
 """

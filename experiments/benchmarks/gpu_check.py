@@ -6,7 +6,7 @@ the CPU device, times a jitted, donated step and prints the compiled step's
 memory analysis. Each attempt runs in its own subprocess, so that an abort
 (XLA may abort on a bad custom call) is a finding, not the end of the run.
 
-  python -m experiments.gpu_check [--params N] [--steps K] \
+  python -m experiments.benchmarks.gpu_check [--params N] [--steps K] \
       [--out results/gpu_check.json]
 
 Exits 0 when attempts fail (they are findings); non-zero only when the
@@ -339,7 +339,13 @@ def run_attempt(name: str, args: argparse.Namespace) -> dict:
 
 
 def spawn(name: str, args: argparse.Namespace) -> dict:
-  cmd = [sys.executable, '-m', 'experiments.gpu_check', '--attempt', name]
+  cmd = [
+    sys.executable,
+    '-m',
+    'experiments.benchmarks.gpu_check',
+    '--attempt',
+    name,
+  ]
   for flag in ('params', 'steps', 'reps', 'warmup'):
     cmd += [f'--{flag}', str(getattr(args, flag))]
   start = time.perf_counter()

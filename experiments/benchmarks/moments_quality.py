@@ -5,7 +5,8 @@ Reads the sweeps `experiments/sweeps/moments_demo.toml` and
 final loss (the trainer's mean of the last 10 steps), averaged over the
 seeds, with fp32 moments' mean:
 
-  python -m experiments.moments_quality [--out results/moments_quality.json]
+  python -m experiments.benchmarks.moments_quality \
+    [--out results/moments_quality.json]
 
 Bounds (issue 17): within 1% for bf16 and 2% for 8-bit.
 """
