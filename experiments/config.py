@@ -1,12 +1,21 @@
 """Configuration for the byte-level decoder-only LM trainer.
 
-One flat dataclass holds every knob, in groups (model, data, optimizer,
-offload, checkpoint, logging) that ``--help`` lists the flags under and
-``config.json`` nests them in (`grouped`); code reads them flat
-(``cfg.d_model``), and a flag is named after its field alone. The
-defaults are the ``small`` preset, which trains in a few minutes on two CPU
-cores. Other presets override a subset of the fields; every field can also be
-overridden from the command line (``--batch-size 8``, ``--no-tie-embeddings``).
+One flat, typed dataclass holds every knob. Each field carries its help text
+and its group (model, data, optimizer, offload, distributed, checkpoint,
+logging) as field metadata: ``--help`` lists the flags under those groups
+with that text, and ``config.json`` nests the values the same way
+(`grouped`); code reads them flat (``cfg.d_model``).
+
+Named configs are Python files under ``configs/`` at the repository root,
+each with a ``get_config()`` returning a `Config` (``configs/demo.py``,
+``configs/1b.py``, ...). A run starts from one of them and overrides fields
+with one flag per field, named after the field::
+
+    python -m experiments.trainer --config configs/demo.py --steps 100
+    python -m experiments.trainer --preset tiny --no-tie-embeddings
+
+``--config`` takes any such file; ``--preset NAME`` is short for
+``--config configs/NAME.py``. Without either, the run uses ``demo``.
 
 `validate` checks a config for mistakes that can be found without touching a
 device; it, the parser and `get_config` raise `ConfigError` with a one-line
@@ -16,6 +25,7 @@ message.
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import math
 import os
 import pathlib
@@ -30,168 +40,269 @@ class ConfigError(ValueError):
   """A bad configuration; its message is one line, fit for the terminal."""
 
 
+# Folder of the named configs: configs/ at the repository root.
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / 'configs'
+# The config a run starts from when none is named.
+DEFAULT_PRESET = 'demo'
+# Older names of configs, still accepted (sweep files use "small").
+PRESET_ALIASES = {'small': 'demo'}
+# The `--help` groups of the fields, in the order they are listed.
+GROUPS = (
+  'model',
+  'data',
+  'optimizer',
+  'offload',
+  'distributed',
+  'checkpoint',
+  'logging',
+)
+
+
+def _field(group: str, default: Any, help_: str) -> Any:
+  """A `Config` field with its ``--help`` group and text as metadata."""
+  assert group in GROUPS, group
+  return dataclasses.field(
+    default=default, metadata={'group': group, 'help': help_}
+  )
+
+
+_model = functools.partial(_field, 'model')
+_data = functools.partial(_field, 'data')
+_optimizer = functools.partial(_field, 'optimizer')
+_offload = functools.partial(_field, 'offload')
+_distributed = functools.partial(_field, 'distributed')
+_checkpoint = functools.partial(_field, 'checkpoint')
+_logging = functools.partial(_field, 'logging')
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """All hyperparameters of a training run."""
 
-  # Named preset the other fields started from (see `PRESETS`).
-  preset: str = 'small'
+  # The config file the other fields started from (in no group).
+  preset: str = dataclasses.field(
+    default=DEFAULT_PRESET,
+    metadata={
+      'help': 'Config the other fields started from: a name of a file under '
+      'configs/ (see --preset) or the path given to --config.'
+    },
+  )
 
-  # --- Model ---
-  # Vocabulary size; 256 for raw bytes, and at least the data's largest
-  # token id + 1.
-  vocab_size: int = 256
-  # Width of the residual stream.
-  d_model: int = 128
-  # Number of transformer blocks.
-  num_layers: int = 2
-  # Number of attention heads; must divide `d_model`.
-  num_heads: int = 4
-  # Hidden width of the MLP in each block.
-  mlp_dim: int = 512
-  # Position encoding: "rope" (rotary) or "learned" (absolute table).
-  pos_encoding: str = 'rope'
-  # Share the token embedding with the output head.
-  tie_embeddings: bool = True
-  # Use biases in the linear layers.
-  use_bias: bool = True
-  # Stddev of the normal initializer for kernels and embeddings.
-  init_std: float = 0.02
-  # Compute dtype of activations ("float32", "bfloat16" or "float16").
-  dtype: str = 'float32'
-  # Storage dtype of the parameters.
-  param_dtype: str = 'float32'
-  # Stack the blocks' weights and run them with one `jax.lax.scan`.
-  scan_layers: bool = False
+  # Model.
+  vocab_size: int = _model(
+    256,
+    "Vocabulary size; 256 for raw bytes, and at least the data's "
+    'largest token id + 1.',
+  )
+  d_model: int = _model(128, 'Width of the residual stream.')
+  num_layers: int = _model(2, 'Number of transformer blocks.')
+  num_heads: int = _model(
+    4, 'Number of attention heads; must divide `d_model`.'
+  )
+  mlp_dim: int = _model(512, 'Hidden width of the MLP in each block.')
+  pos_encoding: str = _model(
+    'rope', 'Position encoding: "rope" (rotary) or "learned" (absolute table).'
+  )
+  tie_embeddings: bool = _model(
+    True, 'Share the token embedding with the output head.'
+  )
+  use_bias: bool = _model(True, 'Use biases in the linear layers.')
+  init_std: float = _model(
+    0.02, 'Stddev of the normal initializer for kernels and embeddings.'
+  )
+  dtype: str = _model(
+    'float32',
+    'Compute dtype of activations ("float32", "bfloat16" or "float16").',
+  )
+  param_dtype: str = _model('float32', 'Storage dtype of the parameters.')
+  scan_layers: bool = _model(
+    False, "Stack the blocks' weights and run them with one `jax.lax.scan`."
+  )
 
-  # --- Data ---
-  # Text file or folder to train on; None uses the stdlib's own sources.
-  data: str | None = None
-  # Read at most this many bytes of corpus.
-  data_max_bytes: int = 4_000_000
-  # Share of the corpus, at its end, held out for evaluation.
-  eval_fraction: float = 0.05
-  # Tokens per training sequence (context length).
-  seq_len: int = 128
-  # Sequences per micro-batch.
-  batch_size: int = 16
-  # Micro-batches whose mean gradient makes one step (optax.MultiSteps).
-  grad_accum: int = 1
-  # Seed for parameter init and data order.
-  seed: int = 0
+  # Data.
+  data: str | None = _data(
+    None, "Text file or folder to train on; None uses the stdlib's own sources."
+  )
+  data_max_bytes: int = _data(
+    4_000_000, 'Read at most this many bytes of corpus.'
+  )
+  eval_fraction: float = _data(
+    0.05, 'Share of the corpus, at its end, held out for evaluation.'
+  )
+  seq_len: int = _data(128, 'Tokens per training sequence (context length).')
+  batch_size: int = _data(16, 'Sequences per micro-batch.')
+  grad_accum: int = _data(
+    1, 'Micro-batches whose mean gradient makes one step (optax.MultiSteps).'
+  )
+  seed: int = _data(0, 'Seed for parameter init and data order.')
 
-  # --- Optimizer ---
-  # "superoffload" (host Adam), "optax" (optax.adamw) or "device".
-  optimizer: str = 'superoffload'
-  # Total number of training steps, counting those before a resume.
-  steps: int = 600
-  # Peak learning rate of the schedule.
-  learning_rate: float = 3e-3
-  # Learning-rate schedule after the warmup: "cosine", "linear", "constant"
-  # or "wsd" (warmup-stable-decay: constant, then linear over the last
-  # `decay_fraction` of the steps).
-  schedule: str = 'cosine'
-  # Steps of linear warmup from 0 to `learning_rate`.
-  warmup_steps: int = 60
-  # Final learning rate as a fraction of the peak.
-  min_lr_ratio: float = 0.1
-  # wsd: share of the steps spent decaying at the end.
-  decay_fraction: float = 0.2
-  # Adam first-moment decay, in [0, 1).
-  b1: float = 0.9
-  # Adam second-moment decay, in [0, 1).
-  b2: float = 0.95
-  # Adam epsilon (>= 0).
-  eps: float = 1e-8
-  # Decoupled weight decay (skipped for biases, norms and embeddings).
-  weight_decay: float = 0.1
-  # Global-norm gradient clipping (> 0); superoffload does it by
-  # speculation-then-validation, optax by clip_by_global_norm.
-  clip_norm: float | None = None
-  # On a non-finite loss or state: "stop" (keeping the last good
-  # checkpoint) or "continue".
-  on_nonfinite: str = 'stop'
+  # Optimizer.
+  optimizer: str = _optimizer(
+    'superoffload',
+    '"superoffload" (host Adam), "optax" (optax.adamw) or "device".',
+  )
+  steps: int = _optimizer(
+    600, 'Total number of training steps, counting those before a resume.'
+  )
+  learning_rate: float = _optimizer(3e-3, 'Peak learning rate of the schedule.')
+  schedule: str = _optimizer(
+    'cosine',
+    'Learning-rate schedule after the warmup: "cosine", "linear", '
+    '"constant" or "wsd" (warmup-stable-decay: constant, then linear '
+    'over the last `decay_fraction` of the steps).',
+  )
+  warmup_steps: int = _optimizer(
+    60, 'Steps of linear warmup from 0 to `learning_rate`.'
+  )
+  min_lr_ratio: float = _optimizer(
+    0.1, 'Final learning rate as a fraction of the peak.'
+  )
+  decay_fraction: float = _optimizer(
+    0.2, 'wsd: share of the steps spent decaying at the end.'
+  )
+  b1: float = _optimizer(0.9, 'Adam first-moment decay, in [0, 1).')
+  b2: float = _optimizer(0.95, 'Adam second-moment decay, in [0, 1).')
+  eps: float = _optimizer(1e-8, 'Adam epsilon (>= 0).')
+  weight_decay: float = _optimizer(
+    0.1, 'Decoupled weight decay (skipped for biases, norms and embeddings).'
+  )
+  clip_norm: float | None = _optimizer(
+    None,
+    'Global-norm gradient clipping (> 0); superoffload does it by '
+    'speculation-then-validation, optax by clip_by_global_norm.',
+  )
+  on_nonfinite: str = _optimizer(
+    'stop',
+    'On a non-finite loss or state: "stop" (keeping the last good '
+    'checkpoint) or "continue".',
+  )
 
-  # --- Offload ---
-  # superoffload: where its step runs: "auto", "ffi", "xla_host", "device".
-  executor: str = 'auto'
-  # Drop steps whose gradients hold NaN or Inf (superoffload: by STV;
-  # optax: apply_if_finite).
-  skip_nonfinite: bool = False
-  # superoffload: casting side, "host", "device" or "auto".
-  cast: str = 'host'
-  # superoffload: fraction in [0, 1] of buckets kept and updated on the
-  # device.
-  device_buckets: float = 0.0
-  # superoffload: bucket size in MiB (None: the library's 256). Small
-  # buckets start their host step while the backward pass still runs.
-  bucket_mib: float | None = 4.0
-  # superoffload: how Adam's moments are stored: "fp32", "bf16" (mu and
-  # nu) or "8bit" (blockwise, one fp32 scale per 256).
-  moments: str = 'fp32'
-  # Block weights: "stationary" (device) or "flow" (host, streamed; scanned).
-  weights_policy: str = 'stationary'
-  # Data-parallel size: mesh axis 'data', which shards the batch.
-  mesh_data: int = 1
-  # Ulysses sequence-parallel size: mesh axis 'seq', which shards sequences.
-  mesh_seq: int = 1
-  # ZeRO: shard the optimizer's host state over the 'data' axis.
-  zero: bool = False
+  # Offload.
+  executor: str = _offload(
+    'auto',
+    'superoffload: where its step runs: "auto", "ffi", "xla_host", "device".',
+  )
+  skip_nonfinite: bool = _offload(
+    False,
+    'Drop steps whose gradients hold NaN or Inf (superoffload: by STV; '
+    'optax: apply_if_finite).',
+  )
+  cast: str = _offload(
+    'host', 'superoffload: casting side, "host", "device" or "auto".'
+  )
+  device_buckets: float = _offload(
+    0.0,
+    'superoffload: fraction in [0, 1] of buckets kept and updated on '
+    'the device.',
+  )
+  bucket_mib: float | None = _offload(
+    4.0,
+    "superoffload: bucket size in MiB (None: the library's 256). Small "
+    'buckets start their host step while the backward pass still runs.',
+  )
+  moments: str = _offload(
+    'fp32',
+    'superoffload: how Adam\'s moments are stored: "fp32", "bf16" (mu '
+    'and nu) or "8bit" (blockwise, one fp32 scale per 256).',
+  )
+  weights_policy: str = _offload(
+    'stationary',
+    'Block weights: "stationary" (device) or "flow" (host, streamed; scanned).',
+  )
+  mesh_data: int = _offload(
+    1, "Data-parallel size: mesh axis 'data', which shards the batch."
+  )
+  mesh_seq: int = _offload(
+    1,
+    "Ulysses sequence-parallel size: mesh axis 'seq', which shards sequences.",
+  )
+  zero: bool = _offload(
+    False, "ZeRO: shard the optimizer's host state over the 'data' axis."
+  )
 
-  # --- Distributed ---
-  # jax.distributed: "off" (one process unless --coordinator is given) or
-  # "auto" (the cluster auto-detection of jax.distributed.initialize:
-  # SLURM, Open MPI, Cloud TPU; explicit flags below override it).
-  distributed: str = 'off'
-  # Coordinator "host:port" (process 0's host); starts jax.distributed.
-  coordinator: str | None = None
-  # Number of processes of the run (with --coordinator).
-  num_processes: int | None = None
-  # This process's id in [0, num_processes) (with --coordinator).
-  process_id: int | None = None
-  # Seconds without heartbeats after which XLA declares a process dead and
-  # aborts the others (a killed process is caught at once by the watchdog).
-  heartbeat_timeout_s: int = 100
-  # Seconds a finishing process waits for the others at shutdown.
-  shutdown_timeout_s: int = 300
-  # Seconds to wait for every process to join at start.
-  init_timeout_s: int = 300
+  # Distributed.
+  distributed: str = _distributed(
+    'off',
+    'jax.distributed: "off" (one process unless --coordinator is given)'
+    ' or "auto" (the cluster auto-detection of '
+    'jax.distributed.initialize: SLURM, Open MPI, Cloud TPU; explicit '
+    'flags below override it).',
+  )
+  coordinator: str | None = _distributed(
+    None, 'Coordinator "host:port" (process 0\'s host); starts jax.distributed.'
+  )
+  num_processes: int | None = _distributed(
+    None, 'Number of processes of the run (with --coordinator).'
+  )
+  process_id: int | None = _distributed(
+    None, "This process's id in [0, num_processes) (with --coordinator)."
+  )
+  heartbeat_timeout_s: int = _distributed(
+    100,
+    'Seconds without heartbeats after which XLA declares a process dead'
+    ' and aborts the others (a killed process is caught at once by the '
+    'watchdog).',
+  )
+  shutdown_timeout_s: int = _distributed(
+    300, 'Seconds a finishing process waits for the others at shutdown.'
+  )
+  init_timeout_s: int = _distributed(
+    300, 'Seconds to wait for every process to join at start.'
+  )
 
-  # --- Checkpoint ---
-  # Checkpoint folder (also for SIGINT/SIGTERM); None: <out_dir>/checkpoints.
-  checkpoint_dir: str | None = None
-  # Checkpoint every N steps and at the end; 0: at the end iff a dir is set.
-  checkpoint_every: int = 0
-  # Number of latest checkpoints kept on disk.
-  checkpoint_keep: int = 3
-  # Continue from the newest intact checkpoint (data position and run dir
-  # too).
-  resume: bool = False
+  # Checkpoint.
+  checkpoint_dir: str | None = _checkpoint(
+    None,
+    'Checkpoint folder (also for SIGINT/SIGTERM); None: <out_dir>/checkpoints.',
+  )
+  checkpoint_every: int = _checkpoint(
+    0,
+    'Checkpoint every N steps and at the end; 0: at the end iff a dir is set.',
+  )
+  checkpoint_keep: int = _checkpoint(
+    3, 'Number of latest checkpoints kept on disk.'
+  )
+  resume: bool = _checkpoint(
+    False,
+    'Continue from the newest intact checkpoint (data position and run '
+    'dir too).',
+  )
 
-  # --- Logging ---
-  # Run folder; None: runs/<timestamp>, or on --resume the checkpoint's.
-  out_dir: str | None = None
-  # Evaluate on the held-out split every N steps and at the end; 0: never.
-  eval_every: int = 100
-  # Batches (of `batch_size` sequences) per evaluation.
-  eval_batches: int = 4
-  # Number of last steps averaged into the reported final loss.
-  final_loss_window: int = 10
-  # Write TensorBoard event files (tensorboardX) beside metrics.jsonl.
-  tensorboard: bool = True
-  # Also log the global norm of each step's update. Off by default: the
-  # norm keeps every update alive until it is reduced, which undoes the
-  # in-place weight update (19M model: 14 MB of temporaries become 73 MB,
-  # and ~19,000 page faults a step). The gradient and parameter norms cost
-  # nothing of the kind and are always logged.
-  update_norm: bool = False
-  # Trace steps a:b (a included, b not) with jax.profiler into
-  # <out_dir>/profile; None: no trace.
-  profile_steps: str | None = None
-  # Show a tqdm progress bar.
-  progress: bool = True
-  # Peak TFLOP/s per device for MFU; None: known-chip table or CPU matmul.
-  peak_tflops: float | None = None
+  # Logging.
+  out_dir: str | None = _logging(
+    None, "Run folder; None: runs/<timestamp>, or on --resume the checkpoint's."
+  )
+  eval_every: int = _logging(
+    100,
+    'Evaluate on the held-out split every N steps and at the end; 0: never.',
+  )
+  eval_batches: int = _logging(
+    4, 'Batches (of `batch_size` sequences) per evaluation.'
+  )
+  final_loss_window: int = _logging(
+    10, 'Number of last steps averaged into the reported final loss.'
+  )
+  tensorboard: bool = _logging(
+    True, 'Write TensorBoard event files (tensorboardX) beside metrics.jsonl.'
+  )
+  update_norm: bool = _logging(
+    False,
+    "Also log the global norm of each step's update. Off by default: "
+    'the norm keeps every update alive until it is reduced, which '
+    'undoes the in-place weight update (19M model: 14 MB of temporaries'
+    ' become 73 MB, and ~19,000 page faults a step). The gradient and '
+    'parameter norms cost nothing of the kind and are always logged.',
+  )
+  profile_steps: str | None = _logging(
+    None,
+    'Trace steps a:b (a included, b not) with jax.profiler into '
+    '<out_dir>/profile; None: no trace.',
+  )
+  progress: bool = _logging(True, 'Show a tqdm progress bar.')
+  peak_tflops: float | None = _logging(
+    None,
+    'Peak TFLOP/s per device for MFU; None: known-chip table or CPU matmul.',
+  )
 
 
 # Allowed values of the string fields that have a fixed set of them.
@@ -219,144 +330,92 @@ CHOICES: dict[str, tuple[str, ...]] = {
   'distributed': DISTRIBUTED,
 }
 
-# Overrides of the `Config` defaults for each named preset. Parameter counts
-# (byte vocab, tied embeddings) are roughly 12 * num_layers * d_model**2.
-PRESETS: dict[str, dict[str, Any]] = {
-  # ~17k params: a train step takes milliseconds; for tests.
-  'tiny': dict(
-    d_model=32,
-    num_layers=1,
-    num_heads=2,
-    mlp_dim=64,
-    seq_len=32,
-    batch_size=4,
-    steps=20,
-    warmup_steps=2,
-    learning_rate=1e-2,
-    data_max_bytes=200_000,
-    final_loss_window=3,
-    # Tests turn evaluation on where they check it: it compiles a second
-    # program.
-    eval_every=0,
-    eval_batches=2,
-  ),
-  # ~0.4M params: the CPU demo default (the dataclass defaults).
-  'small': dict(),
-  # ~127M params.
-  '125m': dict(
-    d_model=768,
-    num_layers=18,
-    num_heads=12,
-    mlp_dim=3072,
-    seq_len=1024,
-    batch_size=32,
-    steps=20_000,
-    warmup_steps=1000,
-    learning_rate=6e-4,
-    data_max_bytes=1_000_000_000,
-    checkpoint_every=1000,
-  ),
-  # ~353M params.
-  '350m': dict(
-    d_model=1024,
-    num_layers=28,
-    num_heads=16,
-    mlp_dim=4096,
-    seq_len=1024,
-    batch_size=32,
-    steps=40_000,
-    warmup_steps=2000,
-    learning_rate=3e-4,
-    data_max_bytes=1_000_000_000,
-    checkpoint_every=1000,
-  ),
-  # ~1.0B params.
-  '1b': dict(
-    d_model=2048,
-    num_layers=20,
-    num_heads=16,
-    mlp_dim=8192,
-    seq_len=2048,
-    batch_size=16,
-    steps=50_000,
-    warmup_steps=2000,
-    learning_rate=2e-4,
-    data_max_bytes=4_000_000_000,
-    checkpoint_every=500,
-  ),
-}
+
+def preset_names() -> list[str]:
+  """The names of the configs under `CONFIG_DIR` (their file stems)."""
+  return sorted(
+    p.stem for p in CONFIG_DIR.glob('*.py') if not p.name.startswith('_')
+  )
 
 
-def get_config(preset: str = 'small', **overrides: Any) -> Config:
-  """Returns the config of a named preset with optional field overrides.
+def _config_path(preset: str) -> pathlib.Path:
+  """The file of a config name, or `preset` itself where it is a path."""
+  if preset.endswith('.py') or os.sep in preset or os.path.isfile(preset):
+    return pathlib.Path(preset).expanduser()
+  return CONFIG_DIR / f'{PRESET_ALIASES.get(preset, preset)}.py'
+
+
+def load_config_file(path: str | os.PathLike[str]) -> Config:
+  """Runs a config file and returns what its ``get_config()`` returns.
 
   Args:
-    preset: A key of `PRESETS`.
-    **overrides: Field values that replace the preset's.
+    path: A Python file defining ``get_config() -> Config``.
 
   Returns:
-    The resulting `Config`.
+    The file's `Config`, its `preset` as the file set it.
 
   Raises:
-    ConfigError: If `preset` is unknown.
+    ConfigError: If the file cannot be run or defines no such function.
   """
-  if preset not in PRESETS:
-    raise ConfigError(f'unknown preset {preset!r}; one of {list(PRESETS)}')
-  return dataclasses.replace(
-    Config(), preset=preset, **{**PRESETS[preset], **overrides}
-  )
+  path = pathlib.Path(path)
+  spec = importlib.util.spec_from_file_location(f'_config_{path.stem}', path)
+  if spec is None or spec.loader is None or not path.is_file():
+    raise ConfigError(f'config file {str(path)!r} is not a readable .py file')
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except Exception as e:  # A config file is user code: report any error.
+    message = f'{type(e).__name__}: {e}'.replace('\n', ' ')
+    raise ConfigError(f'config file {path}: {message}') from e
+  get = getattr(module, 'get_config', None)
+  cfg = get() if callable(get) else None
+  if not isinstance(cfg, Config):
+    raise ConfigError(f'config file {path}: get_config() must return a Config')
+  return cfg
 
 
-@functools.cache
-def _config_source_lines() -> tuple[str, ...]:
-  """The lines of `Config`'s definition, read from this file.
+def get_config(preset: str = DEFAULT_PRESET, **overrides: Any) -> Config:
+  """Returns a named config, or a config file's, with field overrides.
 
-  Not `inspect.getsource`, which parses the module with `ast`: on CPython
-  3.11 a garbage collection during that parse that finalises an abandoned
-  coroutine (Orbax leaves some after a failed read of a damaged
-  checkpoint) can fail it with "AST constructor recursion depth mismatch".
+  Args:
+    preset: The name of a file under `CONFIG_DIR` (``"demo"``, ``"1b"``,
+      ...; see `preset_names`) or the path of any config file.
+    **overrides: Field values that replace the config's.
+
+  Returns:
+    The resulting `Config`; its `preset` is the name (for a file under
+    `CONFIG_DIR`, also when given as a path) or else the path.
+
+  Raises:
+    ConfigError: If there is no such config or its file fails.
   """
-  lines = pathlib.Path(__file__).read_text().splitlines()
-  start = lines.index('class Config:')
-  end = next(
-    i
-    for i in range(start + 1, len(lines))
-    if lines[i] and not lines[i].startswith(' ')
-  )
-  return tuple(lines[start:end])
-
-
-def _field_comments() -> dict[str, str]:
-  """Maps each field name to the comment lines just above it in `Config`."""
-  comments: dict[str, str] = {}
-  lines: list[str] = []
-  for line in _config_source_lines():
-    line = line.strip()
-    if line.startswith('# ---'):
-      lines = []
-    elif line.startswith('#'):
-      lines.append(line.lstrip('#').strip())
-    elif m := re.match(r'(\w+):', line):
-      comments[m.group(1)] = ' '.join(lines)
-      lines = []
-  return comments
+  path = _config_path(preset)
+  if not path.is_file():
+    raise ConfigError(
+      f'unknown preset {preset!r}; one of {preset_names()}, or the path of '
+      'a .py config file'
+    )
+  if path.resolve().parent == CONFIG_DIR:
+    preset = path.stem
+  return dataclasses.replace(load_config_file(path), preset=preset, **overrides)
 
 
 def field_groups() -> dict[str, list[str]]:
-  """Maps each ``# --- Group ---`` header of `Config` to its fields, in order.
+  """Maps each group of `GROUPS` to its fields, in definition order.
 
-  The groups (model, data, optimizer, offload, checkpoint, logging) are what
-  ``--help`` shows the flags under; `preset` belongs to none.
+  The groups are what ``--help`` shows the flags under and what
+  ``config.json`` nests the values in; `preset` belongs to none.
   """
-  groups: dict[str, list[str]] = {}
-  current: list[str] | None = None
-  for line in _config_source_lines():
-    line = line.strip()
-    if m := re.match(r'# --- (\w+) ---', line):
-      current = groups.setdefault(m.group(1).lower(), [])
-    elif (m := re.match(r'(\w+):', line)) and current is not None:
-      current.append(m.group(1))
+  groups: dict[str, list[str]] = {group: [] for group in GROUPS}
+  for field in dataclasses.fields(Config):
+    if 'group' in field.metadata:
+      groups[field.metadata['group']].append(field.name)
   return groups
+
+
+def field_help(name: str) -> str:
+  """The help text of a `Config` field (its metadata)."""
+  return {f.name: f.metadata['help'] for f in dataclasses.fields(Config)}[name]
 
 
 def grouped(cfg: Config) -> dict[str, Any]:
@@ -398,33 +457,46 @@ class _Parser(argparse.ArgumentParser):
     raise ConfigError(message.replace('\n', ' '))
 
 
-def build_parser() -> argparse.ArgumentParser:
-  """Builds a CLI parser with one ``--flag`` per `Config` field.
+def _add_start_flags(parser: argparse.ArgumentParser) -> None:
+  """``--config FILE`` or ``--preset NAME``: the config a run starts from."""
+  start = parser.add_mutually_exclusive_group()
+  start.add_argument(
+    '--config',
+    metavar='FILE',
+    help='Python file whose get_config() returns the Config to start from '
+    '(e.g. configs/1b.py); the flags below override its fields.',
+  )
+  start.add_argument(
+    '--preset',
+    choices=[*preset_names(), *PRESET_ALIASES],
+    help=f'A config under configs/ by name: --preset NAME is --config '
+    f'configs/NAME.py (default: {DEFAULT_PRESET}).',
+  )
 
-  Flags are listed by group (model, data, optimizer, ...), each with the
-  comment above its field as help. Bad flags raise `ConfigError` instead of
-  exiting.
+
+def build_parser() -> argparse.ArgumentParser:
+  """Builds a CLI parser: the start config, then one flag per `Config` field.
+
+  Flags are listed by group (model, data, optimizer, ...), each with its
+  field's help text (field metadata) and type (its annotation). Bad flags
+  raise `ConfigError` instead of exiting.
   """
   parser = _Parser(
     prog='python -m experiments.train',
     description='Train a byte-level decoder-only LM.',
   )
+  _add_start_flags(parser)
   hints = typing.get_type_hints(Config)
-  comments = _field_comments()
   defaults = Config()
-  parser.add_argument(
-    '--preset',
-    default='small',
-    choices=list(PRESETS),
-    help=f'{comments["preset"]} (default: %(default)s)',
-  )
   for group_name, names in field_groups().items():
     group = parser.add_argument_group(group_name)
     for name in names:
       flag = '--' + name.replace('_', '-')
-      comment = comments.get(name, '').replace('%', '%%')
-      # Flags default to None ("keep the preset's value").
-      help_ = f'{comment} (small: {getattr(defaults, name)})'
+      # Flags default to None ("keep the config file's value").
+      help_ = (
+        f'{field_help(name)} ({DEFAULT_PRESET}: {getattr(defaults, name)})'
+      )
+      help_ = help_.replace('%', '%%')
       tp = _base_type(hints[name])
       if tp is bool:
         action = argparse.BooleanOptionalAction
@@ -447,12 +519,14 @@ def config_from_args(argv: Sequence[str] | None = None) -> Config:
     argv: The flags, without the program name; None reads `sys.argv`.
 
   Returns:
-    The preset named by ``--preset`` with every given flag applied.
+    The config of ``--config`` or ``--preset`` (default: demo) with every
+    given field flag applied.
   """
   args = vars(build_parser().parse_args(argv))
-  preset = args.pop('preset')
+  start = args.pop('config') or args.pop('preset') or DEFAULT_PRESET
+  args.pop('preset', None)
   overrides = {k: v for k, v in args.items() if v is not None}
-  return get_config(preset, **overrides)
+  return get_config(start, **overrides)
 
 
 def validate(cfg: Config) -> None:
@@ -468,8 +542,11 @@ def validate(cfg: Config) -> None:
   Raises:
     ConfigError: On the first problem found, with a one-line message.
   """
-  if cfg.preset not in PRESETS:
-    raise ConfigError(f'unknown preset {cfg.preset!r}; one of {list(PRESETS)}')
+  if not _config_path(cfg.preset).is_file():
+    raise ConfigError(
+      f'unknown preset {cfg.preset!r}; one of {preset_names()}, or the path '
+      'of a .py config file'
+    )
   for field, choices in CHOICES.items():
     if getattr(cfg, field) not in choices:
       raise ConfigError(

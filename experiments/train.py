@@ -2,7 +2,7 @@ r"""Trains a byte-level decoder-only LM with SuperOffload, optax or device Adam.
 
 Usage (from the repository root)::
 
-    python -m experiments.train                        # small preset
+    python -m experiments.train --config configs/demo.py   # the default
     python -m experiments.train --optimizer optax --steps 100
     python -m experiments.train --preset tiny --data README.md
     python -m experiments.train --steps 2000 --checkpoint-every 100 \
@@ -10,6 +10,10 @@ Usage (from the repository root)::
     python -m experiments.train --steps 2000 --checkpoint-every 100 \
         --checkpoint-dir ckpt --resume             # after a crash or SIGTERM
     python -m experiments.train --preset tiny --mesh-data 2 --mesh-seq 2
+
+The run starts from a config file (``--config FILE``, or ``--preset NAME``
+for ``configs/NAME.py``; see `experiments.config`); each field flag
+overrides one field of it.
 
 Writes to the run folder (``--out-dir``, default ``runs/<timestamp>``):
 ``config.json`` (grouped as ``--help`` groups the flags);

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -140,19 +141,67 @@ def test_cli_overrides_every_kind_of_field():
   assert cfg.tie_embeddings is False
   assert cfg.pos_encoding == 'learned'
   assert cfg.data == 'some/file.txt'
-  assert cfg.d_model == config.PRESETS['tiny']['d_model']
+  assert cfg.d_model == config.get_config('tiny').d_model != 128
   default = config.config_from_args([])
   assert default == config.Config()
   assert default.optimizer == 'superoffload'
 
 
-def test_every_field_has_a_flag_and_a_comment():
+def test_every_field_has_a_flag_a_group_and_help():
   parser = config.build_parser()
-  flags = {a.dest for a in parser._actions}
-  comments = config._field_comments()
+  helps = {a.dest: a.help for a in parser._actions}
+  grouped_names = [n for ns in config.field_groups().values() for n in ns]
   for field in dataclasses.fields(config.Config):
-    assert field.name in flags
-    assert comments[field.name], field.name
+    assert field.name in helps
+    assert config.field_help(field.name), field.name
+    if field.name != 'preset':
+      assert grouped_names.count(field.name) == 1, field.name
+      # The flag's help is the field's metadata (argparse escapes %).
+      text = config.field_help(field.name).replace('%', '%%')
+      assert helps[field.name].startswith(text), field.name
+
+
+def test_config_files_and_presets_are_the_same_configs():
+  names = config.preset_names()
+  assert {'tiny', 'demo', '125m', '350m', '1b', 'paper_gh200_25b'} <= set(names)
+  for name in names:
+    by_file = config.config_from_args([f'--config=configs/{name}.py'])
+    assert by_file == config.config_from_args([f'--preset={name}'])
+    assert by_file.preset == name
+    config.validate(by_file)
+  # The demo is the dataclass's defaults, and what no flag at all gives;
+  # "small" is its older name.
+  assert config.get_config('demo') == config.Config() == config.get_config()
+  assert config.get_config('small') == config.Config()
+
+
+def test_config_file_outside_configs_with_overrides(tmp_path):
+  path = tmp_path / 'mine.py'
+  path.write_text(
+    'from experiments import config\n'
+    'def get_config():\n'
+    '  return config.Config(d_model=64, steps=9)\n'
+  )
+  cfg = config.config_from_args([f'--config={path}', '--steps=3'])
+  assert (cfg.d_model, cfg.steps, cfg.preset) == (64, 3, str(path))
+  config.validate(cfg)
+
+
+@pytest.mark.parametrize(
+  'text, message',
+  [
+    ('x = 1\n', 'get_config() must return a Config'),
+    ('def get_config():\n  return {}\n', 'get_config() must return a Config'),
+    ('raise KeyError("d_model")\n', "KeyError: 'd_model'"),
+  ],
+)
+def test_bad_config_file_is_a_config_error(tmp_path, text, message):
+  path = tmp_path / 'bad.py'
+  path.write_text(text)
+  with pytest.raises(config.ConfigError, match=re.escape(message)):
+    config.config_from_args([f'--config={path}'])
+  with pytest.raises(config.ConfigError, match='not allowed with'):
+    config.config_from_args([f'--config={path}', '--preset=tiny'])
 
 
 def test_library_value_errors_become_config_errors():
