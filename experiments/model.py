@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import jax_superoffload as superoffload
 from experiments.config import POS_ENCODINGS
 from experiments.config import WEIGHTS_POLICIES
 from experiments.config import Config
 from jax_superoffload import ulysses
-from jax_superoffload._src import weight_flow
 
 
 def _dtype(name: str) -> jnp.dtype:
@@ -281,7 +281,7 @@ class Transformer(nnx.Module):
     def body(layer: nnx.State, x_BxLxD: jax.Array) -> tuple[jax.Array, None]:
       return nnx.merge(graphdef, layer)(x_BxLxD), None
 
-    x_BxLxD, _ = weight_flow.weight_flow_scan(
+    x_BxLxD, _ = superoffload.weight_flow_scan(
       body, x_BxLxD, stacked, policy=self.weights_policy
     )
     return x_BxLxD
@@ -299,7 +299,7 @@ def offload_weights(model: Transformer) -> None:
   """
   if model.weights_policy == 'flow':
     blocks = nnx.state(model.blocks)
-    nnx.update(model.blocks, weight_flow.offload_stacked(blocks))
+    nnx.update(model.blocks, superoffload.offload_stacked(blocks))
 
 
 def set_sequence_parallel(
@@ -353,11 +353,11 @@ def apply_gradients(
     updates = optimizer.update(model, grads)
     return updates, nnx.as_pure(nnx.state(model, nnx.Param))
   state = nnx.state(model)
-  spaces = weight_flow.memory_spaces(state)  # `state` changes in place.
-  nnx.update(model, weight_flow.fetch_stacked(state))
-  updates = optimizer.update(model, weight_flow.fetch_stacked(grads))
+  spaces = superoffload.memory_spaces(state)  # `state` changes in place.
+  nnx.update(model, superoffload.fetch_stacked(state))
+  updates = optimizer.update(model, superoffload.fetch_stacked(grads))
   params = nnx.as_pure(nnx.state(model, nnx.Param))
-  nnx.update(model, weight_flow.match_placement(nnx.state(model), spaces))
+  nnx.update(model, superoffload.match_placement(nnx.state(model), spaces))
   return updates, params
 
 
@@ -365,7 +365,7 @@ def device_copy(model: Transformer, grads: nnx.State) -> nnx.State:
   """`grads` in device memory (weight-flow gradients arrive in host memory)."""
   if model.weights_policy != 'flow':
     return grads
-  return weight_flow.fetch_stacked(grads)
+  return superoffload.fetch_stacked(grads)
 
 
 def loss_fn(

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+import jax_superoffload as superoffload
 from experiments import config as config_lib
-from jax_superoffload._src import executors
 
 ConfigError = config_lib.ConfigError
 
@@ -162,8 +162,6 @@ def _adamw(
       tx = optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)
     return tx
   if cfg.optimizer in ('superoffload', 'device'):
-    import jax_superoffload as superoffload
-
     kwargs.update(
       executor='device' if cfg.optimizer == 'device' else cfg.executor,
       clip_norm=cfg.clip_norm,
@@ -193,4 +191,4 @@ def executor_name(cfg: config_lib.Config) -> str | None:
     return 'device'
   # The library's own choice: on a GPU, "auto" is "ffi" only where Grace
   # Adam could be registered with the PJRT plugin.
-  return executors.resolve(cfg.executor)
+  return superoffload.resolve_executor(cfg.executor)

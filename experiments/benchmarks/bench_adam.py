@@ -33,15 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import jax_superoffload as superoffload
 from experiments.benchmarks import machine
 from experiments.benchmarks import stream_limit
 from experiments.sweeps.report import fmt
 from experiments.sweeps.report import markdown_table
 from experiments.sweeps.report import plt
 from jax_superoffload import kernels
-from jax_superoffload._src import grace_adam as grace_adam_ffi
-from jax_superoffload._src import moments
-from jax_superoffload._src.hyperparams import Hyperparams
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -70,9 +68,11 @@ def _state(n: int, seed: int) -> tuple[np.ndarray, ...]:
   return params, grads
 
 
-def _hyper(count) -> Hyperparams:
+def _hyper(count) -> superoffload.Hyperparams:
   """The benchmarks' step: AdamW with optax's defaults."""
-  return Hyperparams(count=count, learning_rate=LR, weight_decay=WEIGHT_DECAY)
+  return superoffload.Hyperparams(
+    count=count, learning_rate=LR, weight_decay=WEIGHT_DECAY
+  )
 
 
 def _stepper(step, state: list[jax.Array], grad: jax.Array):
@@ -169,7 +169,7 @@ def moment_bytes(name: str) -> tuple[float, float]:
   """
   mu, nu, blockwise = MOMENT_FORMATS[name]
   state = jnp.dtype(mu).itemsize + jnp.dtype(nu).itemsize
-  scales = 2 * 4 / moments.BLOCK if blockwise else 0.0
+  scales = 2 * 4 / superoffload.MOMENT_BLOCK if blockwise else 0.0
   return 12 + 2 * state + 2 * scales, 8 + state + scales
 
 
@@ -179,12 +179,15 @@ def grace_adam_moments(n: int, name: str) -> Callable[[], None]:
   mu_t, nu_t, blockwise = MOMENT_FORMATS[name]
   box = [jnp.asarray(params), jnp.zeros(n, mu_t), jnp.zeros(n, nu_t)]
   if blockwise:
-    box += [jnp.zeros(moments.num_blocks(n), jnp.float32) for _ in range(2)]
+    box += [
+      jnp.zeros(-(-n // superoffload.MOMENT_BLOCK), jnp.float32)
+      for _ in range(2)
+    ]
   grad = jnp.asarray(grads)
 
   def step(state, grad, count):
     master, mu, nu, *scales = state
-    m, a, v, s, _, _ = grace_adam_ffi.adam_step_lowp_segments(
+    m, a, v, s, _, _ = superoffload.adam_step_lowp_segments(
       [master],
       [mu],
       [nu],
@@ -241,7 +244,7 @@ def grace_adam_stv(n: int) -> Callable[[], None]:
   grad = jnp.asarray(grads)
 
   def step(master, mu, nu, kept, row, grad, count):
-    master, mu, nu, kept, total, _ = grace_adam_ffi.adam_step_speculative(
+    master, mu, nu, kept, total, _ = superoffload.adam_step_speculative(
       [master],
       [mu],
       [nu],
@@ -316,7 +319,7 @@ def grace_adam_mixed(n: int, reseed: bool) -> Callable[[], None]:
   grad = [jnp.asarray(grads, jnp.bfloat16)]
 
   def step(master, mu, nu, weights, grad, count):
-    master, mu, nu, weights, _ = grace_adam_ffi.adam_step_segments(
+    master, mu, nu, weights, _ = superoffload.adam_step_segments(
       master,
       mu,
       nu,

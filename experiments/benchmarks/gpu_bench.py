@@ -82,13 +82,11 @@ def run_executor(sizes: Sizes, executor: str) -> dict[str, Any]:
   import optax
 
   import jax_superoffload as superoffload
-  from jax_superoffload._src import executors
-  from jax_superoffload._src import plugin_ffi
 
   out: dict[str, Any] = {'executor': executor}
   if executor == 'ffi':  # On CPU only a rehearsal: nothing reads it there.
-    out['registration'] = dataclasses.asdict(plugin_ffi.host_registration())
-  out['auto_resolves_to'] = executors.resolve('auto')
+    out['registration'] = dataclasses.asdict(superoffload.host_registration())
+  out['auto_resolves_to'] = superoffload.resolve_executor('auto')
   rng = np.random.default_rng(0)
   params = [rng.standard_normal(s, np.float32) for s in sizes.exec_shapes]
   grads = [
@@ -147,16 +145,16 @@ def run_train(sizes: Sizes, optimizer: str) -> dict[str, Any]:
   import jax
   import numpy as np
 
+  import jax_superoffload as superoffload
   from experiments import model as model_lib
   from experiments import perf
-  from jax_superoffload._src import executors
 
   cfg = _decoder_config(sizes, optimizer)
   model, step, state, batch = _build_train(cfg)
   num_params = model_lib.count_params(model)
   out: dict[str, Any] = {'optimizer': optimizer, 'num_params': num_params}
   if cfg.optimizer == 'superoffload':
-    out['executor'] = executors.resolve(cfg.executor)
+    out['executor'] = superoffload.resolve_executor(cfg.executor)
   out['state_bytes'] = perf.bytes_by_memory_kind(state, jax.devices()[0])
   start = time.perf_counter()
   compiled = step.lower(state, *batch).compile()

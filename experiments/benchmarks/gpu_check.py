@@ -37,7 +37,6 @@ import optax
 
 import jax_superoffload as superoffload
 from jax_superoffload import kernels
-from jax_superoffload._src import plugin_ffi
 
 MARK = 'GPU_CHECK_RESULT '
 # Attempt name -> superoffload executor (None: the optax.adamw baseline).
@@ -287,7 +286,7 @@ def guarded(fn: Callable[[], dict]) -> dict:
 def register_for_host() -> dict:
   """(b): files the kernel's handlers for "Host" in the CUDA plugin."""
   jax.devices()  # Initialises the backends, which loads the plugin.
-  return dataclasses.asdict(plugin_ffi.host_registration())
+  return dataclasses.asdict(superoffload.host_registration())
 
 
 def summarize_check(c: dict) -> str:

@@ -1,7 +1,7 @@
 """MODEL PREDICTIONS of SuperOffload at paper scale on one GH200.
 
 Nothing here is measured: every number comes from the planner's cost model
-(`jax_superoffload._src.planner`, whose docstring lists each formula and
+(`jax_superoffload.plan`; the library's cost_model.py lists each formula and
 assumption) evaluated on the built-in `GH200` profile, and is printed beside
 the figures the SuperOffload paper and blog report.
 
@@ -24,14 +24,13 @@ from typing import Any
 
 import numpy as np
 
+import jax_superoffload as superoffload
 from experiments.sweeps.report import fmt
 from experiments.sweeps.report import markdown_table
 from experiments.sweeps.report import plt
 from experiments.sweeps.report import ticker
-from jax_superoffload._src import hardware
-from jax_superoffload._src import planner
 
-HW = hardware.GH200
+HW = superoffload.GH200
 SIZES_B = (1, 2, 4, 8, 13, 20, 25)
 # Batches for the sensitivity of the speedup (tokens per step matter most).
 SENSITIVITY_BATCHES = (1, 2, 4, 8, 16)
@@ -59,8 +58,8 @@ HEADER = (
 )
 
 
-def spec(params_b: float, seq_len: int, batch: int) -> planner.ModelSpec:
-  return planner.ModelSpec.from_params(
+def spec(params_b: float, seq_len: int, batch: int) -> superoffload.ModelSpec:
+  return superoffload.ModelSpec.from_params(
     params_b * 1e9, seq_len=seq_len, batch=batch
   )
 
@@ -80,17 +79,17 @@ def largest_fits(seq_len: int, batch: int) -> dict[str, float]:
   best.update({f'superoffload_{m}_no_stv': 0.0 for m in LOWP_MOMENTS})
   for size in SCAN_B:
     model = spec(size, seq_len, batch)
-    p = planner.plan(model, HW, moments='fp32')
+    p = superoffload.plan(model, HW, moments='fp32')
     fits = {
       'device_adam': p.device_adam.fits,
       'zero_offload': p.zero_offload.fits,
       'superoffload': p.fits,
-      'superoffload_no_stv': planner.plan(
+      'superoffload_no_stv': superoffload.plan(
         model, HW, stv=False, moments='fp32'
       ).fits,
     }
     for m in LOWP_MOMENTS:
-      fits[f'superoffload_{m}_no_stv'] = planner.plan(
+      fits[f'superoffload_{m}_no_stv'] = superoffload.plan(
         model, HW, stv=False, moments=m
       ).fits
     for name, fit in fits.items():
@@ -99,7 +98,9 @@ def largest_fits(seq_len: int, batch: int) -> dict[str, float]:
   return best
 
 
-def _system(est: planner.Estimate | planner.Plan, recompute: float) -> dict:
+def _system(
+  est: superoffload.Estimate | superoffload.Plan, recompute: float
+) -> dict:
   return {
     'fits': est.fits,
     'step_time_s': est.step_time_s,
@@ -113,7 +114,7 @@ def _system(est: planner.Estimate | planner.Plan, recompute: float) -> dict:
 
 
 def throughput_row(params_b: float, seq_len: int, batch: int) -> dict:
-  p = planner.plan(spec(params_b, seq_len, batch), HW, moments='fp32')
+  p = superoffload.plan(spec(params_b, seq_len, batch), HW, moments='fp32')
   recompute = 8 / 6 if p.model.activation_checkpointing else 1.0
   zero = p.zero_offload
   return {
@@ -138,7 +139,7 @@ def graceadam_check() -> list[dict]:
   """Predicted host Adam step vs the published GraceAdam timings."""
   rows = []
   for label, n in (('1B', 1e9), ('8B', 8e9)):
-    predicted = n * hardware.ADAM_BYTES_PER_PARAM / HW.host_adam_bytes_per_s
+    predicted = n * superoffload.ADAM_BYTES_PER_PARAM / HW.host_adam_bytes_per_s
     published = PAPER['graceadam_s'][label]
     rows.append(
       {
@@ -162,7 +163,7 @@ def cast_sensitivity(seq_len: int) -> list[dict]:
   for gbs in (40.0, 120.0, HW.host_adam_bytes_per_s / 1e9):
     hw = dataclasses.replace(HW, host_cast_gbs=gbs)
     for batch in (1, 8):
-      p = planner.plan(
+      p = superoffload.plan(
         spec(SENSITIVITY_SIZE_B, seq_len, batch), hw, moments='fp32'
       )
       rows.append(
