@@ -60,3 +60,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build
+
+# The documentation into build/docs (Sphinx, warnings as errors), and its
+# examples run: .ci/docs.sh, which installs the `docs` extra into the venv.
+.PHONY: docs
+docs: $(STAMP)
+	bash .ci/docs.sh $(VENV)

@@ -1,4 +1,9 @@
-"""Every code block of the README section "Use it in your own loop" runs."""
+"""Every Python code block of the README and the getting-started page runs.
+
+Each block is a whole program that fits a linear layer to a constant target
+and leaves its last loss in `loss`. .ci/docs.sh runs this file beside the
+docs build, and the suite runs it everywhere.
+"""
 
 import math
 import pathlib
@@ -6,34 +11,36 @@ import re
 
 import pytest
 
-_README = pathlib.Path(__file__).resolve().parents[1] / 'README.md'
-_SECTION = '## Use it in your own loop'
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_PAGES = ('README.md', 'docs/getting_started.md')
+_BLOCK = re.compile(r'^```python\n(.*?)^```$', re.DOTALL | re.MULTILINE)
 
 
-def _examples() -> list[str]:
-  text = _README.read_text()
-  section = text[text.index(_SECTION) :]
-  section = section[: section.index('\n## ', len(_SECTION))]
-  return re.findall(r'```python\n(.*?)```', section, flags=re.DOTALL)
+def _blocks(page: str) -> list[str]:
+  return _BLOCK.findall((_ROOT / page).read_text())
 
 
-def test_the_section_has_optax_nnx_and_linen_examples():
-  examples = _examples()
-  assert len(examples) == 3
-  assert 'tx.update' in examples[0]
-  assert 'nnx.Optimizer' in examples[1]
-  assert 'TrainState' in examples[2]
+_EXAMPLES = [
+  pytest.param(code, id=f'{page}:{i}')
+  for page in _PAGES
+  for i, code in enumerate(_blocks(page))
+]
+
+
+def test_each_page_has_examples_and_getting_started_covers_each_api():
+  assert _blocks('README.md')
+  examples = _blocks('docs/getting_started.md')
+  for loop in ('tx.update', 'nnx.Optimizer', 'TrainState'):
+    assert any(loop in code for code in examples), loop
   for code in examples:
     assert 'superoffload.adamw' in code
 
 
-@pytest.mark.parametrize('index', range(3))
-def test_example_runs_and_fits(index):
+@pytest.mark.parametrize('code', _EXAMPLES)
+def test_example_runs_and_fits(code, request):
   pytest.importorskip('jax_superoffload')
   namespace: dict = {}
-  exec(
-    compile(_examples()[index], f'README example {index}', 'exec'), namespace
-  )
+  exec(compile(code, request.node.callspec.id, 'exec'), namespace)
   loss = float(namespace['loss'])
   # Fitting a constant target with a linear layer: the loss goes to ~0.
   assert math.isfinite(loss) and loss < 0.05, loss

@@ -1,0 +1,178 @@
+"""The docs: a short README, an API page of every public name, and nothing
+of the long README (commit 65de769) lost when it moved into docs/."""
+
+import pathlib
+import re
+import subprocess
+import types
+
+import pytest
+
+import jax_superoffload
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_DOCS = _ROOT / 'docs'
+_README = _ROOT / 'README.md'
+# The last commit whose README held every table and paragraph.
+_OLD_README_COMMIT = '65de769'
+_README_MAX_LINES = 150
+# Words of the old README that pointed "above" or "below" within it, and
+# what the docs say instead now that the text is on another page (links
+# flattened to their text). Each must be used, by a line of the old README.
+_MOVED = {
+  '("A whole training step" above)': (
+    '("A whole training step" on the Intel Xeon page)'
+  ),
+  'below; it runs to completion on CPU, and ran on an H200 (below).': (
+    'on the GPU status page; it runs to completion on CPU, and ran on an'
+    ' H200 (same page).'
+  ),
+  '(`bench_adam`, 16 threads, below)': (
+    "(`bench_adam`, 16 threads, on the H200 machine's page)"
+  ),
+  'host, below: 1.19x)': 'host, on its page: 1.19x)',
+  'in the AMD run above)': 'in the AMD run)',
+}
+
+_AUTODOC = re.compile(
+  r'^\.\. auto(?:function|class|data):: (jax_superoffload\.[\w.]+)',
+  re.MULTILINE,
+)
+# A summary list item: `name` or `kernels.name` (no signature: autodoc
+# renders the signature from the code).
+_SUMMARY_ITEM = re.compile(r'^[-*] `([\w.]+)`:', re.MULTILINE)
+_SUBMODULES = {
+  name: getattr(jax_superoffload, name)
+  for name in jax_superoffload.__all__
+  if isinstance(getattr(jax_superoffload, name), types.ModuleType)
+}
+
+
+def _public_names() -> set[str]:
+  names = {
+    f'jax_superoffload.{n}'
+    for n in jax_superoffload.__all__
+    if n not in _SUBMODULES
+  }
+  for module_name, module in _SUBMODULES.items():
+    names |= {f'jax_superoffload.{module_name}.{n}' for n in module.__all__}
+  return names
+
+
+def _api_names() -> list[str]:
+  return _AUTODOC.findall((_DOCS / 'api.md').read_text())
+
+
+def _summary_names() -> list[str]:
+  """The names the API page's summary lists describe, qualified."""
+  text = (_DOCS / 'api.md').read_text()
+  return [f'jax_superoffload.{n}' for n in _SUMMARY_ITEM.findall(text)]
+
+
+def test_the_api_page_documents_every_public_name_once():
+  documented = _api_names()
+  twice = sorted({n for n in documented if documented.count(n) > 1})
+  public = _public_names()
+  missing = sorted(public - set(documented))
+  extra = sorted(set(documented) - public)
+  assert not (twice or missing or extra), (
+    f'docs/api.md vs __all__: missing {missing}, not public {extra},'
+    f' twice {twice}'
+  )
+
+
+def test_the_api_summary_describes_every_public_name_once():
+  described = _summary_names()
+  public = _public_names()
+  missing = sorted(public - set(described))
+  extra = sorted(set(described) - public)
+  twice = sorted({n for n in described if described.count(n) > 1})
+  assert not (missing or extra or twice), (
+    f'docs/api.md summary vs __all__: missing {missing}, not public {extra},'
+    f' twice {twice}'
+  )
+
+
+def test_the_readme_is_short_and_its_doc_links_resolve():
+  text = _README.read_text()
+  assert len(text.splitlines()) <= _README_MAX_LINES
+  links = re.findall(r'\]\((docs/[^)#\s]+)', text)
+  assert links, 'README.md links into docs/'
+  broken = [link for link in links if not (_ROOT / link).is_file()]
+  assert not broken, f'README.md links to missing files: {broken}'
+
+
+def _flatten(markdown: str) -> str:
+  """Text with list markers, heading marks, links and wrapping removed."""
+  lines = []
+  for line in markdown.splitlines():
+    line = re.sub(r'^\s*(?:[-*>] |#+ |\d+\. )?', '', line)
+    lines.append(line.strip())
+  text = ' '.join(lines)
+  text = re.sub(r'\[([^\]]*)\]\([^)]*\)', r'\1', text)  # [text](target)
+  return re.sub(r'\s+', ' ', text)
+
+
+def _old_readme() -> str:
+  try:
+    out = subprocess.run(
+      ['git', 'show', f'{_OLD_README_COMMIT}:README.md'],
+      cwd=_ROOT,
+      capture_output=True,
+      text=True,
+      check=True,
+    )
+  except (OSError, subprocess.CalledProcessError):
+    pytest.skip(f'git history without commit {_OLD_README_COMMIT}')
+  return out.stdout
+
+
+def _api_signature_name(line: str) -> str | None:
+  """`adam(...)`-style entries of the old "## API" list: their name."""
+  match = re.match(r'\s*[-*] `([\w.]+)\(', line)
+  return match.group(1) if match else None
+
+
+def lost_lines() -> tuple[list[str], int]:
+  """Number-bearing lines of the old README found nowhere now, and how
+  many such lines there were."""
+  old = _old_readme()
+  corpus = _flatten(_README.read_text())
+  for page in sorted(_DOCS.rglob('*.md')):
+    corpus += ' ' + _flatten(page.read_text())
+  api = set(_api_names())
+  in_api_section, lost, checked, moved = False, [], 0, set()
+  for line in old.splitlines():
+    if line.startswith('## '):
+      in_api_section = line.strip() == '## API'
+    if not re.search(r'\d', line):
+      continue
+    checked += 1
+    name = _api_signature_name(line) if in_api_section else None
+    if name is not None:  # The signature is generated from the code now.
+      if f'jax_superoffload.{name}' not in api:
+        lost.append(line)
+      continue
+    needle = _flatten(line)
+    for old_words, new_words in _MOVED.items():
+      if old_words in needle:
+        moved.add(old_words)
+        needle = needle.replace(old_words, new_words)
+    if needle in corpus:
+      continue
+    lost.append(line)
+  unused = sorted(set(_MOVED) - moved)
+  assert not unused, f'_MOVED entries no old line uses: {unused}'
+  return lost, checked
+
+
+def test_every_number_bearing_line_of_the_old_readme_is_kept():
+  lost, checked = lost_lines()
+  assert checked > 300
+  assert not lost, f'{len(lost)} of {checked} lines lost:\n' + '\n'.join(lost)
+
+
+if __name__ == '__main__':
+  lost, checked = lost_lines()
+  print(f'{checked - len(lost)} of {checked} number-bearing lines kept')
+  print('\n'.join(lost))
