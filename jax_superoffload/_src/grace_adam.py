@@ -377,9 +377,9 @@ def adam_step_speculative(
 ) -> tuple[list, list, list, list, jax.Array, list]:
   """STV's speculative step on double-buffered leaves, one bucket.
 
-  `master`, `mu` and `nu` are f32[2, *shape] per leaf: two rows, of which
+  `master`, `mu` and `nu` are ``f32[2, *shape]`` per leaf: two rows, of which
   `row` (int32 scalar) is current. Reads that row and the gradients, writes
-  the other row, the gradients as fp32 into `kept` (f32[*shape] per leaf)
+  the other row, the gradients as fp32 into `kept` (``f32[*shape]`` per leaf)
   and the new weights in `weight_dtypes`. With `params`, they are copied
   into the current row first where it does not round to them. Every state
   buffer aliases its result. Returns master, mu, nu and kept per leaf, the
