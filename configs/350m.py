@@ -1,6 +1,6 @@
 """~353M parameters (byte vocabulary, tied embeddings)."""
 
-from experiments import config
+from experiments.trainer import config
 
 
 def get_config() -> config.Config:

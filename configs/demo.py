@@ -5,7 +5,7 @@ The `Config` defaults themselves. Run it, or start from it, with::
   python -m experiments.trainer --config configs/demo.py [--steps 100 ...]
 """
 
-from experiments import config
+from experiments.trainer import config
 
 
 def get_config() -> config.Config:

@@ -11,7 +11,7 @@ Not run: no GH200 was used. The cost model's predictions for this size are
 in experiments/benchmarks/paper_predictions.md.
 """
 
-from experiments import config
+from experiments.trainer import config
 
 
 def get_config() -> config.Config:

@@ -1,6 +1,6 @@
 """~17k parameters: a train step takes milliseconds; for tests."""
 
-from experiments import config
+from experiments.trainer import config
 
 
 def get_config() -> config.Config:

@@ -22,10 +22,10 @@ import time
 
 import pytest
 
-from experiments import train
+from experiments.trainer import train
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-_TRAIN = [sys.executable, '-m', 'experiments.train']
+_TRAIN = [sys.executable, '-m', 'experiments.trainer']
 # How long any one trainer process may take (a loaded 2-core machine).
 _TIMEOUT_S = 240
 _STEPS = 30

@@ -1,4 +1,4 @@
-"""Tests for experiments.train and the CLI config of experiments.config."""
+"""Tests for experiments.trainer: training, and the config files and flags."""
 
 import dataclasses
 import json
@@ -11,10 +11,10 @@ import optax
 import pytest
 from flax import nnx
 
-from experiments import config
-from experiments import model
-from experiments import train
 from experiments.sweeps import sweep
+from experiments.trainer import config
+from experiments.trainer import model
+from experiments.trainer import train
 
 # A short, highly repetitive corpus: a tiny model learns it in a few steps.
 _CORPUS = 'the quick brown fox jumps over the lazy dog. ' * 400
@@ -178,7 +178,7 @@ def test_config_files_and_presets_are_the_same_configs():
 def test_config_file_outside_configs_with_overrides(tmp_path):
   path = tmp_path / 'mine.py'
   path.write_text(
-    'from experiments import config\n'
+    'from experiments.trainer import config\n'
     'def get_config():\n'
     '  return config.Config(d_model=64, steps=9)\n'
   )
@@ -360,7 +360,7 @@ def test_bad_configs_are_one_line_errors(flags, message, capsys, tmp_path):
 
 
 def test_flops_and_peak_helpers():
-  from experiments import perf
+  from experiments.trainer import perf
 
   assert perf.flops_per_token(100, 2, 8, 16) == 6 * 100 + 12 * 2 * 8 * 16
   assert perf.table_peak_tflops('NVIDIA H200') == 989
@@ -377,7 +377,7 @@ def test_bytes_by_memory_kind_counts_one_shard():
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from experiments import perf
+  from experiments.trainer import perf
 
   mesh = jax.make_mesh((4,), ('data',), devices=jax.devices()[:4])
   tree = {

@@ -37,10 +37,10 @@ import optax
 
 import jax_superoffload as superoffload
 from experiments.benchmarks import machine
-from experiments.optim import MOMENT_OPTIONS
 from experiments.sweeps.report import fmt
 from experiments.sweeps.report import markdown_table
 from experiments.sweeps.report import plt
+from experiments.trainer.optim import MOMENT_OPTIONS
 
 
 def leaf_sizes(n: int, leaves: int, multiple: int = 1) -> list[int]:

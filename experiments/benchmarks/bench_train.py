@@ -1,7 +1,7 @@
 """Whole training steps of the trainer, superoffload vs optax vs device Adam.
 
 Builds the trainer's model, optimizer and jitted, donated train step
-(`experiments.train.make_train_step`) for each optimizer at each model
+(`experiments.trainer.train.make_train_step`) for each optimizer at each model
 size, all in one process, then times them in interleaved rounds (one step
 of each per round), so that the machine's noise hits every candidate
 alike. Reports the median step time per candidate, the ratio optax /
@@ -41,12 +41,12 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from experiments import config as config_lib
-from experiments import model as model_lib
-from experiments import perf
-from experiments import train
 from experiments.sweeps.report import fmt
 from experiments.sweeps.report import markdown_table
+from experiments.trainer import config as config_lib
+from experiments.trainer import model as model_lib
+from experiments.trainer import perf
+from experiments.trainer import train
 
 # Model shapes (byte vocabulary, tied embeddings): ~12 * layers * d_model**2.
 SIZES = {

@@ -57,7 +57,7 @@ def _device_limit() -> int | None:
 
 def _decoder_config(sizes: Sizes, case: str, **overrides: Any):
   """The decoder's config; `case` is an optimizer, or "superoffload:EXEC"."""
-  from experiments import config as config_lib
+  from experiments.trainer import config as config_lib
 
   optimizer, _, executor = case.partition(':')
   fields = dict(
@@ -121,8 +121,8 @@ def _build_train(cfg):
   import numpy as np
   from flax import nnx
 
-  from experiments import model as model_lib
-  from experiments import train
+  from experiments.trainer import model as model_lib
+  from experiments.trainer import train
 
   mesh = train.make_mesh(cfg)
   model = model_lib.init_model(cfg)
@@ -146,8 +146,8 @@ def run_train(sizes: Sizes, optimizer: str) -> dict[str, Any]:
   import numpy as np
 
   import jax_superoffload as superoffload
-  from experiments import model as model_lib
-  from experiments import perf
+  from experiments.trainer import model as model_lib
+  from experiments.trainer import perf
 
   cfg = _decoder_config(sizes, optimizer)
   model, step, state, batch = _build_train(cfg)
@@ -196,8 +196,8 @@ def compiled_step_bytes(cfg) -> dict[str, int] | None:
   import jax.numpy as jnp
   from flax import nnx
 
-  from experiments import model as model_lib
-  from experiments import train
+  from experiments.trainer import model as model_lib
+  from experiments.trainer import train
 
   mesh = train.make_mesh(cfg)
 

@@ -6,7 +6,7 @@ comes from a small TOML or JSON file under ``experiments/sweeps/``::
     python -m experiments.sweeps.sweep experiments/sweeps/cpu_optimizers.toml
     python -m experiments.sweeps.sweep CONFIG --dry-run     # list the runs only
 
-Every grid point becomes one ``python -m experiments.train ... --out-dir
+Every grid point becomes one ``python -m experiments.trainer ... --out-dir
 runs/sweep/<run-id> --no-progress --steps K`` subprocess. One JSON line per
 run is appended to the results file as soon as the run ends: the grid point,
 ``status`` (``ok``, ``failed`` or ``timeout``), ``error`` (the tail of stderr
@@ -106,7 +106,7 @@ SUMMARY_KEYS = (
 )
 
 # The default trainer command; the run's flags follow it.
-TRAINER = (sys.executable, '-m', 'experiments.train')
+TRAINER = (sys.executable, '-m', 'experiments.trainer')
 
 # Characters of stderr kept as the error text of a failed run.
 ERROR_TAIL_CHARS = 3000

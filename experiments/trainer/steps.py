@@ -21,9 +21,9 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from experiments import config as config_lib
-from experiments import model as model_lib
-from experiments import optim
+from experiments.trainer import config as config_lib
+from experiments.trainer import model as model_lib
+from experiments.trainer import optim
 
 ConfigError = config_lib.ConfigError
 

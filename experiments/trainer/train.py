@@ -2,17 +2,17 @@ r"""Trains a byte-level decoder-only LM with SuperOffload, optax or device Adam.
 
 Usage (from the repository root)::
 
-    python -m experiments.train --config configs/demo.py   # the default
-    python -m experiments.train --optimizer optax --steps 100
-    python -m experiments.train --preset tiny --data README.md
-    python -m experiments.train --steps 2000 --checkpoint-every 100 \
+    python -m experiments.trainer --config configs/demo.py   # the default
+    python -m experiments.trainer --optimizer optax --steps 100
+    python -m experiments.trainer --preset tiny --data README.md
+    python -m experiments.trainer --steps 2000 --checkpoint-every 100 \
         --checkpoint-dir ckpt
-    python -m experiments.train --steps 2000 --checkpoint-every 100 \
+    python -m experiments.trainer --steps 2000 --checkpoint-every 100 \
         --checkpoint-dir ckpt --resume             # after a crash or SIGTERM
-    python -m experiments.train --preset tiny --mesh-data 2 --mesh-seq 2
+    python -m experiments.trainer --preset tiny --mesh-data 2 --mesh-seq 2
 
 The run starts from a config file (``--config FILE``, or ``--preset NAME``
-for ``configs/NAME.py``; see `experiments.config`); each field flag
+for ``configs/NAME.py``; see `experiments.trainer.config`); each field flag
 overrides one field of it.
 
 Writes to the run folder (``--out-dir``, default ``runs/<timestamp>``):
@@ -46,7 +46,7 @@ I`` (or ``--distributed auto`` under SLURM and the like) the run is N
 `jax.distributed` processes whose devices form one mesh; process 0 writes
 the run folder and holds the checkpoint folder's lock, every process saves
 its own shards, and a lost process stops the others at once (exit 4, one
-line; see `experiments.distributed`).
+line; see `experiments.trainer.distributed`).
 
 Exit status: 0 when all steps are done; 2 for a configuration refused before
 any compilation (one line, ``error: ...``, on stderr; nothing left on
@@ -75,16 +75,16 @@ import numpy as np
 from flax import nnx
 
 import jax_superoffload as superoffload
-from experiments import checkpointing
-from experiments import config as config_lib
-from experiments import distributed
-from experiments import optim
-from experiments import perf
-from experiments import preflight
-from experiments import run_log
-from experiments import steps as steps_lib
-from experiments import switch_optimizer as switch
-from experiments import train_loop as loop_lib
+from experiments.trainer import checkpointing
+from experiments.trainer import config as config_lib
+from experiments.trainer import distributed
+from experiments.trainer import loop as loop_lib
+from experiments.trainer import optim
+from experiments.trainer import perf
+from experiments.trainer import preflight
+from experiments.trainer import run_log
+from experiments.trainer import steps as steps_lib
+from experiments.trainer import switch_optimizer as switch
 
 ConfigError = config_lib.ConfigError
 
@@ -393,7 +393,7 @@ def _train_from(
 
 def _write_plot(cfg: config_lib.Config, out_dir: pathlib.Path) -> None:
   """Draws ``loss_curve.png`` from the whole ``metrics.jsonl``."""
-  from experiments import plotting
+  from experiments.trainer import plotting
 
   records = run_log.read_metrics(out_dir / METRICS_FILE, math.inf)
   plotting.plot_loss_curve(

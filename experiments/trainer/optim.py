@@ -13,7 +13,7 @@ import optax
 from jax.sharding import Mesh
 
 import jax_superoffload as superoffload
-from experiments import config as config_lib
+from experiments.trainer import config as config_lib
 
 ConfigError = config_lib.ConfigError
 

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from experiments import config as config_lib
-from experiments import data as data_lib
-from experiments import distributed
-from experiments import folder_lock
-from experiments import optim
-from experiments import steps as steps_lib
+from experiments.trainer import config as config_lib
+from experiments.trainer import data as data_lib
+from experiments.trainer import distributed
+from experiments.trainer import folder_lock
+from experiments.trainer import optim
+from experiments.trainer import steps as steps_lib
 
 ConfigError = config_lib.ConfigError
 

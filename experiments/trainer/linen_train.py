@@ -1,12 +1,12 @@
 """A Flax Linen training loop with `flax.training.train_state.TrainState`.
 
-The other common Flax loop, next to the NNX trainer (`experiments.train`):
+The other common Flax loop, next to the NNX trainer (`experiments.trainer`):
 a small Linen byte-level decoder on the same data, trained by a jitted,
 donated ``state.apply_gradients`` step whose optimizer is
 ``superoffload.adamw`` (or ``optax.adamw`` to compare)::
 
-    python -m experiments.linen_train --steps 200
-    python -m experiments.linen_train --optimizer optax --data README.md
+    python -m experiments.trainer.linen_train --steps 200
+    python -m experiments.trainer.linen_train --optimizer optax --data README.md
 
 SuperOffload needs nothing Linen-specific: `TrainState` calls ``tx.init``
 and ``tx.update`` like any optax optimizer, and the Adam state lands in
@@ -27,7 +27,7 @@ import optax
 from flax.training import train_state
 
 import jax_superoffload as superoffload
-from experiments import data as data_lib
+from experiments.trainer import data as data_lib
 
 
 class Block(nn.Module):

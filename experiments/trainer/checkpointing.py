@@ -47,8 +47,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments import config as config_lib
-from experiments import model as model_lib
+from experiments.trainer import config as config_lib
+from experiments.trainer import model as model_lib
 
 # Model fields that may change between a checkpoint and its resumption:
 # they do not change what the saved weights mean (a longer context under

@@ -14,7 +14,7 @@ import pathlib
 import socket
 from typing import Any
 
-from experiments import config as config_lib
+from experiments.trainer import config as config_lib
 
 
 class FolderLock:

@@ -32,9 +32,9 @@ import optax
 from flax import nnx
 
 import jax_superoffload as superoffload
-from experiments.config import POS_ENCODINGS
-from experiments.config import WEIGHTS_POLICIES
-from experiments.config import Config
+from experiments.trainer.config import POS_ENCODINGS
+from experiments.trainer.config import WEIGHTS_POLICIES
+from experiments.trainer.config import Config
 from jax_superoffload import ulysses
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from experiments import config as config_lib
+from experiments.trainer import config as config_lib
 
 # Exit status of a process whose peer was lost.
 LOST_PROCESS_EXIT = 4

@@ -17,8 +17,8 @@ import optax
 from flax import nnx
 
 import jax_superoffload as superoffload
-from experiments import config as config_lib
-from experiments import steps as steps_lib
+from experiments.trainer import config as config_lib
+from experiments.trainer import steps as steps_lib
 
 # Optimizers whose checkpoints convert into each other ("device" is
 # superoffload's state too).

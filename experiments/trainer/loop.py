@@ -25,12 +25,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from experiments import checkpointing
-from experiments import config as config_lib
-from experiments import perf
-from experiments import run_log
-from experiments import steps as steps_lib
-from experiments.preflight import RunPlan
+from experiments.trainer import checkpointing
+from experiments.trainer import config as config_lib
+from experiments.trainer import perf
+from experiments.trainer import run_log
+from experiments.trainer import steps as steps_lib
+from experiments.trainer.preflight import RunPlan
 
 # Where `--profile-steps` writes its trace, inside the run folder.
 PROFILE_DIR = 'profile'

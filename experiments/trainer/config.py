@@ -41,7 +41,7 @@ class ConfigError(ValueError):
 
 
 # Folder of the named configs: configs/ at the repository root.
-CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / 'configs'
+CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / 'configs'
 # The config a run starts from when none is named.
 DEFAULT_PRESET = 'demo'
 # Older names of configs, still accepted (sweep files use "small").
@@ -482,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
   raise `ConfigError` instead of exiting.
   """
   parser = _Parser(
-    prog='python -m experiments.train',
+    prog='python -m experiments.trainer',
     description='Train a byte-level decoder-only LM.',
   )
   _add_start_flags(parser)
