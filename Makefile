@@ -32,7 +32,7 @@ $(STAMP): $(SOURCES)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m experiments.train
+	$(PY) -m experiments.trainer --config configs/demo.py
 
 $(PLUGIN_SO): $(STAMP)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(PLUGIN_DIR) \

@@ -4,6 +4,8 @@ import dataclasses
 import json
 import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -391,3 +393,46 @@ def test_bytes_by_memory_kind_counts_one_shard():
   }
   got = perf.bytes_by_memory_kind(tree, jax.devices()[0])
   assert got == {'host': 64 * 4 // 4, 'device': 8 * 4}
+
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize('module', ['experiments.trainer', 'experiments.train'])
+def test_the_command_and_its_older_name_refuse_bad_flags(module):
+  out = subprocess.run(
+    [sys.executable, '-m', module, '--config=configs/tiny.py', '--steps=0'],
+    capture_output=True,
+    text=True,
+    cwd=_ROOT,
+    timeout=300,
+  )
+  assert out.returncode == 2
+  assert out.stderr.splitlines() == ['error: steps must be at least 1, got 0']
+
+
+def test_the_older_name_trains_from_a_config_file(tmp_path):
+  data = tmp_path / 'corpus.txt'
+  data.write_text(_CORPUS)
+  out = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'experiments.train',
+      f'--config={_ROOT / "configs" / "tiny.py"}',
+      '--steps=2',
+      f'--data={data}',
+      f'--out-dir={tmp_path / "run"}',
+      '--no-progress',
+      '--no-tensorboard',
+    ],
+    capture_output=True,
+    text=True,
+    cwd=tmp_path,
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  summary = json.loads((tmp_path / 'run' / 'summary.json').read_text())
+  assert summary['steps'] == 2
+  saved = json.loads((tmp_path / 'run' / 'config.json').read_text())
+  assert saved['preset'] == 'tiny'
