@@ -6,6 +6,9 @@ with ZeRO. The reference is the same global mesh in one process (the first
 adds the same two numbers whether gloo does it across processes or XLA
 across local devices, so the losses are compared bit for bit.
 
+The reference saves every 10 steps; its checkpoints (one process x 4
+devices) are resumed on 2 processes and onto other ZeRO splits.
+
 Every process is started with a deadline and killed past it, so a hang
 fails the test instead of stalling it.
 """
@@ -19,9 +22,13 @@ import socket
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import pytest
 
+from experiments.trainer import checkpointing
+from experiments.trainer import config as config_lib
+from experiments.trainer import folder_lock
 from experiments.trainer import train
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -67,29 +74,53 @@ def _args(run_dir: pathlib.Path, ckpt_dir: pathlib.Path, every: int) -> list:
   ]
 
 
+def _launch(i: int, port: int, slurm: bool) -> tuple[list[str], dict]:
+  """The flags and environment that make a trainer process `i` of 2."""
+  if not slurm:
+    coordinator = f'--coordinator=127.0.0.1:{port}'
+    return [coordinator, '--num-processes=2', f'--process-id={i}'], {}
+  return ['--distributed=auto'], {
+    'SLURM_JOB_ID': '1',
+    'SLURM_STEP_NODELIST': 'localhost',
+    'SLURM_NTASKS': '2',
+    'SLURM_PROCID': str(i),
+    'SLURM_LOCALID': str(i),
+    # Else the port derives from the job id; a free one is surer.
+    'JAX_COORDINATOR_PORT': str(port),
+  }
+
+
 class Job:
   """The 2 processes of one multi-process run, with their logs."""
 
-  def __init__(self, args: list, logs: pathlib.Path, env, name: str):
+  def __init__(
+    self,
+    args: list,
+    logs: pathlib.Path,
+    env,
+    name: str,
+    extra_env: dict[int, dict[str, str]] | None = None,
+    slurm: bool = False,
+  ):
+    """Starts both processes; `extra_env[i]` is added to process i's `env`.
+
+    With `slurm`, each process finds its place as under `srun` (2 tasks on
+    this host): `--distributed auto` and the variables SLURM sets, instead
+    of the explicit flags.
+    """
     port = _free_port()
     self.logs = [logs / f'{name}-{i}.log' for i in range(2)]
     self.procs = []
     for i, log in enumerate(self.logs):
+      launch, launch_env = _launch(i, port, slurm)
       with open(log, 'w') as out:
         self.procs.append(
           subprocess.Popen(
-            [
-              *_TRAIN,
-              *args,
-              f'--coordinator=127.0.0.1:{port}',
-              '--num-processes=2',
-              f'--process-id={i}',
-              '--heartbeat-timeout-s=10',
-            ],
+            [*_TRAIN, *args, *launch, '--heartbeat-timeout-s=10'],
             cwd=_ROOT,
             stdout=out,
             stderr=out,
-            env=env,
+            env={**env, **launch_env, **(extra_env or {}).get(i, {})},
           )
         )
 
@@ -119,14 +150,43 @@ def _losses(run_dir: pathlib.Path) -> list[float]:
   return [r['loss'] for r in _metrics(run_dir)]
 
 
+def _copy_checkpoints(
+  src: pathlib.Path, dst: pathlib.Path, upto: int | None = None
+) -> pathlib.Path:
+  """`src` copied to `dst` without its lock file, nor steps after `upto`."""
+
+  def left_out(folder: str, names: list[str]) -> list[str]:
+    if pathlib.Path(folder) != src:
+      return []
+    return [
+      n
+      for n in names
+      if n == folder_lock.FolderLock.FILE
+      or (upto is not None and n.isdigit() and int(n) > upto)
+    ]
+
+  shutil.copytree(src, dst, ignore=left_out)
+  return dst
+
+
+class Reference(NamedTuple):
+  """The uninterrupted run: its metrics, and its checkpoints every 10 steps."""
+
+  records: list[dict]
+  ckpt: pathlib.Path
+
+  def losses(self, start: int = 0) -> list[float]:
+    return [r['loss'] for r in self.records[start:]]
+
+
 @pytest.fixture(scope='module')
-def reference(tmp_path_factory) -> list[dict]:
-  """The same run in this process: one process, the same 2 x 2 mesh."""
+def reference(tmp_path_factory) -> Reference:
+  """The same run in this process: one process x 4 devices, the same mesh."""
   tmp = tmp_path_factory.mktemp('ref')
-  assert train.main(_args(tmp / 'run', tmp / 'ckpt', 0)) == 0
+  assert train.main(_args(tmp / 'run', tmp / 'ckpt', 10)) == 0
   records = _metrics(tmp / 'run')
   assert [r['step'] for r in records] == list(range(_STEPS))
-  return records
+  return Reference(records, tmp / 'ckpt')
 
 
 def test_two_processes_train_as_one(tmp_path, env, reference):
@@ -143,7 +203,7 @@ def test_two_processes_train_as_one(tmp_path, env, reference):
   assert len(list(run_dir.glob('events.out.tfevents.*'))) == 1
   assert json.loads((run_dir / 'summary.json').read_text())['steps'] == _STEPS
   for key in ('loss', 'grad_norm', 'param_norm'):
-    assert [r[key] for r in got] == [r[key] for r in reference], key
+    assert [r[key] for r in got] == [r[key] for r in reference.records], key
   saved = sorted(
     int(p.name) for p in (tmp_path / 'ckpt').iterdir() if p.name.isdigit()
   )
@@ -180,9 +240,8 @@ def test_lost_process_caught_then_both_resume(tmp_path, env, reference):
   assert len(lost) == 1, job.out(0)[-3000:]
 
   # Another topology first, from a copy: 1 process x 4 devices.
-  shutil.copytree(ckpt_dir, tmp_path / 'ckpt1')
-  (tmp_path / 'ckpt1' / '.lock').unlink(missing_ok=True)
-  one = [*_args(tmp_path / 'one', tmp_path / 'ckpt1', 5), '--resume']
+  ckpt1 = _copy_checkpoints(ckpt_dir, tmp_path / 'ckpt1')
+  one = [*_args(tmp_path / 'one', ckpt1, 5), '--resume']
   assert train.main(one) == 0
   restarted = Job([*args, '--resume'], tmp_path, env, 'restart')
   assert restarted.wait() == [0, 0], restarted.out(0)[-3000:]
@@ -192,12 +251,109 @@ def test_lost_process_caught_then_both_resume(tmp_path, env, reference):
   assert [r['step'] for r in got] == list(range(_STEPS))
   resumed = [r['step'] for r in got if r.get('resumed')]
   assert len(resumed) == 1 and resumed[0] % 5 == 0 and resumed[0] >= 10
-  assert [r['loss'] for r in got] == [r['loss'] for r in reference]
+  assert [r['loss'] for r in got] == reference.losses()
   tail = _metrics(tmp_path / 'one')
   assert tail and tail[0]['step'] == resumed[0]
-  assert [r['loss'] for r in tail] == [
-    r['loss'] for r in reference[resumed[0] :]
-  ]
+  assert [r['loss'] for r in tail] == reference.losses(resumed[0])
+
+
+def test_one_process_checkpoint_resumes_on_two(tmp_path, env, reference):
+  # Saved by 1 process x 4 devices at step 10, resumed by 2 x 2: the same
+  # mesh, so the same reductions, bit for bit. Launched as under SLURM.
+  ckpt = _copy_checkpoints(reference.ckpt, tmp_path / 'ckpt', upto=10)
+  run_dir = tmp_path / 'run'
+  args = [*_args(run_dir, ckpt, 10), '--resume']
+  job = Job(args, tmp_path, env, 'two', slurm=True)
+  assert job.wait() == [0, 0], job.out(0)[-3000:] + job.out(1)[-3000:]
+  for i in range(2):
+    first = job.out(i).splitlines()[0]
+    assert first.startswith(f'process {i} of 2 (coordinator localhost:')
+  assert f'resumed from {ckpt} at step 10' in job.out(0)
+  got = _metrics(run_dir)
+  assert [r['step'] for r in got] == list(range(10, _STEPS))
+  for key in ('loss', 'grad_norm', 'param_norm'):
+    assert [r[key] for r in got] == [r[key] for r in reference.records[10:]]
+
+
+# fp32's unit roundoff.
+_U = 2.0**-24
+
+
+@pytest.mark.parametrize(
+  'split, processes',
+  [
+    pytest.param(['--mesh-data=4', '--mesh-seq=1'], 2, id='zero_2_to_4'),
+    pytest.param(['--no-zero'], 1, id='sharded_to_replicated'),
+  ],
+)
+def test_resume_onto_another_zero_split(
+  tmp_path, env, reference, split, processes, capsys
+):
+  """A checkpoint of the state sharded over 'data' (2) resumed differently.
+
+  Over 4 'data' devices of 2 processes, or with the state replicated on
+  the same 2 x 2 mesh in one, XLA partitions the step into other
+  collectives, so the loss (over 4 devices) and the gradients are summed
+  across devices in another order and the losses are not bit-exact. The
+  bound: a step's loss is the mean of n = batch x seq_len positive token
+  losses, and any two fp32 summation orders of n positive numbers differ
+  by at most 2 (n - 1) u relative (each is within (n - 1) u of the exact
+  sum). The first resumed step starts from
+  the same restored state (checksummed) and batch, so that bounds it. Each
+  later step adds at most one more such rounding, through the gradient
+  reduction, to the parameters it starts from; the bound grows by as much
+  per step, which assumes that these 20 steps of a tiny model do not
+  amplify a rounding difference: the test checks that, it does not prove
+  it. (They stay within 2 ulps; a wrong schedule is off by 1e-2.)
+  """
+  tiny = config_lib.get_config('tiny')
+  n = tiny.batch_size * tiny.seq_len
+  ckpt = _copy_checkpoints(reference.ckpt, tmp_path / 'ckpt', upto=10)
+  args = [*_args(tmp_path / 'run', ckpt, 10), '--resume', *split]
+  if processes == 1:
+    assert train.main(args) == 0
+    out = capsys.readouterr().out
+  else:
+    job = Job(args, tmp_path, env, 'split')
+    assert job.wait() == [0, 0], job.out(0)[-3000:] + job.out(1)[-3000:]
+    out = job.out(0)
+  assert 'resuming with changed settings' in out
+  got = [r['loss'] for r in _metrics(tmp_path / 'run')]
+  want = reference.losses(10)
+  assert len(got) == len(want) == _STEPS - 10
+  for k, (a, b) in enumerate(zip(got, want, strict=True)):
+    assert abs(a - b) <= (k + 1) * 2 * (n - 1) * _U * b, (k, a, b)
+
+
+def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, env, reference):
+  run_dir, ckpt_dir = tmp_path / 'run', tmp_path / 'ckpt'
+  args = _args(run_dir, ckpt_dir, 5)
+  # Process 1 stops inside the save of step 10, its shards written and the
+  # step not committed (process 0 commits only once both are past that).
+  hold = {1: {checkpointing.HOLD_SAVE_ENV: '10'}}
+  job = Job(args, tmp_path, env, 'held', extra_env=hold)
+  deadline = time.monotonic() + _TIMEOUT_S
+  while 'holding the save of step 10' not in job.out(1):
+    assert time.monotonic() < deadline, job.out(1)[-3000:]
+    assert all(p.poll() is None for p in job.procs), job.out(1)[-3000:]
+    time.sleep(0.02)
+  partial = list(ckpt_dir.glob('10.orbax-checkpoint-tmp*'))
+  steps = sorted(p.name for p in ckpt_dir.iterdir() if p.name.isdigit())
+  assert partial and steps == ['5'], (partial, steps)  # Mid-save.
+  job.procs[1].send_signal(signal.SIGKILL)
+  assert job.wait(60) == [4, -signal.SIGKILL], job.out(0)[-3000:]
+  assert not (ckpt_dir / '10').exists() and all(p.exists() for p in partial)
+
+  restarted = Job([*args, '--resume'], tmp_path, env, 'after')
+  assert restarted.wait() == [0, 0], restarted.out(0)[-3000:]
+  out = restarted.out(0)
+  assert f'resumed from {ckpt_dir} at step 5' in out and 'damaged' not in out
+  got = _metrics(run_dir)
+  assert [r['step'] for r in got] == list(range(_STEPS))
+  assert [r['step'] for r in got if r.get('resumed')] == [5]
+  assert [r['loss'] for r in got] == reference.losses()
+  # The restart cleaned up the partial save.
+  assert not any(p.exists() for p in partial)
 
 
 def test_incomplete_launch_flags_are_one_line(capsys):

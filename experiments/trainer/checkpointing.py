@@ -39,6 +39,9 @@ import hashlib
 import json
 import os
 import pathlib
+import re
+import sys
+import threading
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -136,6 +139,37 @@ def _key(i: int) -> str:
   return f'{i:05d}'
 
 
+# Test-only: a process of a multi-process run whose environment sets this to
+# a step stops inside that step's save, after writing its own shards and
+# before the step is committed (Orbax's "async_write_complete" barrier, which
+# process 0 must pass before it renames the temporary directory), and waits
+# there until it is killed; so a kill lands mid-save for certain.
+HOLD_SAVE_ENV = 'EXPERIMENTS_TEST_HOLD_SAVE_AT_STEP'
+
+
+def _async_options(ocp: Any) -> Any:
+  """Orbax's default async options, or those of the `HOLD_SAVE_ENV` hold."""
+  hold = os.environ.get(HOLD_SAVE_ENV)
+  if hold is None or jax.process_count() == 1:  # Alone, Orbax has no barrier.
+    return None
+  barrier = ocp.multihost.get_barrier_sync_fn()
+  # The key of the barrier each process reaches once its shards of a step
+  # are written ("<prefix>_async_write_complete.<step>").
+  held = re.compile(rf'async_write_complete\.{int(hold)}$')
+
+  def hold_then_barrier(*, key: str, timeout_ms: int) -> None:
+    if held.search(key):
+      sys.stderr.write(
+        f'note: holding the save of step {hold} before its commit '
+        f'({HOLD_SAVE_ENV})\n'
+      )
+      sys.stderr.flush()
+      threading.Event().wait()
+    barrier(key=key, timeout_ms=timeout_ms)
+
+  return ocp.AsyncOptions(barrier_sync_fn=hold_then_barrier)
+
+
 @dataclasses.dataclass
 class Restored:
   """What `RunCheckpointer.restore` returns."""
@@ -172,6 +206,7 @@ class RunCheckpointer:
       create=True,
       cleanup_tmp_directories=True,
       enable_async_checkpointing=True,
+      async_options=_async_options(ocp),
     )
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 

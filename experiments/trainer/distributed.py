@@ -90,17 +90,19 @@ def initialize(cfg: config_lib.Config) -> Topology:
     except ValueError as e:  # Auto-detection found no cluster, for one.
       text = ' '.join(str(e).split())
       raise config_lib.ConfigError(f'jax.distributed: {text}') from None
-  return Topology(
-    jax.process_index(),
-    jax.process_count(),
-    cfg.coordinator or os.environ.get('JAX_COORDINATOR_ADDRESS', 'auto'),
-  )
+  # The address jax.distributed settled on (auto-detected, or the flag's).
+  coordinator = _state().coordinator_address or cfg.coordinator or 'auto'
+  return Topology(jax.process_index(), jax.process_count(), coordinator)
+
+
+def _state() -> Any:
+  from jax._src import distributed as jax_distributed
+
+  return jax_distributed.global_state
 
 
 def _client() -> Any:
-  from jax._src import distributed as jax_distributed
-
-  return jax_distributed.global_state.client
+  return _state().client
 
 
 def agree(topology: Topology, name: str, check: Callable[[], None]) -> None:
