@@ -32,7 +32,7 @@ $(STAMP): $(SOURCES)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m experiments.train
+	$(PY) -m experiments.trainer --config configs/demo.py
 
 $(PLUGIN_SO): $(STAMP)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(PLUGIN_DIR) \
@@ -55,8 +55,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)
-	$(PY) -m experiments.bench_adam
-	$(PY) -m experiments.bench_step
+	$(PY) -m experiments.benchmarks.bench_adam
+	$(PY) -m experiments.benchmarks.bench_step
 
 clean:
 	rm -rf $(VENV) build

@@ -60,3 +60,34 @@ __all__ = [
   'update_offloaded',
   'weight_flow_scan',
 ]
+
+# Public for experiments/ (issue 27)
+# - `resolve_executor`: the executor an `executor=` string runs on this
+#   backend ("auto" resolved), for the trainer's logs and the GPU benchmark.
+# - `host_registration`: whether the kernel is filed as host compute in the
+#   CUDA PJRT plugin's FFI registry, and why not; reported by the GPU check.
+# - `adam_step_segments`, `adam_step_lowp_segments`, `adam_step_speculative`
+#   with `Hyperparams` and `MOMENT_BLOCK`: the kernel's bucket entry points
+#   that the optimizer's host step calls, which `kernels.adam_step` does not
+#   cover; benchmarked one by one by experiments/benchmarks/bench_adam.
+# - `ADAM_BYTES_PER_PARAM`: the bytes one fp32 AdamW step moves per
+#   parameter, the unit of `HardwareProfile.host_adam_bytes_per_s`.
+from jax_superoffload._src.executors import resolve as resolve_executor
+from jax_superoffload._src.grace_adam import adam_step_lowp_segments
+from jax_superoffload._src.grace_adam import adam_step_segments
+from jax_superoffload._src.grace_adam import adam_step_speculative
+from jax_superoffload._src.hardware import ADAM_BYTES_PER_PARAM
+from jax_superoffload._src.hyperparams import Hyperparams
+from jax_superoffload._src.moments import BLOCK as MOMENT_BLOCK
+from jax_superoffload._src.plugin_ffi import host_registration
+
+__all__ += [
+  'ADAM_BYTES_PER_PARAM',
+  'MOMENT_BLOCK',
+  'Hyperparams',
+  'adam_step_lowp_segments',
+  'adam_step_segments',
+  'adam_step_speculative',
+  'host_registration',
+  'resolve_executor',
+]

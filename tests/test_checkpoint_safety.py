@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from experiments import checkpointing
-from experiments import folder_lock
-from experiments import train
+from experiments.trainer import checkpointing
+from experiments.trainer import folder_lock
+from experiments.trainer import train
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _CORPUS = 'the quick brown fox jumps over the lazy dog. ' * 400
@@ -207,7 +207,7 @@ def test_lock_of_a_killed_unreaped_process_is_taken_over(tmp_path):
     [
       sys.executable,
       '-c',
-      'import sys; from experiments import folder_lock; '
+      'import sys; from experiments.trainer import folder_lock; '
       f'folder_lock.FolderLock({str(ckpt)!r}).acquire(); '
       'print("locked", flush=True); sys.stdin.read()',
     ],
@@ -245,7 +245,7 @@ def test_second_writer_is_refused_while_the_first_finishes_intact(
   log = tmp_path / 'first.log'
   with open(log, 'w') as out:
     first = subprocess.Popen(
-      [sys.executable, '-m', 'experiments.train', *first_args],
+      [sys.executable, '-m', 'experiments.trainer', *first_args],
       cwd=_ROOT,
       stdout=out,
       stderr=out,

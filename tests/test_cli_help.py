@@ -7,9 +7,11 @@ import sys
 import pytest
 
 _EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / 'experiments'
+# Module names (`benchmarks.bench_adam`, `sweeps.sweep`, ...) of every script
+# in the experiments/ packages.
 _SCRIPTS = sorted(
-  p.stem
-  for p, text in ((p, p.read_text()) for p in _EXPERIMENTS.glob('*.py'))
+  '.'.join(p.relative_to(_EXPERIMENTS).with_suffix('').parts)
+  for p, text in ((p, p.read_text()) for p in _EXPERIMENTS.rglob('*.py'))
   if 'argparse' in text and "__name__ == '__main__'" in text
 )
 

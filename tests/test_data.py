@@ -1,11 +1,11 @@
-"""Tests for experiments.data: corpus reading and deterministic batching."""
+"""Tests for experiments.trainer.data: corpus reading, deterministic batches."""
 
 import json
 
 import numpy as np
 import pytest
 
-from experiments import data
+from experiments.trainer import data
 
 
 def _tokens(n: int = 5000) -> np.ndarray:

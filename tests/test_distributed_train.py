@@ -26,13 +26,13 @@ from typing import NamedTuple
 
 import pytest
 
-from experiments import checkpointing
-from experiments import config as config_lib
-from experiments import folder_lock
-from experiments import train
+from experiments.trainer import checkpointing
+from experiments.trainer import config as config_lib
+from experiments.trainer import folder_lock
+from experiments.trainer import train
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-_TRAIN = [sys.executable, '-m', 'experiments.train']
+_TRAIN = [sys.executable, '-m', 'experiments.trainer']
 # How long any one trainer process may take (a loaded 2-core machine).
 _TIMEOUT_S = 240
 _STEPS = 30

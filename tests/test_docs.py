@@ -34,6 +34,42 @@ _MOVED = {
   'in the AMD run above)': 'in the AMD run)',
 }
 
+# Issue 27 moved experiments/ into packages: the old README's module names
+# and paths, as the docs write them now.
+_PACKAGES = {
+  'benchmarks': (
+    'bench_adam bench_init bench_step bench_train bench_ulysses gpu_bench'
+    ' gpu_check machine moments_quality paper_predictions stream_limit'
+  ),
+  'sweeps': 'analyze gpu_analysis report sweep sweep_report',
+  'trainer': (
+    'checkpointing config data distributed folder_lock linen_train model'
+    ' optim perf plotting preflight run_log steps switch_optimizer train'
+    ' train_loop'
+  ),
+}
+_NEW_NAME = {'train_loop': 'loop'}
+_OLD_MODULE = re.compile(
+  r'experiments([./])('
+  + '|'.join(' '.join(_PACKAGES.values()).split())
+  + r')\b(?!_)'
+)
+
+
+def _renamed(text: str) -> str:
+  """`text` with experiments' modules at their new places."""
+  package = {m: p for p, ms in _PACKAGES.items() for m in ms.split()}
+  text = re.sub(
+    r'-m experiments\.train\b(?![._/])', '-m experiments.trainer', text
+  )
+  return _OLD_MODULE.sub(
+    lambda m: (
+      f'experiments{m[1]}{package[m[2]]}{m[1]}' + _NEW_NAME.get(m[2], m[2])
+    ),
+    text,
+  )
+
+
 # Lines of the old README corrected since, not lost: the multi-host launch
 # (issue 28) carried `--resume`, which an empty checkpoint folder refuses,
 # and ran one SLURM task per host, where SLURM gives a task one GPU.
@@ -168,7 +204,7 @@ def lost_lines() -> tuple[list[str], int]:
     if line.strip() in _CORRECTED:
       corrected.add(line.strip())
       continue
-    needle = _flatten(line)
+    needle = _renamed(_flatten(line))
     for old_words, new_words in _MOVED.items():
       if old_words in needle:
         moved.add(old_words)

@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from experiments import gpu_analysis
-from experiments import gpu_bench
+from experiments.benchmarks import gpu_bench
+from experiments.sweeps import gpu_analysis
 
 HLO = """\
 HloModule jit_step, input_output_alias={ {0}: (0, {}, may-alias) }
@@ -100,7 +100,7 @@ def test_dry_run_exercises_every_part(tmp_path):
     [
       sys.executable,
       '-m',
-      'experiments.gpu_bench',
+      'experiments.benchmarks.gpu_bench',
       '--dry-run',
       '--out',
       str(out),

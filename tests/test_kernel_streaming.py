@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import stream_limit
+from experiments.benchmarks import stream_limit
 from jax_superoffload import kernels
 from jax_superoffload._src import grace_adam
 

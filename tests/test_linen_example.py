@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from experiments import linen_train
+from experiments.trainer import linen_train
 
 _CORPUS = 'the quick brown fox jumps over the lazy dog. ' * 400
 

@@ -10,10 +10,10 @@ import struct
 import numpy as np
 import pytest
 
-from experiments import checkpointing
-from experiments import config
-from experiments import optim
-from experiments import train
+from experiments.trainer import checkpointing
+from experiments.trainer import config
+from experiments.trainer import optim
+from experiments.trainer import train
 
 _CORPUS = 'the quick brown fox jumps over the lazy dog. ' * 400
 

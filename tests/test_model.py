@@ -1,4 +1,4 @@
-"""Tests for experiments.model: shapes, causality and parameter counts."""
+"""Tests for experiments.trainer.model: shapes, causality, parameter counts."""
 
 # Tensor names carry their shapes (`x_BxLxD`), NanoDO style.
 # ruff: noqa: N803, N806
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments import config
-from experiments import model
+from experiments.trainer import config
+from experiments.trainer import model
 
 
 def test_causality_and_initial_loss():

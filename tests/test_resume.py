@@ -1,4 +1,4 @@
-"""Tests of `python -m experiments.train` as a long-running job.
+"""Tests of `python -m experiments.trainer` as a long-running job.
 
 The trainer runs in subprocesses, as a scheduler would run it: killed with
 SIGKILL and resumed, stopped with SIGTERM. Subprocesses share a persistent
@@ -16,11 +16,11 @@ import time
 
 import pytest
 
-from experiments import checkpointing
-from experiments import train
+from experiments.trainer import checkpointing
+from experiments.trainer import train
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-_TRAIN = [sys.executable, '-m', 'experiments.train']
+_TRAIN = [sys.executable, '-m', 'experiments.trainer']
 # How long any one trainer process may take (a loaded 2-core machine).
 _TIMEOUT_S = 300
 

@@ -410,10 +410,10 @@ def test_zero_stale_padding_with_overflowing_norm():
 
 @pytest.mark.parametrize('zero', [False, True])
 def test_checkpoint_round_trip_of_padded_kept_buffers(tmp_path, zero):
-  """Orbax (experiments.checkpointing) saves and restores an STV state
+  """Orbax (experiments.trainer.checkpointing) saves and restores an STV state
   whose kept buffers are n + 16 per shard; training on from the restored
   state is bit for bit training on without the round trip."""
-  from experiments import checkpointing
+  from experiments.trainer import checkpointing
 
   sizes, bucket_bytes = LAYOUTS['odd_leaves']
   if zero:

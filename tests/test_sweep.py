@@ -1,4 +1,4 @@
-"""Tests for experiments.sweep and experiments.analyze."""
+"""Tests for experiments.sweeps.sweep and experiments.sweeps.analyze."""
 
 import json
 import pathlib
@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from experiments import analyze
-from experiments import sweep
-from experiments import sweep_report
+from experiments.sweeps import analyze
+from experiments.sweeps import sweep
+from experiments.sweeps import sweep_report
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -1,8 +1,11 @@
-"""Tests for experiments.train and the CLI config of experiments.config."""
+"""Tests for experiments.trainer: training, and the config files and flags."""
 
 import dataclasses
 import json
 import pathlib
+import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -10,10 +13,10 @@ import optax
 import pytest
 from flax import nnx
 
-from experiments import config
-from experiments import model
-from experiments import sweep
-from experiments import train
+from experiments.sweeps import sweep
+from experiments.trainer import config
+from experiments.trainer import model
+from experiments.trainer import train
 
 # A short, highly repetitive corpus: a tiny model learns it in a few steps.
 _CORPUS = 'the quick brown fox jumps over the lazy dog. ' * 400
@@ -140,19 +143,67 @@ def test_cli_overrides_every_kind_of_field():
   assert cfg.tie_embeddings is False
   assert cfg.pos_encoding == 'learned'
   assert cfg.data == 'some/file.txt'
-  assert cfg.d_model == config.PRESETS['tiny']['d_model']
+  assert cfg.d_model == config.get_config('tiny').d_model != 128
   default = config.config_from_args([])
   assert default == config.Config()
   assert default.optimizer == 'superoffload'
 
 
-def test_every_field_has_a_flag_and_a_comment():
+def test_every_field_has_a_flag_a_group_and_help():
   parser = config.build_parser()
-  flags = {a.dest for a in parser._actions}
-  comments = config._field_comments()
+  helps = {a.dest: a.help for a in parser._actions}
+  grouped_names = [n for ns in config.field_groups().values() for n in ns]
   for field in dataclasses.fields(config.Config):
-    assert field.name in flags
-    assert comments[field.name], field.name
+    assert field.name in helps
+    assert config.field_help(field.name), field.name
+    if field.name != 'preset':
+      assert grouped_names.count(field.name) == 1, field.name
+      # The flag's help is the field's metadata (argparse escapes %).
+      text = config.field_help(field.name).replace('%', '%%')
+      assert helps[field.name].startswith(text), field.name
+
+
+def test_config_files_and_presets_are_the_same_configs():
+  names = config.preset_names()
+  assert {'tiny', 'demo', '125m', '350m', '1b', 'paper_gh200_25b'} <= set(names)
+  for name in names:
+    by_file = config.config_from_args([f'--config=configs/{name}.py'])
+    assert by_file == config.config_from_args([f'--preset={name}'])
+    assert by_file.preset == name
+    config.validate(by_file)
+  # The demo is the dataclass's defaults, and what no flag at all gives;
+  # "small" is its older name.
+  assert config.get_config('demo') == config.Config() == config.get_config()
+  assert config.get_config('small') == config.Config()
+
+
+def test_config_file_outside_configs_with_overrides(tmp_path):
+  path = tmp_path / 'mine.py'
+  path.write_text(
+    'from experiments.trainer import config\n'
+    'def get_config():\n'
+    '  return config.Config(d_model=64, steps=9)\n'
+  )
+  cfg = config.config_from_args([f'--config={path}', '--steps=3'])
+  assert (cfg.d_model, cfg.steps, cfg.preset) == (64, 3, str(path))
+  config.validate(cfg)
+
+
+@pytest.mark.parametrize(
+  'text, message',
+  [
+    ('x = 1\n', 'get_config() must return a Config'),
+    ('def get_config():\n  return {}\n', 'get_config() must return a Config'),
+    ('raise KeyError("d_model")\n', "KeyError: 'd_model'"),
+  ],
+)
+def test_bad_config_file_is_a_config_error(tmp_path, text, message):
+  path = tmp_path / 'bad.py'
+  path.write_text(text)
+  with pytest.raises(config.ConfigError, match=re.escape(message)):
+    config.config_from_args([f'--config={path}'])
+  with pytest.raises(config.ConfigError, match='not allowed with'):
+    config.config_from_args([f'--config={path}', '--preset=tiny'])
 
 
 def test_library_value_errors_become_config_errors():
@@ -311,7 +362,7 @@ def test_bad_configs_are_one_line_errors(flags, message, capsys, tmp_path):
 
 
 def test_flops_and_peak_helpers():
-  from experiments import perf
+  from experiments.trainer import perf
 
   assert perf.flops_per_token(100, 2, 8, 16) == 6 * 100 + 12 * 2 * 8 * 16
   assert perf.table_peak_tflops('NVIDIA H200') == 989
@@ -328,7 +379,7 @@ def test_bytes_by_memory_kind_counts_one_shard():
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from experiments import perf
+  from experiments.trainer import perf
 
   mesh = jax.make_mesh((4,), ('data',), devices=jax.devices()[:4])
   tree = {
@@ -342,3 +393,46 @@ def test_bytes_by_memory_kind_counts_one_shard():
   }
   got = perf.bytes_by_memory_kind(tree, jax.devices()[0])
   assert got == {'host': 64 * 4 // 4, 'device': 8 * 4}
+
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize('module', ['experiments.trainer', 'experiments.train'])
+def test_the_command_and_its_older_name_refuse_bad_flags(module):
+  out = subprocess.run(
+    [sys.executable, '-m', module, '--config=configs/tiny.py', '--steps=0'],
+    capture_output=True,
+    text=True,
+    cwd=_ROOT,
+    timeout=300,
+  )
+  assert out.returncode == 2
+  assert out.stderr.splitlines() == ['error: steps must be at least 1, got 0']
+
+
+def test_the_older_name_trains_from_a_config_file(tmp_path):
+  data = tmp_path / 'corpus.txt'
+  data.write_text(_CORPUS)
+  out = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'experiments.train',
+      f'--config={_ROOT / "configs" / "tiny.py"}',
+      '--steps=2',
+      f'--data={data}',
+      f'--out-dir={tmp_path / "run"}',
+      '--no-progress',
+      '--no-tensorboard',
+    ],
+    capture_output=True,
+    text=True,
+    cwd=tmp_path,
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  summary = json.loads((tmp_path / 'run' / 'summary.json').read_text())
+  assert summary['steps'] == 2
+  saved = json.loads((tmp_path / 'run' / 'config.json').read_text())
+  assert saved['preset'] == 'tiny'

@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 import jax_superoffload as superoffload
-from experiments import config
-from experiments import model
-from experiments import train
+from experiments.trainer import config
+from experiments.trainer import model
+from experiments.trainer import train
 from jax_superoffload._src import weight_flow
 from jax_superoffload._src.host_memory import memory_kind
 

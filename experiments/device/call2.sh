@@ -11,10 +11,10 @@ LOG=$OUT/log2.txt
   date -u
   echo "== bench_step (GPU)"
   SECONDS=0
-  timeout ${BENCH_STEP_S:-170} python3 -m experiments.bench_step --reps 5 --only "${BENCH_STEP_ONLY:-superoffload ffi,superoffload xla_host}" --out $OUT/bench_step_gpu.json
+  timeout ${BENCH_STEP_S:-170} python3 -m experiments.benchmarks.bench_step --reps 5 --only "${BENCH_STEP_ONLY:-superoffload ffi,superoffload xla_host}" --out $OUT/bench_step_gpu.json
   echo "== bench_step rc=$? ${SECONDS}s"
   echo "== gpu_bench"
   SECONDS=0
-  timeout ${GPU_BENCH_S:-200} python3 -m experiments.gpu_bench --budget-s ${GPU_BENCH_BUDGET:-120} --out $OUT/gpu_bench.json
+  timeout ${GPU_BENCH_S:-200} python3 -m experiments.benchmarks.gpu_bench --budget-s ${GPU_BENCH_BUDGET:-120} --out $OUT/gpu_bench.json
   echo "== gpu_bench rc=$? ${SECONDS}s"
 } 2>&1 | tee $LOG

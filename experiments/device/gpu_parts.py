@@ -99,7 +99,7 @@ def part_opt(case: str, dtype: str, reps: int, dry: bool) -> dict[str, Any]:
   import jax.numpy as jnp
   import numpy as np
 
-  from jax_superoffload._src import executors
+  import jax_superoffload as superoffload
 
   device = jax.devices()[0]
   shapes = _leaves(dry)
@@ -116,7 +116,7 @@ def part_opt(case: str, dtype: str, reps: int, dry: bool) -> dict[str, Any]:
   out: dict[str, Any] = {'case': case, 'dtype': dtype}
   out['num_params'] = int(sum(np.prod(s) for s in shapes))
   if not case.startswith('optax'):
-    out['resolved'] = executors.resolve(case.partition('+')[0])
+    out['resolved'] = superoffload.resolve_executor(case.partition('+')[0])
   start = time.perf_counter()
   run, box, step = _stepper(make_tx(case), [jnp.copy(p) for p in params], grads)
   jax.block_until_ready(box)
@@ -212,8 +212,8 @@ def part_train(case: str, layout: str, batch: int, dry: bool) -> dict:
   """The decoder's jitted, donated train step (gpu_bench.run_train)."""
   import dataclasses
 
-  from experiments import gpu_analysis
-  from experiments import gpu_bench
+  from experiments.benchmarks import gpu_bench
+  from experiments.sweeps import gpu_analysis
 
   sizes = gpu_analysis.DRY_SIZES if dry else None
   if sizes is None:
@@ -266,8 +266,8 @@ def part_capacity(
   """
   import dataclasses
 
-  from experiments import gpu_analysis
-  from experiments import gpu_bench
+  from experiments.benchmarks import gpu_bench
+  from experiments.sweeps import gpu_analysis
 
   sizes = gpu_analysis.DRY_SIZES
   if not dry:

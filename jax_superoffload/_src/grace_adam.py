@@ -231,7 +231,7 @@ def adam_step_segments(
   compute_sumsq: bool = False,
   place: Place | None = None,
 ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array], list, jax.Array]:
-  """One kernel call over a bucket of k leaves (internal).
+  """One kernel call over a bucket of k leaves: the optimizer's host step.
 
   `master`, `mu` and `nu` are the leaves' own fp32 state arrays, each
   aliased to its result (updated in place when donated); `grads` their
@@ -331,7 +331,7 @@ def adam_step_lowp_segments(
   skip: jax.typing.ArrayLike = False,
   place: Place | None = None,
 ) -> tuple[list, list, list, tuple | None, list, jax.Array]:
-  """`adam_step_segments` with low-precision moments (internal).
+  """`adam_step_segments` with low-precision (bf16 or 8-bit) moments.
 
   `mu` and `nu` per leaf are bf16 and f32, bf16 and bf16, or uint8 codes
   with `scales` = (mu scales, nu scales), f32[ceil(size / 256)] per leaf
@@ -375,11 +375,11 @@ def adam_step_speculative(
   keep_nonfinite: bool = False,
   place: Place | None = None,
 ) -> tuple[list, list, list, list, jax.Array, list]:
-  """STV's speculative step on double-buffered leaves (internal).
+  """STV's speculative step on double-buffered leaves, one bucket.
 
-  `master`, `mu` and `nu` are f32[2, *shape] per leaf: two rows, of which
+  `master`, `mu` and `nu` are ``f32[2, *shape]`` per leaf: two rows, of which
   `row` (int32 scalar) is current. Reads that row and the gradients, writes
-  the other row, the gradients as fp32 into `kept` (f32[*shape] per leaf)
+  the other row, the gradients as fp32 into `kept` (``f32[*shape]`` per leaf)
   and the new weights in `weight_dtypes`. With `params`, they are copied
   into the current row first where it does not round to them. Every state
   buffer aliases its result. Returns master, mu, nu and kept per leaf, the

@@ -313,5 +313,10 @@ def register_in_api(api: int, platform: str = HOST_PLATFORM) -> Registration:
 
 @functools.cache
 def host_registration() -> Registration:
-  """`register_host_handlers()`, once per process."""
+  """Files the kernel as host compute in the CUDA PJRT plugin, once.
+
+  Calls `register_host_handlers()` the first time in a process and returns
+  its `Registration` (``ok``, and ``reason`` saying what was done or what
+  was missing) then and on every later call.
+  """
   return register_host_handlers()

@@ -1,0 +1,1 @@
+"""Benchmarks: the kernel, the optimizer step, the trainer, the GPU check."""
