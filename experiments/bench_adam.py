@@ -39,9 +39,9 @@ from experiments.report import fmt
 from experiments.report import markdown_table
 from experiments.report import plt
 from jax_superoffload import kernels
-from jax_superoffload._src import grace_adam as grace_adam_ffi
-from jax_superoffload._src import moments
-from jax_superoffload._src.hyperparams import Hyperparams
+from jax_superoffload._src.core import moments
+from jax_superoffload._src.core.hyperparams import Hyperparams
+from jax_superoffload._src.host import grace_adam as grace_adam_ffi
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01

@@ -81,8 +81,8 @@ def run_executor(sizes: Sizes, executor: str) -> dict[str, Any]:
   import optax
 
   import jax_superoffload as superoffload
-  from jax_superoffload._src import executors
-  from jax_superoffload._src import plugin_ffi
+  from jax_superoffload._src.host import executors
+  from jax_superoffload._src.host import plugin_ffi
 
   out: dict[str, Any] = {'executor': executor}
   if executor == 'ffi':  # On CPU only a rehearsal: nothing reads it there.
@@ -148,7 +148,7 @@ def run_train(sizes: Sizes, optimizer: str) -> dict[str, Any]:
 
   from experiments import model as model_lib
   from experiments import perf
-  from jax_superoffload._src import executors
+  from jax_superoffload._src.host import executors
 
   cfg = _decoder_config(sizes, optimizer)
   model, step, state, batch = _build_train(cfg)

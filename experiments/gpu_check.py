@@ -37,7 +37,7 @@ import optax
 
 import jax_superoffload as superoffload
 from jax_superoffload import kernels
-from jax_superoffload._src import plugin_ffi
+from jax_superoffload._src.host import plugin_ffi
 
 MARK = 'GPU_CHECK_RESULT '
 # Attempt name -> superoffload executor (None: the optax.adamw baseline).

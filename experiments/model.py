@@ -35,7 +35,7 @@ from experiments.config import POS_ENCODINGS
 from experiments.config import WEIGHTS_POLICIES
 from experiments.config import Config
 from jax_superoffload import ulysses
-from jax_superoffload._src import weight_flow
+from jax_superoffload._src.parallel import weight_flow
 
 
 def _dtype(name: str) -> jnp.dtype:

@@ -13,7 +13,7 @@ import optax
 from jax.sharding import Mesh
 
 from experiments import config as config_lib
-from jax_superoffload._src import executors
+from jax_superoffload._src.host import executors
 
 ConfigError = config_lib.ConfigError
 

@@ -1,9 +1,9 @@
 """MODEL PREDICTIONS of SuperOffload at paper scale on one GH200.
 
-Nothing here is measured: every number comes from the planner's cost model
-(`jax_superoffload._src.planner`, whose docstring lists each formula and
-assumption) evaluated on the built-in `GH200` profile, and is printed beside
-the figures the SuperOffload paper and blog report.
+Nothing here is measured: every number comes from the cost model of the
+planner (`jax_superoffload._src.planning.planner`, whose docstring lists each
+formula and assumption) evaluated on the built-in `GH200` profile, and is
+printed beside the figures the SuperOffload paper and blog report.
 
   python -m experiments.paper_predictions [--seq-len 4096] [--batch 8]
 
@@ -27,8 +27,8 @@ from experiments.report import fmt
 from experiments.report import markdown_table
 from experiments.report import plt
 from experiments.report import ticker
-from jax_superoffload._src import hardware
-from jax_superoffload._src import planner
+from jax_superoffload._src.planning import hardware
+from jax_superoffload._src.planning import planner
 
 HW = hardware.GH200
 SIZES_B = (1, 2, 4, 8, 13, 20, 25)

@@ -7,29 +7,29 @@ large-model training run needs around them.
 
 from jax_superoffload import kernels
 from jax_superoffload import ulysses
-from jax_superoffload._src.adam import adam
-from jax_superoffload._src.adam import adamw
-from jax_superoffload._src.hardware import CPU_ONLY
-from jax_superoffload._src.hardware import GH200
-from jax_superoffload._src.hardware import H100_PCIE
-from jax_superoffload._src.hardware import H200_PCIE
-from jax_superoffload._src.hardware import HardwareProfile
-from jax_superoffload._src.hardware import measure_host_bandwidth
-from jax_superoffload._src.interchange import export_adam_state
-from jax_superoffload._src.interchange import import_adam_state
-from jax_superoffload._src.planner import Estimate
-from jax_superoffload._src.planner import ModelSpec
-from jax_superoffload._src.planner import Plan
-from jax_superoffload._src.planner import plan
-from jax_superoffload._src.transform import SuperOffloadState
-from jax_superoffload._src.weight_flow import WEIGHT_POLICIES
-from jax_superoffload._src.weight_flow import fetch_stacked
-from jax_superoffload._src.weight_flow import match_placement
-from jax_superoffload._src.weight_flow import memory_spaces
-from jax_superoffload._src.weight_flow import offload_stacked
-from jax_superoffload._src.weight_flow import update_offloaded
-from jax_superoffload._src.weight_flow import weight_flow_scan
-from jax_superoffload._src.zero import replicated_state_bytes
+from jax_superoffload._src.optim.alias import adam
+from jax_superoffload._src.optim.alias import adamw
+from jax_superoffload._src.optim.interchange import export_adam_state
+from jax_superoffload._src.optim.interchange import import_adam_state
+from jax_superoffload._src.optim.transform import SuperOffloadState
+from jax_superoffload._src.parallel.weight_flow import WEIGHT_POLICIES
+from jax_superoffload._src.parallel.weight_flow import fetch_stacked
+from jax_superoffload._src.parallel.weight_flow import match_placement
+from jax_superoffload._src.parallel.weight_flow import memory_spaces
+from jax_superoffload._src.parallel.weight_flow import offload_stacked
+from jax_superoffload._src.parallel.weight_flow import update_offloaded
+from jax_superoffload._src.parallel.weight_flow import weight_flow_scan
+from jax_superoffload._src.parallel.zero import replicated_state_bytes
+from jax_superoffload._src.planning.hardware import CPU_ONLY
+from jax_superoffload._src.planning.hardware import GH200
+from jax_superoffload._src.planning.hardware import H100_PCIE
+from jax_superoffload._src.planning.hardware import H200_PCIE
+from jax_superoffload._src.planning.hardware import HardwareProfile
+from jax_superoffload._src.planning.hardware import measure_host_bandwidth
+from jax_superoffload._src.planning.planner import Estimate
+from jax_superoffload._src.planning.planner import ModelSpec
+from jax_superoffload._src.planning.planner import Plan
+from jax_superoffload._src.planning.planner import plan
 
 __version__ = '0.1.0'
 

@@ -99,7 +99,7 @@ def part_opt(case: str, dtype: str, reps: int, dry: bool) -> dict[str, Any]:
   import jax.numpy as jnp
   import numpy as np
 
-  from jax_superoffload._src import executors
+  from jax_superoffload._src.host import executors
 
   device = jax.devices()[0]
   shapes = _leaves(dry)

@@ -16,15 +16,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_superoffload._src import executors
-from jax_superoffload._src import grace_adam
-from jax_superoffload._src import host_memory
-from jax_superoffload._src import zero as zero_lib
-from jax_superoffload._src.executors import Bucket
-from jax_superoffload._src.executors import BucketOut
-from jax_superoffload._src.executors import Executor
-from jax_superoffload._src.executors import Kernel
-from jax_superoffload._src.executors import LeafState
+from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.host import executors
+from jax_superoffload._src.host import grace_adam
+from jax_superoffload._src.host.executors import Bucket
+from jax_superoffload._src.host.executors import BucketOut
+from jax_superoffload._src.host.executors import Executor
+from jax_superoffload._src.host.executors import Kernel
+from jax_superoffload._src.host.executors import LeafState
+from jax_superoffload._src.parallel import zero as zero_lib
 
 
 class Speculated(NamedTuple):

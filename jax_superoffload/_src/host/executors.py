@@ -41,13 +41,13 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from jax_superoffload._src import adam_reference
-from jax_superoffload._src import grace_adam
-from jax_superoffload._src import host_memory
-from jax_superoffload._src import moments
-from jax_superoffload._src import plugin_ffi
-from jax_superoffload._src import zero as zero_lib
-from jax_superoffload._src.hyperparams import Hyperparams
+from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.core import moments
+from jax_superoffload._src.core.hyperparams import Hyperparams
+from jax_superoffload._src.host import adam_reference
+from jax_superoffload._src.host import grace_adam
+from jax_superoffload._src.host import plugin_ffi
+from jax_superoffload._src.parallel import zero as zero_lib
 
 EXECUTORS = ('auto', 'ffi', 'stream', 'xla_host', 'device')
 

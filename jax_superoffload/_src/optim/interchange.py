@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_superoffload._src import host_memory
-from jax_superoffload._src import moments
-from jax_superoffload._src import transform
+from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.core import moments
+from jax_superoffload._src.optim import transform
 
 
 def export_adam_state(

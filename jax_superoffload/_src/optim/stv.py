@@ -51,8 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_superoffload._src import executors
-from jax_superoffload._src import host_memory
+from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.host import executors
 
 
 def global_norm(

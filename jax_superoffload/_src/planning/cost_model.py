@@ -71,9 +71,9 @@ from typing import Any
 
 import numpy as np
 
-from jax_superoffload._src.hardware import ADAM_BYTES_PER_PARAM
-from jax_superoffload._src.hardware import ADAM_LOWP_BYTES_PER_PARAM
-from jax_superoffload._src.hardware import HardwareProfile
+from jax_superoffload._src.planning.hardware import ADAM_BYTES_PER_PARAM
+from jax_superoffload._src.planning.hardware import ADAM_LOWP_BYTES_PER_PARAM
+from jax_superoffload._src.planning.hardware import HardwareProfile
 
 # Bytes a host cast pass moves per parameter: grads bf16 -> fp32 (2 read +
 # 4 written) and weights fp32 -> bf16 (4 read + 2 written).

@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_superoffload._src import executors
-from jax_superoffload._src import hyperparams
-from jax_superoffload._src import layout
-from jax_superoffload._src import moments
-from jax_superoffload._src import placement
-from jax_superoffload._src import stv_executors
-from jax_superoffload._src import zero as zero_lib
-from jax_superoffload._src.hyperparams import Hyperparams
+from jax_superoffload._src.core import hyperparams
+from jax_superoffload._src.core import layout
+from jax_superoffload._src.core import moments
+from jax_superoffload._src.core.hyperparams import Hyperparams
+from jax_superoffload._src.host import executors
+from jax_superoffload._src.host import stv_executors
+from jax_superoffload._src.optim import placement
+from jax_superoffload._src.parallel import zero as zero_lib
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 KERNEL_MU_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))

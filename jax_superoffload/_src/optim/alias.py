@@ -8,8 +8,8 @@ from typing import Any
 import jax
 import optax
 
-from jax_superoffload._src import transform
-from jax_superoffload._src.hardware import HardwareProfile
+from jax_superoffload._src.optim import transform
+from jax_superoffload._src.planning.hardware import HardwareProfile
 
 
 def adam(

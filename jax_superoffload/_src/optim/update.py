@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jax_superoffload._src import executors
-from jax_superoffload._src import host_memory
-from jax_superoffload._src import in_place
-from jax_superoffload._src import layout
-from jax_superoffload._src import moments
-from jax_superoffload._src import stv
-from jax_superoffload._src import transform
+from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.core import layout
+from jax_superoffload._src.core import moments
+from jax_superoffload._src.host import executors
+from jax_superoffload._src.host import in_place
+from jax_superoffload._src.optim import stv
+from jax_superoffload._src.optim import transform
 
 
 class Inputs(NamedTuple):

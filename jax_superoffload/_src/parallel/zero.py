@@ -33,8 +33,8 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_superoffload._src import host_memory
-from jax_superoffload._src import moments as moments_lib
+from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.core import moments as moments_lib
 
 
 @dataclasses.dataclass(frozen=True)

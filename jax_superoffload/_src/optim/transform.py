@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_superoffload._src import following
-from jax_superoffload._src import host_memory
-from jax_superoffload._src import layout
-from jax_superoffload._src import moments
-from jax_superoffload._src import options as options_lib
-from jax_superoffload._src import stv
-from jax_superoffload._src import zero as zero_lib
+from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.core import layout
+from jax_superoffload._src.core import moments
+from jax_superoffload._src.optim import options as options_lib
+from jax_superoffload._src.optim import stv
+from jax_superoffload._src.parallel import following
+from jax_superoffload._src.parallel import zero as zero_lib
 
 
 class SuperOffloadState(NamedTuple):
@@ -380,7 +380,7 @@ def _state_split(opts, state: Any, reference: Any):
 def update_following(opts, updates, state, params=None):
   """`update`, with the state's split read from the arguments (no mesh)."""
   # Imported here: update.py uses this module's state type.
-  from jax_superoffload._src import update as update_lib
+  from jax_superoffload._src.optim import update as update_lib
 
   reference = params if params is not None else updates
   zero = None if opts.zero is not None else _state_split(opts, state, reference)

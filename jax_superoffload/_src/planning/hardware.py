@@ -321,8 +321,10 @@ def measure_q8_step_rate(
   times a timed step; the median over `repeats`. Its arithmetic alone, for
   the planner's `host_q8_gparams_s`.
   """
-  from jax_superoffload._src import grace_adam  # The FFI extension, lazily.
-  from jax_superoffload._src.hyperparams import Hyperparams
+  from jax_superoffload._src.core.hyperparams import Hyperparams
+  from jax_superoffload._src.host import (
+    grace_adam,  # The FFI extension, lazily.
+  )
 
   if n_params < 1 or repeats < 1:
     raise ValueError(

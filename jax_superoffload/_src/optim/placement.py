@@ -23,9 +23,9 @@ from typing import Any
 
 import jax
 
-from jax_superoffload._src import hardware as hardware_lib
-from jax_superoffload._src import layout
-from jax_superoffload._src import planner
+from jax_superoffload._src.core import layout
+from jax_superoffload._src.planning import hardware as hardware_lib
+from jax_superoffload._src.planning import planner
 
 CASTS = ('auto', 'device', 'host')
 AUTO_SEQ_LEN = 2048
