@@ -5,13 +5,16 @@ runs on the CPU (the Grace Adam kernel, through XLA FFI), and the pieces a
 large-model training run needs around them.
 """
 
+import importlib
+
 from jax_superoffload import kernels
 from jax_superoffload import ulysses
 from jax_superoffload._src.optim.alias import adam
 from jax_superoffload._src.optim.alias import adamw
 from jax_superoffload._src.optim.interchange import export_adam_state
 from jax_superoffload._src.optim.interchange import import_adam_state
-from jax_superoffload._src.optim.transform import SuperOffloadState
+from jax_superoffload._src.optim.offload import Offload
+from jax_superoffload._src.optim.state import SuperOffloadState
 from jax_superoffload._src.parallel.weight_flow import WEIGHT_POLICIES
 from jax_superoffload._src.parallel.weight_flow import fetch_stacked
 from jax_superoffload._src.parallel.weight_flow import match_placement
@@ -26,12 +29,29 @@ from jax_superoffload._src.planning.hardware import H100_PCIE
 from jax_superoffload._src.planning.hardware import H200_PCIE
 from jax_superoffload._src.planning.hardware import HardwareProfile
 from jax_superoffload._src.planning.hardware import measure_host_bandwidth
-from jax_superoffload._src.planning.planner import Estimate
-from jax_superoffload._src.planning.planner import ModelSpec
-from jax_superoffload._src.planning.planner import Plan
-from jax_superoffload._src.planning.planner import plan
 
 __version__ = '0.1.0'
+
+# The planner is imported on first use: building and stepping an optimizer
+# never plans unless an "auto" choice asks (then in `init`, once per tree).
+_PLANNER = 'jax_superoffload._src.planning.planner'
+_LAZY = {
+  'Estimate': _PLANNER,
+  'ModelSpec': _PLANNER,
+  'Plan': _PLANNER,
+  'plan': _PLANNER,
+}
+
+
+def __getattr__(name: str):
+  if name in _LAZY:
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def __dir__() -> list[str]:
+  return sorted(__all__)
+
 
 __all__ = [
   'CPU_ONLY',
@@ -42,6 +62,7 @@ __all__ = [
   'Estimate',
   'HardwareProfile',
   'ModelSpec',
+  'Offload',
   'Plan',
   'SuperOffloadState',
   'adam',

@@ -91,10 +91,13 @@ class Bucket(NamedTuple):
   fp32_weights: bool  # The new weights are the new fp32 masters.
 
 
-class Verdict(Protocol):
+class Verdict(NamedTuple):
+  """What STV's validation said of a step (stv.py), which `fix` reads."""
+
   redo: jax.Array  # Take the step again with gradients times `scale`.
   skip: jax.Array  # Drop the step.
   scale: jax.Array
+  norm: jax.Array
 
 
 class Executor(Protocol):
@@ -284,7 +287,7 @@ def to_host_list(xs):
 def scalars_to(place, xs: list) -> list:
   """Scalar (0-d) state leaves moved by `place`; the others as they are.
 
-  Scalars live on the device between steps (see transform.on_host) and
+  Scalars live on the device between steps (see state.lives_on_host) and
   visit host memory for the host step.
   """
   return jax.tree.map(lambda x: place(x) if x.ndim == 0 else x, list(xs))
