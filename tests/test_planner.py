@@ -377,7 +377,7 @@ def test_auto_moments_keep_fp32_where_it_fits():
 def test_stv_form_is_the_librarys():
   # The planner's STV form is the executor the library builds for it.
   from jax_superoffload._src.host import executors
-  from jax_superoffload._src.host import stv_executors
+  from jax_superoffload._src.host import executors as stv_executors
   from jax_superoffload._src.planning import cost_model
 
   kinds = {

@@ -3,13 +3,14 @@
 An executor `step`s a bucket (a schedule of k leaves, each with its own
 master, mu and nu arrays shaped like its parameter) and, under STV, `fix`es
 that step once validation has spoken: a redo with clipped gradients or a
-drop. Options choose the executor once, at construction
-(`stv_executors.for_name`):
+drop. Options choose the executor once, at construction (`for_name`); the
+step itself is steps.py's:
 
 - "ffi" (`Kernel`): the Grace Adam kernel as XLA host compute, on the state
   where it lives (pinned host memory), updated in place. With STV it is
-  `stv_executors.PairedKernel`, whose leaves are double-buffered, or with
-  bf16 and 8-bit moments `stv_executors.AfterVerdict`.
+  `PairedKernel`, whose leaves are double-buffered and stepped
+  speculatively, or with bf16 and 8-bit moments (no second row)
+  `AfterVerdict`, which steps once the verdict is known.
 - "xla_host" (`HostMath`): the same math in `jax.numpy`, also as host
   compute; the fallback where the kernel is not registered with the
   accelerator's PJRT plugin ("auto" picks "ffi" on a GPU only where that
@@ -35,69 +36,29 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
-from typing import NamedTuple
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 
 from jax_superoffload._src.core import host_memory
-from jax_superoffload._src.core import moments
-from jax_superoffload._src.core.hyperparams import Hyperparams
-from jax_superoffload._src.host import adam_reference
 from jax_superoffload._src.host import grace_adam
 from jax_superoffload._src.host import plugin_ffi
+from jax_superoffload._src.host import steps
+
+# A bucket's types and helpers, which the executors' callers reach here.
+from jax_superoffload._src.host.steps import Bucket as Bucket
+from jax_superoffload._src.host.steps import BucketOut as BucketOut
+from jax_superoffload._src.host.steps import LeafState as LeafState
+from jax_superoffload._src.host.steps import Verdict as Verdict
+from jax_superoffload._src.host.steps import flat as flat
+from jax_superoffload._src.host.steps import scalars_to as scalars_to
+from jax_superoffload._src.host.steps import spec_if as spec_if
+from jax_superoffload._src.host.steps import to_host_list as to_host_list
+from jax_superoffload._src.host.steps import weight_dtypes as weight_dtypes
 from jax_superoffload._src.parallel import zero as zero_lib
 
 EXECUTORS = ('auto', 'ffi', 'stream', 'xla_host', 'device')
-
-
-class LeafState(NamedTuple):
-  """A bucket's state before its step, a list per field (one per leaf)."""
-
-  master: list[jax.Array]
-  mu: list[Any]  # Arrays, or moments.Blockwise for 8-bit moments.
-  nu: list[Any]
-  kept: list[jax.Array] | None = None  # Double-buffered leaves only.
-  row: Any = None  # Double-buffered leaves: the current row.
-
-
-class BucketOut(NamedTuple):
-  """A bucket's new state (per leaf) and its new weights on the device."""
-
-  master: list[jax.Array]
-  mu: list[Any]
-  nu: list[Any]
-  # Per leaf: the new weights (fp32, or the parameter's dtype when the
-  # kernel wrote low-precision copies), or the fp32 change of the master.
-  weights: list[jax.Array] | None
-
-
-class Bucket(NamedTuple):
-  """One bucket of a step's schedule, with what its step reads."""
-
-  index: int
-  leaves: list[int]
-  executor: Executor
-  hyper: Hyperparams
-  grads: list[jax.Array]  # As the kernel reads them (ZeRO: this shard's).
-  params: list[jax.Array] | None  # The step starts from them (`reseed`).
-  dtypes: list[Any]  # Each leaf's parameter dtype.
-  specs: list[Any] | None  # ZeRO: each leaf's partition spec.
-  # ZeRO: the specs of each leaf's moments (8-bit: moments.Blockwise of the
-  # codes' and the scales' specs); None without ZeRO.
-  moment_specs: list[Any] | None
-  want_delta: bool  # No params: return new - old master.
-  fp32_weights: bool  # The new weights are the new fp32 masters.
-
-
-class Verdict(NamedTuple):
-  """What STV's validation said of a step (stv.py), which `fix` reads."""
-
-  redo: jax.Array  # Take the step again with gradients times `scale`.
-  skip: jax.Array  # Drop the step.
-  scale: jax.Array
-  norm: jax.Array
 
 
 class Executor(Protocol):
@@ -146,153 +107,6 @@ def _check_host_registration() -> None:
     )
 
 
-def reseed(
-  master: jax.Array, param: jax.Array, learning_rate: Any = 0.0
-) -> jax.Array:
-  """The master where it rounds to `param`, `param` where it does not.
-
-  The parameters are the source of truth: a master that no longer rounds
-  to them (weights loaded, surgery, an EMA swap) restarts from them.
-  """
-  if param.dtype == jnp.float32:
-    # The master is not read, but it must stay an input of the step: a
-    # pruned input is not donated, and the new master would then need a
-    # fresh buffer every step (page faults on every page of it).
-    return jax.lax.optimization_barrier((master, param))[1]
-
-  # A 16-bit update cannot always land exactly on the rounded master (a
-  # weight crossing zero, or more than halving): one unit in the last place
-  # away is still the weight the last step produced.
-  def ordered(x):  # Adjacent floats are adjacent integers.
-    bits = jax.lax.bitcast_convert_type(x, jnp.int16).astype(jnp.int32)
-    return jnp.where(bits < 0, -(bits & 0x7FFF), bits)
-
-  close = jnp.abs(ordered(master.astype(param.dtype)) - ordered(param)) <= 1
-  # Nor can it when the step is larger than the weight: within its own
-  # rounding (lr / 16 covers steps up to 16 lr) the parameter is the one
-  # the last step produced (as ReseedTolerance in ffi_support.h).
-  tolerance = jnp.abs(jnp.asarray(learning_rate, jnp.float32)) * 0.0625
-  close |= jnp.abs(param.astype(jnp.float32) - master) <= tolerance
-  return jnp.where(close, master, param.astype(jnp.float32))
-
-
-def _math_step(hyper: Hyperparams, dtypes, master, mu, nu, grads, params):
-  """The step in `jax.numpy` on whatever memory its inputs are in.
-
-  Low-precision moments are decoded, the step taken in fp32 and the new
-  moments stored rounded (bf16 to nearest even; 8-bit by `moments.py`'s
-  codec), as the kernel does. `dtypes`: the new weights' dtypes, or None
-  for fp32 weights (then `weights` is None).
-  """
-  if params is not None:
-    master = [
-      reseed(m, p, hyper.learning_rate)
-      for m, p in zip(master, params, strict=True)
-    ]
-  out = [
-    adam_reference.reference_step(
-      hyper, m, g.astype(jnp.float32), _decoded(a, True), _decoded(v, False)
-    )
-    for m, g, a, v in zip(master, grads, mu, nu, strict=True)
-  ]
-  new_master = [o[0] for o in out]
-  weights = None
-  if dtypes is not None:
-    weights = [m.astype(d) for m, d in zip(new_master, dtypes, strict=True)]
-  return BucketOut(
-    new_master,
-    [_stored(o[1], a, True) for o, a in zip(out, mu, strict=True)],
-    [_stored(o[2], v, False) for o, v in zip(out, nu, strict=True)],
-    weights,
-  )
-
-
-def _decoded(moment, signed: bool) -> jax.Array:
-  """A stored moment (fp32, bf16 or 8-bit blockwise) as fp32."""
-  if isinstance(moment, moments.Blockwise):
-    return moments.dequantize(moment, signed)
-  return moment.astype(jnp.float32)
-
-
-def _stored(new: jax.Array, old, signed: bool):
-  """The new fp32 moment in `old`'s storage, rounded as the kernel does."""
-  if isinstance(old, moments.Blockwise):
-    return moments.quantize(new, signed)
-  return new.astype(old.dtype)
-
-
-def _kernel_step(
-  hyper: Hyperparams,
-  dtypes,
-  master,
-  mu,
-  nu,
-  grads,
-  params,
-  skip=False,
-  place: grace_adam.Place | None = None,
-):
-  """The step by the Grace Adam kernel (in host compute, or `Stream`'s).
-
-  `skip` (low-precision moments only): no step where it is true. `place`:
-  see `grace_adam.Place`.
-  """
-  if all(x.dtype == jnp.float32 for x in jax.tree.leaves((mu, nu))):
-    assert skip is False, 'fp32 moments are skipped by the paired kernel'
-    m, a, v, w, _ = grace_adam.adam_step_segments(
-      master, mu, nu, list(grads), dtypes, hyper, params=params, place=place
-    )
-    return BucketOut(m, a, v, None if dtypes is None else w)
-  blockwise = isinstance(mu[0], moments.Blockwise)
-  scales = None
-  if blockwise:
-    scales = ([x.scales for x in mu], [x.scales for x in nu])
-    mu, nu = [x.codes for x in mu], [x.codes for x in nu]
-  m, a, v, s, w, _ = grace_adam.adam_step_lowp_segments(
-    master,
-    mu,
-    nu,
-    scales,
-    list(grads),
-    dtypes,
-    hyper,
-    params=params,
-    skip=skip,
-    place=place,
-  )
-  if blockwise:
-    a = [moments.Blockwise(c, x) for c, x in zip(a, s[0], strict=True)]
-    v = [moments.Blockwise(c, x) for c, x in zip(v, s[1], strict=True)]
-  return BucketOut(m, a, v, None if dtypes is None else w)
-
-
-def _delta_or_new(b: Bucket, new_master, old_master) -> list[jax.Array]:
-  """Per leaf on the device: the new master, or its change (no params)."""
-  new = [host_memory.to_device(m) for m in new_master]
-  if not b.want_delta:
-    return new
-  old = [host_memory.to_device(m) for m in old_master]
-  return [n - o for n, o in zip(new, old, strict=True)]
-
-
-def weight_dtypes(b: Bucket) -> list | None:
-  """The dtypes the step writes the new weights in; None: fp32 masters."""
-  return None if b.fp32_weights else list(b.dtypes)
-
-
-def to_host_list(xs):
-  return None if xs is None else [host_memory.to_host(x) for x in xs]
-
-
-def scalars_to(place, xs: list) -> list:
-  """Scalar (0-d) state leaves moved by `place`; the others as they are.
-
-  Scalars live on the device between steps (see state.lives_on_host) and
-  visit host memory for the host step.
-  """
-  return jax.tree.map(lambda x: place(x) if x.ndim == 0 else x, list(xs))
-
-
 class _Plain:
   """A step that writes new buffers: the old state outlives it.
 
@@ -311,7 +125,7 @@ class _Plain:
     """The step; `grad_scale` scales the gradients, `skip` drops it.
 
     `skip` (a boolean scalar) is for the kernel's low-precision moments
-    only (`stv_executors.AfterVerdict`).
+    only (`AfterVerdict`).
     """
     hyper = b.hyper
     if grad_scale is not None:
@@ -371,7 +185,7 @@ class _OnHost(_Plain):
   """Host compute over the state where it lives, by `math`."""
 
   # math(hyper, weight_dtypes, master, mu, nu, grads, params) -> BucketOut
-  math: Callable[..., BucketOut] = staticmethod(_math_step)
+  math: Callable[..., BucketOut] = staticmethod(steps.math_step)
 
   def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params, **skip):
     out = host_memory.on_host(
@@ -385,25 +199,14 @@ class _OnHost(_Plain):
       to_host_list(params),
     )
     if out.weights is None:
-      return out._replace(weights=_delta_or_new(b, out.master, master))
+      return out._replace(weights=steps.delta_or_new(b, out.master, master))
     return out._replace(weights=[host_memory.to_device(x) for x in out.weights])
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel(_OnHost):
   name = 'ffi'
-  math = staticmethod(_kernel_step)
-
-
-def flat(x: jax.Array) -> jax.Array:
-  """`x` flattened where it is, for the stream-ordered handlers.
-
-  A gradient that a dot left column-major would otherwise reach the
-  handler in a layout it does not read; rank 1 has one layout. The handler
-  copies it to host memory itself where XLA left it in device memory
-  (XLA:GPU elides a move to host memory whose only user is a custom call).
-  """
-  return x.reshape(-1)
+  math = staticmethod(steps.kernel_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,7 +216,7 @@ class Stream(_Plain):
   name = 'stream'
 
   def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params, **skip):
-    out = _kernel_step(
+    out = steps.kernel_step(
       hyper,
       weight_dtypes(b),
       master,
@@ -425,22 +228,14 @@ class Stream(_Plain):
       **skip,
     )
     if out.weights is None:
-      return out._replace(weights=_delta_or_new(b, out.master, master))
-    return out._replace(weights=weights_to_device(out.weights, grads))
-
-
-def weights_to_device(weights: list, like: list) -> list[jax.Array]:
-  """New weights (host memory, maybe flat) on the device, shaped `like`."""
-  return [
-    host_memory.to_device(w).reshape(x.shape)
-    for w, x in zip(weights, like, strict=True)
-  ]
+      return out._replace(weights=steps.delta_or_new(b, out.master, master))
+    return out._replace(weights=steps.weights_to_device(out.weights, grads))
 
 
 @dataclasses.dataclass(frozen=True)
 class HostMath(_OnHost):
   name = 'xla_host'
-  math = staticmethod(_math_step)
+  math = staticmethod(steps.math_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,10 +246,10 @@ class Device(_Plain):
 
   def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params):
     moved = [[host_memory.to_device(x) for x in xs] for xs in (master, mu, nu)]
-    out = _math_step(hyper, weight_dtypes(b), *moved, grads, params)
+    out = steps.math_step(hyper, weight_dtypes(b), *moved, grads, params)
     weights = out.weights
     if weights is None:
-      weights = _delta_or_new(b, out.master, moved[0])
+      weights = steps.delta_or_new(b, out.master, moved[0])
     m, a, v = ([host_memory.to_host(x) for x in xs] for xs in out[:3])
     return BucketOut(m, a, v, weights)
 
@@ -467,15 +262,147 @@ class Resident(_Plain):
   host_state = False
 
   def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params):
-    out = _math_step(hyper, weight_dtypes(b), master, mu, nu, grads, params)
+    out = steps.math_step(
+      hyper, weight_dtypes(b), master, mu, nu, grads, params
+    )
     if out.weights is None:
-      return out._replace(weights=_delta_or_new(b, out.master, master))
+      return out._replace(weights=steps.delta_or_new(b, out.master, master))
     return out
 
 
 RESIDENT = Resident()
 
 
-def spec_if(x, spec):
-  """`spec` where `x` is given, None where it is not."""
-  return spec if x is not None else None
+@dataclasses.dataclass(frozen=True)
+class AfterVerdict:
+  """STV for a step that updates its state in place: taken after the verdict.
+
+  The kernel with low-precision moments has no double-buffered rows, so a
+  speculative step would overwrite the state a redo needs (XLA would copy
+  it first, a fresh buffer every step). Instead `step` does nothing and
+  `fix` takes the step once the global norm is known: with the gradients
+  scaled when clipped, not at all when dropped. Exact, one pass, in place;
+  but the host step no longer overlaps the rest of the backward pass.
+  """
+
+  inner: Kernel | Stream = dataclasses.field(default_factory=Kernel)
+  paired = False
+
+  @property
+  def name(self) -> str:
+    return self.inner.name
+
+  def step(self, zero, b: Bucket, state: LeafState) -> None:
+    del zero, b, state
+
+  def fix(self, zero, b: Bucket, before: LeafState, out, verdict) -> BucketOut:
+    # No lax.cond: around an in-place call it makes XLA copy the state.
+    # A dropped step's weights are left unwritten: its updates become 0.
+    del out
+    return self.inner.step(
+      zero, b, before, grad_scale=verdict.scale, skip=verdict.skip
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedKernel:
+  """STV on the kernel: double-buffered leaves, stepped speculatively.
+
+  `step` reads the current row and writes the other, keeping the gradients
+  it read; `fix` redoes the step in place from the untouched row when
+  validation clips it (see stv.py). `stream`: both calls ordered on the
+  accelerator's stream (Stream) rather than in host compute.
+  """
+
+  stream: bool = False
+  paired = True
+
+  @property
+  def name(self) -> str:
+    return 'stream' if self.stream else 'ffi'
+
+  def step(self, zero, b: Bucket, state: LeafState) -> steps.Speculated:
+    stream = self.stream
+
+    def fn(hyper, row, master, mu, nu, kept, grads, params):
+      args = (hyper, b, row, master, mu, nu, kept, grads, params)
+      return steps.speculate(*args, stream=stream)
+
+    specs, pairs = b.specs, _pair_specs(b.specs)
+    wrapped = zero_lib.per_shard(
+      zero,
+      fn,
+      in_specs=(
+        pairs,
+        pairs,
+        pairs,
+        specs,
+        specs,
+        spec_if(b.params, specs),
+      ),
+      out_specs=_speculated_specs(zero, b),
+    )
+    return wrapped(
+      b.hyper,
+      state.row,
+      *(list(x) for x in state[:3]),
+      scalars_to(host_memory.to_host, state.kept),
+      b.grads,
+      b.params,
+    )
+
+  def fix(self, zero, b: Bucket, before: LeafState, out, verdict) -> BucketOut:
+    stream = self.stream
+
+    def fn(hyper, flags, out):
+      row, redo, skip, scale = flags
+      fixed = steps.validate_pair(hyper, out, row, redo, skip, scale, stream)
+      return steps.finish_pair(b, fixed, row)
+
+    specs, pairs = b.specs, _pair_specs(b.specs)
+    in_spec = _speculated_specs(zero, b)
+    if out.weights is None:
+      in_spec = in_spec._replace(weights=None)
+    wrapped = zero_lib.per_shard(
+      zero,
+      fn,
+      in_specs=(in_spec,),
+      out_specs=BucketOut(pairs, pairs, pairs, specs),
+    )
+    flags = (before.row, verdict.redo, verdict.skip, verdict.scale)
+    return wrapped(b.hyper, flags, out)
+
+
+def _pair_specs(specs):
+  return None if specs is None else [zero_lib.pair_spec(s) for s in specs]
+
+
+def _speculated_specs(zero, b: Bucket) -> steps.Speculated:
+  specs, pairs = b.specs, _pair_specs(b.specs)
+  return steps.Speculated(
+    pairs,
+    pairs,
+    pairs,
+    specs,
+    zero_lib.per_shard_scalar(zero),
+    None if b.fp32_weights else specs,
+  )
+
+
+def for_name(executor: str, stv: bool, fp32_moments: bool) -> Executor:
+  """The executor of host buckets for a name ("auto" resolved here).
+
+  Under STV the kernel steps fp32 moments speculatively on two rows
+  (`PairedKernel`), and low-precision moments once the verdict is known
+  (`AfterVerdict`); the other executors write new buffers anyway, so the
+  state before a speculative step is still there for its fix.
+  """
+  name = resolve(executor)
+  if name in ('ffi', 'stream'):
+    stream = name == 'stream'
+    if not stv:
+      return Stream() if stream else Kernel()
+    if fp32_moments:
+      return PairedKernel(stream=stream)
+    return AfterVerdict(Stream() if stream else Kernel())
+  return HostMath() if name == 'xla_host' else Device()

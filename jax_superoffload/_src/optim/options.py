@@ -15,7 +15,6 @@ from jax_superoffload._src.core import layout
 from jax_superoffload._src.core import moments
 from jax_superoffload._src.core.hyperparams import Hyperparams
 from jax_superoffload._src.host import executors
-from jax_superoffload._src.host import stv_executors
 from jax_superoffload._src.optim import placement
 from jax_superoffload._src.optim.offload import KERNEL_MOMENT_DTYPES
 from jax_superoffload._src.optim.offload import Offload
@@ -199,7 +198,7 @@ def build(
     mask=mask,
     nesterov=bool(nesterov),
     bucket_elements=max(1, check_bucket_bytes(offload.bucket_bytes) // 4),
-    executor=stv_executors.for_name(
+    executor=executors.for_name(
       offload.executor,
       stv=offload.use_stv,
       fp32_moments=moment_dtypes == (np.float32, np.float32),

@@ -19,7 +19,7 @@ operations as a step taken without speculation.
   finite without `skip_nonfinite`), the kernel steps again from the
   untouched row with `grad_scale = clip_norm / norm` over the written one;
   non-finite with `skip_nonfinite`, the current row stays current.
-- "ffi" with bf16 or 8-bit moments (`stv_executors.AfterVerdict`): no second
+- "ffi" with bf16 or 8-bit moments (`executors.AfterVerdict`): no second
   row, so no speculation: the kernel steps once the verdict is known, with
   the gradients scaled when clipped, and not at all when dropped.
 - Other executors and device buckets: the step writes new buffers anyway,

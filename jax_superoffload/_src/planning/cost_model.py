@@ -233,7 +233,7 @@ def stationary_device_bytes(
 
 
 def stv_form(stv: bool, moments: str = 'fp32') -> str:
-  """How the library runs STV for these moments (stv_executors.for_name).
+  """How the library runs STV for these moments (executors.for_name).
 
   'double_buffered': fp32 moments step speculatively on two rows of the
   host state during backward and redo a clipped step from the untouched
