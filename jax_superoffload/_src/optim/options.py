@@ -21,6 +21,8 @@ from jax_superoffload._src.optim.offload import Offload
 from jax_superoffload._src.optim.offload import check_bucket_bytes
 from jax_superoffload._src.parallel import zero as zero_lib
 
+# The scalar arguments of adam / adamw (or schedules), checked alike.
+_SCALARS = ('learning_rate', 'b1', 'b2', 'eps', 'eps_root', 'weight_decay')
 # Options fields taken from `Offload` as they are.
 _FROM_OFFLOAD = (
   'nu_dtype',
@@ -174,14 +176,8 @@ def build(
   offload: Offload,
 ) -> Options:
   """Validates the arguments of `adam` / `adamw` into `Options`."""
-  scalars = dict(
-    learning_rate=learning_rate,
-    b1=b1,
-    b2=b2,
-    eps=eps,
-    eps_root=eps_root,
-    weight_decay=weight_decay,
-  )
+  values = (learning_rate, b1, b2, eps, eps_root, weight_decay)
+  scalars = dict(zip(_SCALARS, values, strict=True))
   for name, value in scalars.items():  # Schedules are not checked.
     hyperparams.check_scalar(name, value)
   _check_mu_dtype(mu_dtype)
