@@ -82,6 +82,29 @@ def test_the_import_graph_has_no_cycle():
   assert find_cycle(graph) is None, ' -> '.join(find_cycle(graph))
 
 
+def _package(module: str) -> str:
+  """`jax_superoffload._src.X` for a module of package X, else `module`."""
+  parts = module.split('.')
+  return '.'.join(parts[:3]) if parts[1:2] == ['_src'] else module
+
+
+def test_the_packages_form_floors():
+  # core <- parallel <- host <- planning, and optim above them all: no two
+  # packages import each other, even through different modules.
+  packages = collections.defaultdict(set)
+  for name, imports in import_graph().items():
+    for other in imports:
+      if _package(other) != _package(name) and other.count('.') >= 2:
+        packages[_package(name)].add(_package(other))
+  graph = {
+    p: packages.get(p, set()) for p in set(packages).union(*packages.values())
+  }
+  assert find_cycle(graph) is None, ' -> '.join(find_cycle(graph))
+  assert 'jax_superoffload._src.optim' not in set().union(
+    *(v for k, v in graph.items() if k != 'jax_superoffload')
+  )
+
+
 PUBLIC = {
   'jax_superoffload',
   'jax_superoffload.kernels',
