@@ -35,9 +35,9 @@ import jax
 import numpy as np
 import optax
 
-import jax_superoffload as superoffload
 from experiments import machine
 from experiments.optim import MOMENT_OPTIONS
+from experiments.optim import offload_adamw
 from experiments.report import fmt
 from experiments.report import markdown_table
 from experiments.report import plt
@@ -116,7 +116,7 @@ def main() -> None:
   moments = MOMENT_OPTIONS[args.moments]
 
   def ours(executor: str, **kw) -> optax.GradientTransformation:
-    return superoffload.adamw(
+    return offload_adamw(
       1e-3, weight_decay=0.01, executor=executor, **moments, **kw
     )
 
