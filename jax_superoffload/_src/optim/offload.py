@@ -116,20 +116,21 @@ class Offload:
     shard_axis: The mesh axis name (or tuple of names) to shard over.
   """
 
-  executor: str = 'auto'  # "auto", "ffi", "stream", "xla_host" or "device".
-  bucket_bytes: int | None = None  # fp32 state bytes per kernel call.
-  cast: str = 'host'  # Which side casts: "host", "device" or "auto".
-  device_buckets: int | float | str | None = None  # Kept on the device.
-  arrival_order: Sequence[str] | None = None  # Leaf paths, backward order.
   nu_dtype: Any = None  # None, float32 or bfloat16.
   moments_8bit: bool = False  # 8-bit blockwise mu and nu.
+  bucket_bytes: int | None = None  # fp32 state bytes per kernel call.
+  executor: str = 'auto'  # "auto", "ffi", "stream", "xla_host" or "device".
   clip_norm: Any = None  # None, a positive number or a scalar array.
   skip_nonfinite: bool = False  # Drop steps with NaN/Inf gradients.
+  device_buckets: int | float | str | None = None  # Kept on the device.
+  arrival_order: Sequence[str] | None = None  # Leaf paths, backward order.
+  cast: str = 'host'  # Which side casts: "host", "device" or "auto".
   hardware: HardwareProfile | None = None  # What "auto" plans for.
   mesh: jax.sharding.Mesh | None = None  # ZeRO: the mesh, with shard_axis.
   shard_axis: str | tuple[str, ...] | None = None  # ZeRO: the axis.
 
   def __post_init__(self):
+    zero_lib.from_mesh(self.mesh, self.shard_axis)  # Checked.
     if self.executor not in executors.EXECUTORS:
       raise ValueError(
         f'executor must be one of {executors.EXECUTORS}, got {self.executor!r}'
@@ -143,7 +144,6 @@ class Offload:
       _check_clip_norm(self.clip_norm)
     check_bucket_bytes(self.bucket_bytes)
     _check_nu_dtype(self.nu_dtype, self.moments_8bit)
-    zero_lib.from_mesh(self.mesh, self.shard_axis)  # Checked.
     if self.arrival_order is not None:  # Hashable, and kept as given.
       object.__setattr__(self, 'arrival_order', tuple(self.arrival_order))
 
