@@ -50,7 +50,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-  return sorted(__all__)
+  return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [
