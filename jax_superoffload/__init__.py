@@ -5,33 +5,53 @@ runs on the CPU (the Grace Adam kernel, through XLA FFI), and the pieces a
 large-model training run needs around them.
 """
 
+import importlib
+
 from jax_superoffload import kernels
 from jax_superoffload import ulysses
-from jax_superoffload._src.adam import adam
-from jax_superoffload._src.adam import adamw
-from jax_superoffload._src.hardware import CPU_ONLY
-from jax_superoffload._src.hardware import GH200
-from jax_superoffload._src.hardware import H100_PCIE
-from jax_superoffload._src.hardware import H200_PCIE
-from jax_superoffload._src.hardware import HardwareProfile
-from jax_superoffload._src.hardware import measure_host_bandwidth
-from jax_superoffload._src.interchange import export_adam_state
-from jax_superoffload._src.interchange import import_adam_state
-from jax_superoffload._src.planner import Estimate
-from jax_superoffload._src.planner import ModelSpec
-from jax_superoffload._src.planner import Plan
-from jax_superoffload._src.planner import plan
-from jax_superoffload._src.transform import SuperOffloadState
-from jax_superoffload._src.weight_flow import WEIGHT_POLICIES
-from jax_superoffload._src.weight_flow import fetch_stacked
-from jax_superoffload._src.weight_flow import match_placement
-from jax_superoffload._src.weight_flow import memory_spaces
-from jax_superoffload._src.weight_flow import offload_stacked
-from jax_superoffload._src.weight_flow import update_offloaded
-from jax_superoffload._src.weight_flow import weight_flow_scan
-from jax_superoffload._src.zero import replicated_state_bytes
+from jax_superoffload._src.optim.alias import adam
+from jax_superoffload._src.optim.alias import adamw
+from jax_superoffload._src.optim.interchange import export_adam_state
+from jax_superoffload._src.optim.interchange import import_adam_state
+from jax_superoffload._src.optim.offload import Offload
+from jax_superoffload._src.optim.state import SuperOffloadState
+from jax_superoffload._src.parallel.weight_flow import WEIGHT_POLICIES
+from jax_superoffload._src.parallel.weight_flow import fetch_stacked
+from jax_superoffload._src.parallel.weight_flow import match_placement
+from jax_superoffload._src.parallel.weight_flow import memory_spaces
+from jax_superoffload._src.parallel.weight_flow import offload_stacked
+from jax_superoffload._src.parallel.weight_flow import update_offloaded
+from jax_superoffload._src.parallel.weight_flow import weight_flow_scan
+from jax_superoffload._src.parallel.zero import replicated_state_bytes
+from jax_superoffload._src.planning.hardware import CPU_ONLY
+from jax_superoffload._src.planning.hardware import GH200
+from jax_superoffload._src.planning.hardware import H100_PCIE
+from jax_superoffload._src.planning.hardware import H200_PCIE
+from jax_superoffload._src.planning.hardware import HardwareProfile
+from jax_superoffload._src.planning.hardware import measure_host_bandwidth
 
 __version__ = '0.1.0'
+
+# The planner is imported on first use: building and stepping an optimizer
+# never plans unless an "auto" choice asks (then in `init`, once per tree).
+_PLANNER = 'jax_superoffload._src.planning.planner'
+_LAZY = {
+  'Estimate': _PLANNER,
+  'ModelSpec': _PLANNER,
+  'Plan': _PLANNER,
+  'plan': _PLANNER,
+}
+
+
+def __getattr__(name: str):
+  if name in _LAZY:
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
   'CPU_ONLY',
@@ -42,6 +62,7 @@ __all__ = [
   'Estimate',
   'HardwareProfile',
   'ModelSpec',
+  'Offload',
   'Plan',
   'SuperOffloadState',
   'adam',
@@ -72,14 +93,14 @@ __all__ = [
 #   cover; benchmarked one by one by experiments/benchmarks/bench_adam.
 # - `ADAM_BYTES_PER_PARAM`: the bytes one fp32 AdamW step moves per
 #   parameter, the unit of `HardwareProfile.host_adam_bytes_per_s`.
-from jax_superoffload._src.executors import resolve as resolve_executor
-from jax_superoffload._src.grace_adam import adam_step_lowp_segments
-from jax_superoffload._src.grace_adam import adam_step_segments
-from jax_superoffload._src.grace_adam import adam_step_speculative
-from jax_superoffload._src.hardware import ADAM_BYTES_PER_PARAM
-from jax_superoffload._src.hyperparams import Hyperparams
-from jax_superoffload._src.moments import BLOCK as MOMENT_BLOCK
-from jax_superoffload._src.plugin_ffi import host_registration
+from jax_superoffload._src.host.executors import resolve as resolve_executor
+from jax_superoffload._src.host.grace_adam import adam_step_lowp_segments
+from jax_superoffload._src.host.grace_adam import adam_step_segments
+from jax_superoffload._src.host.grace_adam import adam_step_speculative
+from jax_superoffload._src.planning.hardware import ADAM_BYTES_PER_PARAM
+from jax_superoffload._src.core.hyperparams import Hyperparams
+from jax_superoffload._src.core.moments import BLOCK as MOMENT_BLOCK
+from jax_superoffload._src.host.plugin_ffi import host_registration
 
 __all__ += [
   'ADAM_BYTES_PER_PARAM',

@@ -4,11 +4,11 @@
 `adam_step_reference` is the same step in `jax.numpy`.
 """
 
-from jax_superoffload._src.adam_reference import adam_step_reference
-from jax_superoffload._src.grace_adam import adam_step
-from jax_superoffload._src.grace_adam import instruction_set
-from jax_superoffload._src.grace_adam import prefetch_policy
-from jax_superoffload._src.grace_adam import stream_roofline
+from jax_superoffload._src.host.adam_reference import adam_step_reference
+from jax_superoffload._src.host.grace_adam import adam_step
+from jax_superoffload._src.host.grace_adam import instruction_set
+from jax_superoffload._src.host.grace_adam import prefetch_policy
+from jax_superoffload._src.host.grace_adam import stream_roofline
 
 __all__ = [
   'adam_step',

@@ -6,10 +6,10 @@ attention; `seq_to_heads` and `heads_to_seq` are those all-to-alls, for use
 inside a user's own `jax.shard_map`.
 """
 
-from jax_superoffload._src.ulysses import attention
-from jax_superoffload._src.ulysses import heads_to_seq
-from jax_superoffload._src.ulysses import kv_repeat_factor
-from jax_superoffload._src.ulysses import seq_to_heads
+from jax_superoffload._src.parallel.ulysses import attention
+from jax_superoffload._src.parallel.ulysses import heads_to_seq
+from jax_superoffload._src.parallel.ulysses import kv_repeat_factor
+from jax_superoffload._src.parallel.ulysses import seq_to_heads
 
 __all__ = [
   'attention',

@@ -1,7 +1,7 @@
 """Adam with bf16 or 8-bit blockwise moments in float64, from the math.
 
 Written from the formats' definitions (the docstring of
-jax_superoffload/_src/moments.py), not from the kernel: code values are
+jax_superoffload/_src/core/moments.py), not from the kernel: code values are
 tabulated from their formula and a code is found by searching that table.
 The checks accept the kernel's result where it equals the reference's
 rounding of the exact value, or the rounding of a value within the fp32

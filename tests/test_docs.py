@@ -62,12 +62,22 @@ def _renamed(text: str) -> str:
   text = re.sub(
     r'-m experiments\.train\b(?![._/])', '-m experiments.trainer', text
   )
-  return _OLD_MODULE.sub(
+  text = _OLD_MODULE.sub(
     lambda m: (
       f'experiments{m[1]}{package[m[2]]}{m[1]}' + _NEW_NAME.get(m[2], m[2])
     ),
     text,
   )
+  return re.sub(r'jax_superoffload/_src/(\w+)\.py', _src_moved, text)
+
+
+def _src_moved(match: re.Match) -> str:
+  """A library module's path, in the package `_src/` laid it out in since."""
+  src = _ROOT / 'jax_superoffload' / '_src'
+  moved = sorted(src.glob(f'*/{match[1]}.py'))
+  if (src / f'{match[1]}.py').exists() or len(moved) != 1:
+    return match[0]
+  return moved[0].relative_to(_ROOT).as_posix()
 
 
 # Lines of the old README corrected since, not lost: the multi-host launch

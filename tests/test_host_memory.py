@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_superoffload._src import host_memory
+from jax_superoffload._src.core import host_memory
 
 
 @pytest.fixture

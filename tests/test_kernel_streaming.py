@@ -8,7 +8,7 @@ import pytest
 
 from experiments.benchmarks import stream_limit
 from jax_superoffload import kernels
-from jax_superoffload._src import grace_adam
+from jax_superoffload._src.host import grace_adam
 
 ENV = 'JAX_SUPEROFFLOAD_PREFETCH'
 

@@ -10,8 +10,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_superoffload import kernels
-from jax_superoffload._src import grace_adam
-from jax_superoffload._src.hyperparams import Hyperparams
+from jax_superoffload._src.core.hyperparams import Hyperparams
+from jax_superoffload._src.host import grace_adam
 
 
 def numpy_adamw(

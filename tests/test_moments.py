@@ -15,9 +15,9 @@ import optax
 import pytest
 
 import jax_superoffload as superoffload
-from jax_superoffload._src import grace_adam
-from jax_superoffload._src import moments
-from jax_superoffload._src.hyperparams import Hyperparams
+from jax_superoffload._src.core import moments
+from jax_superoffload._src.core.hyperparams import Hyperparams
+from jax_superoffload._src.host import grace_adam
 from tests import moments_reference as ref
 
 FORMATS = {

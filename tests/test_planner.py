@@ -8,15 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_superoffload._src import planner
-from jax_superoffload._src.hardware import CPU_ONLY
-from jax_superoffload._src.hardware import GH200
-from jax_superoffload._src.hardware import H100_PCIE
-from jax_superoffload._src.hardware import H200_PCIE
-from jax_superoffload._src.hardware import HardwareProfile
-from jax_superoffload._src.hardware import measure_host_bandwidth
-from jax_superoffload._src.planner import ModelSpec
-from jax_superoffload._src.planner import plan
+from jax_superoffload._src.planning import planner
+from jax_superoffload._src.planning.hardware import CPU_ONLY
+from jax_superoffload._src.planning.hardware import GH200
+from jax_superoffload._src.planning.hardware import H100_PCIE
+from jax_superoffload._src.planning.hardware import H200_PCIE
+from jax_superoffload._src.planning.hardware import HardwareProfile
+from jax_superoffload._src.planning.hardware import measure_host_bandwidth
+from jax_superoffload._src.planning.planner import ModelSpec
+from jax_superoffload._src.planning.planner import plan
 
 # A profile with round numbers, no reserves and perfect efficiencies, so
 # that thresholds can be computed by hand.
@@ -376,9 +376,9 @@ def test_auto_moments_keep_fp32_where_it_fits():
 
 def test_stv_form_is_the_librarys():
   # The planner's STV form is the executor the library builds for it.
-  from jax_superoffload._src import cost_model
-  from jax_superoffload._src import executors
-  from jax_superoffload._src import stv_executors
+  from jax_superoffload._src.host import executors
+  from jax_superoffload._src.host import executors as stv_executors
+  from jax_superoffload._src.planning import cost_model
 
   kinds = {
     stv_executors.PairedKernel: 'double_buffered',

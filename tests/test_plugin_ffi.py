@@ -18,8 +18,8 @@ import jax
 import pytest
 
 from jax_superoffload import _grace_adam
-from jax_superoffload._src import executors
-from jax_superoffload._src import plugin_ffi as pf
+from jax_superoffload._src.host import executors
+from jax_superoffload._src.host import plugin_ffi as pf
 
 TARGETS = sorted(_grace_adam.registrations())
 
@@ -172,7 +172,7 @@ def test_cpu_keeps_ffi_without_looking_for_a_plugin(monkeypatch):
 
 _REAL = """
 import dataclasses, json, sys
-from jax_superoffload._src import plugin_ffi
+from jax_superoffload._src.host import plugin_ffi
 first = plugin_ffi.register_host_handlers(sys.argv[1])
 again = plugin_ffi.register_host_handlers(sys.argv[1])
 print(json.dumps([dataclasses.asdict(first), dataclasses.asdict(again)]))

@@ -21,8 +21,8 @@ import optax
 import pytest
 
 import jax_superoffload as superoffload
-from jax_superoffload._src import executors
-from jax_superoffload._src import grace_adam
+from jax_superoffload._src.host import executors
+from jax_superoffload._src.host import grace_adam
 
 OPTIONS = {
   'plain': {},

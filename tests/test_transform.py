@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jax_superoffload as superoffload
-from jax_superoffload._src import grace_adam
+from jax_superoffload._src.host import grace_adam
 
 HOST = 'pinned_host'
 

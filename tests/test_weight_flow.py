@@ -17,8 +17,8 @@ import jax_superoffload as superoffload
 from experiments.trainer import config
 from experiments.trainer import model
 from experiments.trainer import train
-from jax_superoffload._src import weight_flow
-from jax_superoffload._src.host_memory import memory_kind
+from jax_superoffload._src.core.host_memory import memory_kind
+from jax_superoffload._src.parallel import weight_flow
 
 HOST = 'pinned_host'
 # Distinct sizes, so a per-layer shape never equals a stacked one.

@@ -41,6 +41,7 @@ from experiments.sweeps.report import fmt
 from experiments.sweeps.report import markdown_table
 from experiments.sweeps.report import plt
 from experiments.trainer.optim import MOMENT_OPTIONS
+from experiments.trainer.optim import offload_adamw
 
 
 def leaf_sizes(n: int, leaves: int, multiple: int = 1) -> list[int]:
@@ -116,7 +117,7 @@ def main() -> None:
   moments = MOMENT_OPTIONS[args.moments]
 
   def ours(executor: str, **kw) -> optax.GradientTransformation:
-    return superoffload.adamw(
+    return offload_adamw(
       1e-3, weight_decay=0.01, executor=executor, **moments, **kw
     )
 

@@ -76,7 +76,7 @@ def _decoder_config(sizes: Sizes, case: str, **overrides: Any):
 
 
 def run_executor(sizes: Sizes, executor: str) -> dict[str, Any]:
-  """superoffload.adamw(executor=...) against optax.adamw on the device."""
+  """superoffload.adamw(offload=Offload(executor=...)) vs optax.adamw."""
   import jax
   import numpy as np
   import optax
@@ -96,7 +96,9 @@ def run_executor(sizes: Sizes, executor: str) -> dict[str, Any]:
   results = []
   for tx in (
     optax.adamw(1e-2, weight_decay=0.1),
-    superoffload.adamw(1e-2, weight_decay=0.1, executor=executor),
+    superoffload.adamw(
+      1e-2, weight_decay=0.1, offload=superoffload.Offload(executor=executor)
+    ),
   ):
     p = jax.device_put(params, jax.devices()[0])
     state = tx.init(p)

@@ -116,7 +116,8 @@ def run_steps(tx, params, grads_seq, device) -> tuple[Any, Any]:
 def make_tx(executor: str | None, **options: Any):
   if executor is None:
     return optax.adamw(LR, weight_decay=WD)
-  return superoffload.adamw(LR, weight_decay=WD, executor=executor, **options)
+  offload = superoffload.Offload(executor=executor, **options)
+  return superoffload.adamw(LR, weight_decay=WD, offload=offload)
 
 
 def check_technique(name: str, executor: str | None, steps: int) -> dict:

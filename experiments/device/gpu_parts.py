@@ -56,9 +56,8 @@ def make_tx(case: str):
       tx = optax.chain(optax.clip_by_global_norm(1e9), tx)
     return tx
   clip = {'stv': 1e9, 'clip': 1e-6}.get(variant)
-  return superoffload.adamw(
-    1e-3, weight_decay=0.1, executor=name, clip_norm=clip
-  )
+  offload = superoffload.Offload(executor=name, clip_norm=clip)
+  return superoffload.adamw(1e-3, weight_decay=0.1, offload=offload)
 
 
 def _median_time(run, reps: int, warmup: int = 2) -> tuple[float, list]:

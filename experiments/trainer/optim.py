@@ -5,6 +5,7 @@ clipping, weight-decay mask and gradient accumulation, so that runs differ
 only in where the optimizer state lives and where its step runs.
 """
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -95,6 +96,19 @@ def make_schedule(cfg: config_lib.Config) -> optax.Schedule:
 
 
 # --moments as superoffload.adamw's options.
+def offload_adamw(
+  learning_rate: optax.ScalarOrSchedule, **kwargs: Any
+) -> optax.GradientTransformationExtraArgs:
+  """`superoffload.adamw`, the keywords that are `Offload` fields in one."""
+  import jax_superoffload as superoffload
+
+  fields = {f.name for f in dataclasses.fields(superoffload.Offload)}
+  offload = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+  return superoffload.adamw(
+    learning_rate, offload=superoffload.Offload(**offload), **kwargs
+  )
+
+
 MOMENT_OPTIONS = {
   'fp32': {},
   'bf16': dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16),
@@ -177,7 +191,7 @@ def _adamw(
       if mesh is None:
         raise ConfigError('--zero needs the training mesh')
       kwargs.update(mesh=mesh, shard_axis=DATA_AXIS)
-    return superoffload.adamw(learning_rate, **kwargs)
+    return offload_adamw(learning_rate, **kwargs)
   raise ConfigError(
     f'unknown optimizer {cfg.optimizer!r}; one of {config_lib.OPTIMIZERS}'
   )

@@ -19,7 +19,7 @@ operations as a step taken without speculation.
   finite without `skip_nonfinite`), the kernel steps again from the
   untouched row with `grad_scale = clip_norm / norm` over the written one;
   non-finite with `skip_nonfinite`, the current row stays current.
-- "ffi" with bf16 or 8-bit moments (`stv_executors.AfterVerdict`): no second
+- "ffi" with bf16 or 8-bit moments (`executors.AfterVerdict`): no second
   row, so no speculation: the kernel steps once the verdict is known, with
   the gradients scaled when clipped, and not at all when dropped.
 - Other executors and device buckets: the step writes new buffers anyway,
@@ -51,8 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_superoffload._src import executors
-from jax_superoffload._src import host_memory
+from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.host import executors
 
 
 def global_norm(
@@ -96,7 +96,7 @@ def all_finite(norm: jax.Array, grads: Sequence[jax.Array]) -> jax.Array:
   )
 
 
-def validate(
+def verdict_of(
   norm: jax.Array,
   finite: jax.Array,
   clip_norm: float | None,
@@ -190,15 +190,6 @@ def current_row(x: jax.Array, kept: jax.Array, row: jax.Array) -> jax.Array:
   )
 
 
-class Verdict(NamedTuple):
-  """What validation said of a step."""
-
-  redo: jax.Array  # Take the step again with gradients times `scale`.
-  skip: jax.Array  # Drop the step.
-  scale: jax.Array
-  norm: jax.Array
-
-
 def validate_buckets(opts, inputs, buckets, before, results):
   """STV's validation of every bucket's speculative step, and its fix.
 
@@ -225,10 +216,10 @@ def validate_buckets(opts, inputs, buckets, before, results):
   if opts.skip_nonfinite:  # Double-buffered buckets kept their gradients.
     held = [k for b in summed for k in results[b.index].kept]
     finite = all_finite(norm, rest + held)
-  redo, skip, scale = validate(
+  redo, skip, scale = verdict_of(
     norm, finite, opts.clip_norm, opts.skip_nonfinite
   )
-  verdict = Verdict(redo, skip, scale, norm)
+  verdict = executors.Verdict(redo, skip, scale, norm)
   fixed = {
     b.index: b.executor.fix(
       opts.zero, b, before[b.index], results[b.index], verdict

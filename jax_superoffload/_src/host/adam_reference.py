@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_superoffload._src import adam_args
-from jax_superoffload._src.hyperparams import PACKED_NAMES
-from jax_superoffload._src.hyperparams import Hyperparams
-from jax_superoffload._src.hyperparams import one_minus
+from jax_superoffload._src.core import adam_args
+from jax_superoffload._src.core.hyperparams import PACKED_NAMES
+from jax_superoffload._src.core.hyperparams import Hyperparams
+from jax_superoffload._src.core.hyperparams import one_minus
 
 
 def inverse_bias_correction(decay, t):

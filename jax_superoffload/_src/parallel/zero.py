@@ -33,8 +33,8 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_superoffload._src import host_memory
-from jax_superoffload._src import moments as moments_lib
+from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.core import moments as moments_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +93,15 @@ class Zero:
 
   def sharding(self, spec: P, on_host: bool) -> NamedSharding:
     """`spec` on the mesh, in host or device memory."""
-    return NamedSharding(self.mesh, spec, memory_kind=memory_kind(on_host))
+    return NamedSharding(
+      self.mesh, spec, memory_kind=host_memory.kind_for(on_host)
+    )
 
   def replicated(self, on_host: bool) -> NamedSharding:
     """Replicated over the mesh, in host or device memory."""
-    return NamedSharding(self.mesh, P(), memory_kind=memory_kind(on_host))
+    return NamedSharding(
+      self.mesh, P(), memory_kind=host_memory.kind_for(on_host)
+    )
 
   def replicated_bytes(self, params: Any, moments: str = 'fp32') -> int:
     """State bytes per device (master, mu, nu) that are not split."""
@@ -182,13 +186,7 @@ def _explicit_spec(x: jax.Array) -> P | None:
   return spec
 
 
-def memory_kind(on_host: bool) -> str | None:
-  if on_host and host_memory.host_memory_available():
-    return host_memory.HOST_MEMORY_KIND
-  return None  # The default: device memory.
-
-
-def make(mesh: Any, shard_axis: Any) -> Zero | None:
+def from_mesh(mesh: Any, shard_axis: Any) -> Zero | None:
   """Validates `mesh` / `shard_axis` (both or neither) into a `Zero`."""
   if mesh is None and shard_axis is None:
     return None
@@ -287,7 +285,7 @@ def replicated_state_bytes(
   `moments` 'fp32', 'bf16' or '8bit'), which each device's host memory
   holds in addition to its 1/N share of the rest.
   """
-  zero = make(mesh, shard_axis)
+  zero = from_mesh(mesh, shard_axis)
   if moments == '8bit':
     zero = dataclasses.replace(zero, block=moments_lib.BLOCK)
   return zero.replicated_bytes(params, moments)

@@ -221,7 +221,8 @@ def measure_host_bandwidth(
   Returns:
     Bandwidth in GB/s (1e9 bytes per second).
   """
-  from jax_superoffload import kernels  # Loads the FFI extension lazily.
+  # The FFI extension, lazily: planning needs it only to measure.
+  from jax_superoffload._src.host import grace_adam
 
   if n_params < 1 or repeats < 1:
     raise ValueError(
@@ -232,7 +233,7 @@ def measure_host_bandwidth(
     jax.device_put(jnp.full((n_params,), v, jnp.float32), cpu)
     for v in (1.0, 1e-3, 0.0, 1.0)
   ]
-  step = jax.jit(kernels.stream_roofline, donate_argnums=(0, 2, 3))
+  step = jax.jit(grace_adam.stream_roofline, donate_argnums=(0, 2, 3))
   times = []
   for i in range(warmup + repeats):
     start = time.perf_counter()
@@ -321,8 +322,10 @@ def measure_q8_step_rate(
   times a timed step; the median over `repeats`. Its arithmetic alone, for
   the planner's `host_q8_gparams_s`.
   """
-  from jax_superoffload._src import grace_adam  # The FFI extension, lazily.
-  from jax_superoffload._src.hyperparams import Hyperparams
+  from jax_superoffload._src.core.hyperparams import Hyperparams
+  from jax_superoffload._src.host import (
+    grace_adam,  # The FFI extension, lazily.
+  )
 
   if n_params < 1 or repeats < 1:
     raise ValueError(

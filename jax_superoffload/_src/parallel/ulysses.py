@@ -207,6 +207,17 @@ def _place(mesh: Mesh, args: list[Any], specs: list[P]) -> list[Any]:
   ]
 
 
+def _local_mask(masks: list, has_mask: bool, has_kv_mask: bool):
+  """The mask and the key-padding mask of one shard, combined (or None)."""
+  local_mask = masks.pop(0) if has_mask else None
+  if not has_kv_mask:
+    return local_mask
+  kv_mask_Bx1x1xS = masks.pop(0)[:, None, None, :]
+  if local_mask is None:
+    return kv_mask_Bx1x1xS
+  return jnp.logical_and(local_mask, kv_mask_Bx1x1xS)
+
+
 def attention(
   q: jax.Array,
   k: jax.Array,
@@ -300,15 +311,7 @@ def attention(
     q_BxSxHpxD = seq_to_heads(q_BxSpxHxD, axis)
     k_BxSxKpxD = seq_to_heads(k_BxSpxKxD, axis)
     v_BxSxKpxD = seq_to_heads(v_BxSpxKxD, axis)
-    masks = list(masks)
-    local_mask = masks.pop(0) if mask is not None else None
-    if kv_mask is not None:
-      kv_mask_Bx1x1xS = masks.pop(0)[:, None, None, :]
-      local_mask = (
-        kv_mask_Bx1x1xS
-        if local_mask is None
-        else jnp.logical_and(local_mask, kv_mask_Bx1x1xS)
-      )
+    local_mask = _local_mask(list(masks), mask is not None, kv_mask is not None)
     out_BxSxHpxD = attention_fn(
       q_BxSxHpxD,
       k_BxSxKpxD,

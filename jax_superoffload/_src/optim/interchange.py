@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_superoffload._src import host_memory
-from jax_superoffload._src import moments
-from jax_superoffload._src import transform
+from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.core import moments
+from jax_superoffload._src.optim import state as state_lib
 
 
 def export_adam_state(
-  state: transform.SuperOffloadState,
+  state: state_lib.SuperOffloadState,
 ) -> optax.ScaleByAdamState:
   """The count and moments of `state` as optax's `ScaleByAdamState`.
 
@@ -32,7 +32,7 @@ def export_adam_state(
   Returns:
     `optax.ScaleByAdamState(count, mu, nu)`.
   """
-  if not isinstance(state, transform.SuperOffloadState):
+  if not isinstance(state, state_lib.SuperOffloadState):
     raise TypeError(f'expected a SuperOffloadState, got {type(state).__name__}')
   current = state.current()
   to_device = lambda t: jax.tree.map(host_memory.to_device, t)  # noqa: E731
@@ -96,7 +96,7 @@ def import_adam_state(
   tx: optax.GradientTransformation,
   params: optax.Params,
   optax_state: optax.OptState,
-) -> transform.SuperOffloadState:
+) -> state_lib.SuperOffloadState:
   """Our state for `params`, continuing an optax Adam/AdamW run exactly.
 
   Args:
@@ -111,7 +111,7 @@ def import_adam_state(
     rounded to the storage of bf16 or 8-bit moments otherwise (lossy).
   """
   state = tx.init(params)
-  if not isinstance(state, transform.SuperOffloadState):
+  if not isinstance(state, state_lib.SuperOffloadState):
     raise TypeError(
       'import_adam_state needs superoffload.adam/adamw as tx, whose init '
       f'returned {type(state).__name__}'

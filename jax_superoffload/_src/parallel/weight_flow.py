@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import optax
 
-from jax_superoffload._src import host_memory
+from jax_superoffload._src.core import host_memory
 
 WEIGHT_POLICIES = ('stationary', 'flow')
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jax_superoffload._src.hyperparams import Hyperparams
+from jax_superoffload._src.core.hyperparams import Hyperparams
 
 # Gradient dtypes the kernel reads natively.
 KERNEL_GRAD_DTYPES = (

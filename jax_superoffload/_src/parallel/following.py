@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_superoffload._src.zero import Follow
+from jax_superoffload._src.parallel.zero import Follow
 
 Layout = tuple[Any, P]  # A mesh (concrete or abstract) and a spec on it.
 

@@ -71,9 +71,9 @@ from typing import Any
 
 import numpy as np
 
-from jax_superoffload._src.hardware import ADAM_BYTES_PER_PARAM
-from jax_superoffload._src.hardware import ADAM_LOWP_BYTES_PER_PARAM
-from jax_superoffload._src.hardware import HardwareProfile
+from jax_superoffload._src.planning.hardware import ADAM_BYTES_PER_PARAM
+from jax_superoffload._src.planning.hardware import ADAM_LOWP_BYTES_PER_PARAM
+from jax_superoffload._src.planning.hardware import HardwareProfile
 
 # Bytes a host cast pass moves per parameter: grads bf16 -> fp32 (2 read +
 # 4 written) and weights fp32 -> bf16 (4 read + 2 written).
@@ -233,7 +233,7 @@ def stationary_device_bytes(
 
 
 def stv_form(stv: bool, moments: str = 'fp32') -> str:
-  """How the library runs STV for these moments (stv_executors.for_name).
+  """How the library runs STV for these moments (executors.for_name).
 
   'double_buffered': fp32 moments step speculatively on two rows of the
   host state during backward and redo a clipped step from the untouched
@@ -392,21 +392,16 @@ def offload_step(
   else:
     h2d, update_wire, weight_casts = n_host * wire / link, wire, n_host
   device_cast = 6 * (n_host + weight_casts) / hbm if cast == 'device' else 0.0
-  host_cast_pp = (
-    CAST_BYTES_PER_PARAM / (hw.host_cast_gbs * 1e9) if cast == 'host' else 0.0
+  host_cast_pp, adam_pp, redo_pp = _host_seconds_per_param(
+    hw, cast, stv, moments
   )
-  speculative = speculates(stv, moments)
-  adam_bytes = host_adam_bytes_per_param(moments) + (
-    STV_KEPT_GRAD_BYTES_PER_PARAM if speculative else 0
-  )
-  adam_pp = hw.host_adam_seconds_per_param(adam_bytes, moments)
   device_adam = n_dev * ADAM_LOWP_BYTES_PER_PARAM / hbm
   host_end = _host_pipeline_end(
     host_sizes,
     n,
     (fwd, bwd),
     (wire / link, host_cast_pp + adam_pp, update_wire / link),
-    speculative,
+    speculates(stv, moments),
   )
   device_end = fwd + bwd + device_cast + device_adam
   device_bytes, host_bytes = _offload_bytes(
@@ -424,15 +419,28 @@ def offload_step(
     device_bytes=device_bytes,
     host_bytes=host_bytes,
     device_params=n_dev,
-    stv_redo=(
-      n_host
-      * hw.host_adam_seconds_per_param(
-        host_adam_bytes_per_param(moments), moments
-      )
-      if speculative
-      else 0.0
-    ),
+    stv_redo=n_host * redo_pp,
   )
+
+
+def _host_seconds_per_param(
+  hw: HardwareProfile, cast: str, stv: bool, moments: str
+) -> tuple[float, float, float]:
+  """Host seconds per parameter: the cast, Adam, and an STV redo (or 0)."""
+  host_cast = (
+    CAST_BYTES_PER_PARAM / (hw.host_cast_gbs * 1e9) if cast == 'host' else 0.0
+  )
+  speculative = speculates(stv, moments)
+  adam_bytes = host_adam_bytes_per_param(moments) + (
+    STV_KEPT_GRAD_BYTES_PER_PARAM if speculative else 0
+  )
+  adam = hw.host_adam_seconds_per_param(adam_bytes, moments)
+  redo = 0.0
+  if speculative:
+    redo = hw.host_adam_seconds_per_param(
+      host_adam_bytes_per_param(moments), moments
+    )
+  return host_cast, adam, redo
 
 
 def make_estimate(

@@ -10,17 +10,30 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_superoffload._src import executors
-from jax_superoffload._src import hyperparams
-from jax_superoffload._src import layout
-from jax_superoffload._src import moments
-from jax_superoffload._src import placement
-from jax_superoffload._src import stv_executors
-from jax_superoffload._src import zero as zero_lib
-from jax_superoffload._src.hyperparams import Hyperparams
+from jax_superoffload._src.core import hyperparams
+from jax_superoffload._src.core import layout
+from jax_superoffload._src.core import moments
+from jax_superoffload._src.core.hyperparams import Hyperparams
+from jax_superoffload._src.host import executors
+from jax_superoffload._src.optim import placement
+from jax_superoffload._src.optim.offload import KERNEL_MOMENT_DTYPES
+from jax_superoffload._src.optim.offload import Offload
+from jax_superoffload._src.optim.offload import check_bucket_bytes
+from jax_superoffload._src.parallel import zero as zero_lib
 
-DEFAULT_BUCKET_BYTES = 256 * 2**20
-KERNEL_MU_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+# The scalar arguments of adam / adamw (or schedules), checked alike.
+_SCALARS = ('learning_rate', 'b1', 'b2', 'eps', 'eps_root', 'weight_decay')
+# Options fields taken from `Offload` as they are.
+_FROM_OFFLOAD = (
+  'nu_dtype',
+  'moments_8bit',
+  'clip_norm',
+  'skip_nonfinite',
+  'device_buckets',
+  'arrival_order',
+  'cast',
+  'hardware',
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +74,7 @@ class Options:
   def use_kernel(self) -> bool:
     if self.mu_dtype is None or np.dtype(self.mu_dtype) == np.float32:
       return True
-    return np.dtype(self.mu_dtype) in KERNEL_MU_DTYPES
+    return np.dtype(self.mu_dtype) in KERNEL_MOMENT_DTYPES
 
   @property
   def moment_dtypes(self) -> tuple[np.dtype, np.dtype]:
@@ -101,51 +114,22 @@ class Options:
       use_kernel=self.use_kernel,
     )
 
-  def device_bucket_ids(self, lay: layout.Layout, tree: Any) -> frozenset:
-    return placement.device_bucket_ids(
-      lay, self.device_buckets, self.arrival_order, tree, self.hardware
+  def decide_placement(
+    self, lay: layout.Layout, tree: Any
+  ) -> placement.Placement:
+    """The device buckets and casting side for `tree` ("auto": planned)."""
+    return placement.decide(
+      lay,
+      tree,
+      device_buckets=self.device_buckets,
+      arrival_order=self.arrival_order,
+      cast=self.cast,
+      hardware=self.hardware,
     )
 
-  def cast_on_device(self, tree: Any) -> bool:
-    return placement.resolve_cast(self.cast, tree, self.hardware)
-
-
-def _check_clip_norm(clip_norm: Any) -> None:
-  # A number, or a scalar array as optax.inject_hyperparams makes of one
-  # (its value is checked unless traced: inject rebuilds us inside update).
-  number = isinstance(clip_norm, (int, float)) and not isinstance(
-    clip_norm, bool
-  )
-  # Integer arrays too: inject_hyperparams makes int32 of clip_norm=1.
-  array = isinstance(clip_norm, (jax.Array, np.ndarray, np.generic)) and (
-    np.ndim(clip_norm) == 0
-    and (
-      jnp.issubdtype(clip_norm.dtype, jnp.floating)
-      or jnp.issubdtype(clip_norm.dtype, jnp.integer)
-    )
-  )
-  if (number or array) and (
-    isinstance(clip_norm, jax.core.Tracer) or clip_norm > 0
-  ):
-    return
-  raise ValueError(
-    f'clip_norm must be a positive number or a scalar real array, got '
-    f'{clip_norm!r}'
-  )
-
-
-def _check_bucket_bytes(bucket_bytes: Any) -> int:
-  if bucket_bytes is None:
-    return DEFAULT_BUCKET_BYTES
-  if (
-    not isinstance(bucket_bytes, (int, np.integer))
-    or isinstance(bucket_bytes, bool)
-    or bucket_bytes < 4
-  ):
-    raise ValueError(
-      f'bucket_bytes must be an integer >= 4, got {bucket_bytes!r}'
-    )
-  return int(bucket_bytes)
+  def with_zero(self, zero: zero_lib.Zero | None) -> Options:
+    """These options with the state split by `zero` (None: as they are)."""
+    return self if zero is None else dataclasses.replace(self, zero=zero)
 
 
 def _check_mu_dtype(mu_dtype: Any) -> None:
@@ -161,11 +145,10 @@ def _check_mu_dtype(mu_dtype: Any) -> None:
     raise ValueError(bad)
 
 
-def _check_moments(mu_dtype: Any, nu_dtype: Any, moments_8bit: bool) -> None:
+def _check_moments(mu_dtype: Any, offload: Offload) -> None:
   """Low-precision moments: the formats the kernel stores."""
-  if nu_dtype is not None and np.dtype(nu_dtype) not in KERNEL_MU_DTYPES:
-    raise ValueError(f'nu_dtype must be float32 or bfloat16, got {nu_dtype!r}')
-  if moments_8bit and (mu_dtype is not None or nu_dtype is not None):
+  nu_dtype, moments_8bit = offload.nu_dtype, offload.moments_8bit
+  if moments_8bit and mu_dtype is not None:
     raise ValueError(
       'moments_8bit=True stores both moments in 8 bits: leave mu_dtype and '
       f'nu_dtype unset (got {mu_dtype!r}, {nu_dtype!r})'
@@ -173,15 +156,14 @@ def _check_moments(mu_dtype: Any, nu_dtype: Any, moments_8bit: bool) -> None:
   mu, nu = moments.storage_dtypes(mu_dtype, nu_dtype, moments_8bit)
   if nu == jnp.bfloat16 and mu == np.float32:
     raise ValueError('nu_dtype=bfloat16 needs mu_dtype=bfloat16 as well')
-  if nu_dtype is not None and mu not in KERNEL_MU_DTYPES:
+  if nu_dtype is not None and mu not in KERNEL_MOMENT_DTYPES:
     raise ValueError(
       f"nu_dtype is a kernel option; mu_dtype={mu_dtype!r} takes optax's "
       "path, which keeps nu in the parameters' dtype"
     )
 
 
-def make(
-  *,
+def build(
   learning_rate: optax.ScalarOrSchedule,
   b1: float,
   b2: float,
@@ -191,65 +173,32 @@ def make(
   weight_decay: optax.ScalarOrSchedule,
   mask: Any,
   nesterov: bool,
-  bucket_bytes: int | None,
-  executor: str,
-  nu_dtype: Any = None,
-  moments_8bit: bool = False,
-  clip_norm: Any = None,
-  skip_nonfinite: bool = False,
-  device_buckets: Any = None,
-  arrival_order: Any = None,
-  cast: str = 'host',
-  hardware: Any = None,
-  mesh: Any = None,
-  shard_axis: Any = None,
+  offload: Offload,
 ) -> Options:
   """Validates the arguments of `adam` / `adamw` into `Options`."""
-  zero = zero_lib.make(mesh, shard_axis)
-  placement.check_device_buckets(device_buckets)
-  if cast not in placement.CASTS:
-    raise ValueError(f'cast must be one of {placement.CASTS}, got {cast!r}')
-  if clip_norm is not None:
-    _check_clip_norm(clip_norm)
-  scalars = dict(
-    learning_rate=learning_rate,
-    b1=b1,
-    b2=b2,
-    eps=eps,
-    eps_root=eps_root,
-    weight_decay=weight_decay,
-  )
+  values = (learning_rate, b1, b2, eps, eps_root, weight_decay)
+  scalars = dict(zip(_SCALARS, values, strict=True))
   for name, value in scalars.items():  # Schedules are not checked.
     hyperparams.check_scalar(name, value)
-  bucket_bytes = _check_bucket_bytes(bucket_bytes)
   _check_mu_dtype(mu_dtype)
-  _check_moments(mu_dtype, nu_dtype, bool(moments_8bit))
-  if zero is not None and moments_8bit:
+  _check_moments(mu_dtype, offload)
+  zero = zero_lib.from_mesh(offload.mesh, offload.shard_axis)
+  if zero is not None and offload.moments_8bit:
     zero = dataclasses.replace(zero, block=moments.BLOCK)
+  moment_dtypes = moments.storage_dtypes(
+    mu_dtype, offload.nu_dtype, offload.moments_8bit
+  )
   return Options(
-    learning_rate=learning_rate,
-    b1=b1,
-    b2=b2,
-    eps=eps,
-    eps_root=eps_root,
+    **scalars,
     mu_dtype=mu_dtype,
-    nu_dtype=nu_dtype,
-    moments_8bit=bool(moments_8bit),
-    weight_decay=weight_decay,
     mask=mask,
     nesterov=bool(nesterov),
-    bucket_elements=max(1, bucket_bytes // 4),
-    executor=stv_executors.for_name(
-      executor,
-      stv=clip_norm is not None or bool(skip_nonfinite),
-      fp32_moments=moments.storage_dtypes(mu_dtype, nu_dtype, moments_8bit)
-      == (np.float32, np.float32),
+    bucket_elements=max(1, check_bucket_bytes(offload.bucket_bytes) // 4),
+    executor=executors.for_name(
+      offload.executor,
+      stv=offload.use_stv,
+      fp32_moments=moment_dtypes == (np.float32, np.float32),
     ),
-    clip_norm=clip_norm,
-    skip_nonfinite=bool(skip_nonfinite),
-    device_buckets=device_buckets,
-    arrival_order=arrival_order,
-    cast=cast,
-    hardware=hardware,
     zero=zero,
+    **{name: getattr(offload, name) for name in _FROM_OFFLOAD},
   )

@@ -8,8 +8,10 @@ casting: either up-cast gradients on the device and move fp32 (and move the
 fp32 master back, down-casting on the device), or move low precision and
 let the kernel convert. Both give bit-identical results.
 
-"auto" asks the planner (`superoffload.plan`) for the hardware profile given
-to the optimizer, or the one matching the backend: `CPU_ONLY` on CPU and
+"auto" asks the planner (`superoffload.plan`), once per parameter tree, in
+`init`; the state keeps the choice (`Placement`, a static node of its tree),
+so `update` reads it and never plans. It plans for the hardware profile
+given to the optimizer, or the one matching the backend: `CPU_ONLY` on CPU and
 `GH200` otherwise, for a sequence of 2048 tokens and a batch of 8 (the
 planner needs a workload; these are documented guesses, pass `hardware=` or
 explicit values to decide otherwise).
@@ -17,22 +19,51 @@ explicit values to decide otherwise).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from jax_superoffload._src import hardware as hardware_lib
-from jax_superoffload._src import layout
-from jax_superoffload._src import planner
+from jax_superoffload._src.core import layout
 
 CASTS = ('auto', 'device', 'host')
 AUTO_SEQ_LEN = 2048
 AUTO_BATCH = 8
 
 
-def _profile(profile: hardware_lib.HardwareProfile | None):
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """What `init` chose for one parameter tree; `update` reads it."""
+
+  device_buckets: frozenset[int] = frozenset()  # Their state on the device.
+  cast_on_device: bool = False  # Gradients and weights cast on the device.
+
+
+def decide(
+  lay: layout.Layout,
+  params: Any,
+  *,
+  device_buckets: Any,
+  arrival_order: Sequence[str] | None,
+  cast: str,
+  hardware: Any,
+) -> Placement:
+  """The choices for `params` (laid out as `lay`); "auto" asks the planner."""
+  return Placement(
+    device_buckets=device_bucket_ids(
+      lay, device_buckets, arrival_order, params, hardware
+    ),
+    cast_on_device=resolve_cast(cast, params, hardware),
+  )
+
+
+def _profile(profile: Any):
+  # Imported here, as the planner is: only "auto" choices plan.
+  from jax_superoffload._src.planning import hardware as hardware_lib
+
   if profile is not None:
     return profile
   if jax.default_backend() == 'cpu':
@@ -41,6 +72,8 @@ def _profile(profile: hardware_lib.HardwareProfile | None):
 
 
 def _plan(params: Any, profile):
+  from jax_superoffload._src.planning import planner
+
   # The moments the optimizer was built with are not known here; fp32 keeps
   # the choices as they were before the planner chose moments.
   return planner.plan(

@@ -37,14 +37,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_superoffload._src import cost_model
+from jax_superoffload._src.planning import cost_model
 
 # Also re-exported from here: the package and callers import them by name.
-from jax_superoffload._src.cost_model import Estimate
-from jax_superoffload._src.cost_model import ModelSpec
-from jax_superoffload._src.cost_model import activation_bytes
-from jax_superoffload._src.hardware import GH200
-from jax_superoffload._src.hardware import HardwareProfile
+from jax_superoffload._src.planning.cost_model import Estimate
+from jax_superoffload._src.planning.cost_model import ModelSpec
+from jax_superoffload._src.planning.cost_model import activation_bytes
+from jax_superoffload._src.planning.hardware import GH200
+from jax_superoffload._src.planning.hardware import HardwareProfile
 
 # Reference bucket sizes (elements) and the auto rule's targets.
 MIN_BUCKET_ELEMENTS = 100_000_000

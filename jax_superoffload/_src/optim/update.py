@@ -20,19 +20,20 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jax_superoffload._src import executors
-from jax_superoffload._src import host_memory
-from jax_superoffload._src import in_place
-from jax_superoffload._src import layout
-from jax_superoffload._src import moments
-from jax_superoffload._src import stv
-from jax_superoffload._src import transform
+from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.core import layout
+from jax_superoffload._src.core import moments
+from jax_superoffload._src.host import executors
+from jax_superoffload._src.host import in_place
+from jax_superoffload._src.optim import state as state_lib
+from jax_superoffload._src.optim import stv
+from jax_superoffload._src.parallel import following
 
 
 class Inputs(NamedTuple):
   """An update's inputs, flattened and checked."""
 
-  plan: transform.Plan
+  plan: state_lib.Bucketing
   grads: list[jax.Array]
   params: list[jax.Array] | None
   state: dict[str, list[jax.Array]]  # master, mu, nu (, kept_grads).
@@ -40,8 +41,10 @@ class Inputs(NamedTuple):
 
 def _inputs(opts, updates, state, params) -> Inputs:
   reference = params if params is not None else updates
-  plan = transform.plan_for(opts, reference)
-  checked = transform.check_state(opts, plan, state, from_grads=params is None)
+  # The choices init made for this tree, read from the state.
+  placement = getattr(state, 'placement', None)
+  plan = state_lib.bucketing_for(opts, reference, placement)
+  checked = state_lib.check_state(opts, plan, state, from_grads=params is None)
   grads = layout.check_tree(plan.lay, updates, 'gradients')
   leaves = None
   if params is not None:
@@ -244,7 +247,7 @@ def _new_state(opts, inputs, state, buckets, results, kept, optax_new, verdict):
   scales = _split_blockwise(opts, state, new)
   tree = lambda xs: jax.tree.unflatten(inputs.plan.lay.treedef, xs)  # noqa: E731
   count, redone, skipped, row = stv.counters(state, verdict)
-  return transform.SuperOffloadState(
+  return state_lib.SuperOffloadState(
     count=count,
     mu=tree(new['mu']),
     nu=tree(new['nu']),
@@ -255,6 +258,7 @@ def _new_state(opts, inputs, state, buckets, results, kept, optax_new, verdict):
     kept_grads=tree(new['kept_grads']) if opts.double_buffered else None,
     mu_scales=tree(scales['mu']) if scales else None,
     nu_scales=tree(scales['nu']) if scales else None,
+    placement=state.placement,
   )
 
 
@@ -278,8 +282,8 @@ def _split_blockwise(opts, state, new: dict) -> dict:
 def update(opts, updates, state, params):
   """One step: the updates and the new state."""
   inputs = _inputs(opts, updates, state, params)
-  reference = params if params is not None else updates
-  buckets = _schedule(opts, inputs, state.count, opts.cast_on_device(reference))
+  cast_on_device = inputs.plan.placement.cast_on_device
+  buckets = _schedule(opts, inputs, state.count, cast_on_device)
   before = {b.index: _before(inputs, b, state.row) for b in buckets}
   results = {
     b.index: b.executor.step(opts.zero, b, before[b.index]) for b in buckets
@@ -298,3 +302,33 @@ def update(opts, updates, state, params):
     opts, inputs, state, buckets, results, kept, optax_new, verdict
   )
   return jax.tree.unflatten(inputs.plan.lay.treedef, out), new_state
+
+
+def _state_split(opts, state: Any, reference: Any):
+  """The state's own split, else that of the parameters (or gradients)."""
+  block = moments.BLOCK if opts.moments_8bit else 0
+  if isinstance(state, state_lib.SuperOffloadState):
+    found = following.of_state(state.master, reference, block)
+    if found is not None:
+      return found
+  leaves = jax.tree.leaves(reference)
+  return following.of_layouts([following.laid_out(x) for x in leaves], block)
+
+
+def update_following(opts, updates, state, params=None):
+  """`update`, with the state's split read from the arguments (no mesh)."""
+  reference = params if params is not None else updates
+  zero = None if opts.zero is not None else _state_split(opts, state, reference)
+  if zero is None:
+    return update(opts, updates, state, params)
+  out, new_state = update(
+    opts.with_zero(zero),
+    following.onto(zero, updates),
+    state,
+    following.onto(zero, params),
+  )
+  meshes = map(following.mesh_of, jax.tree.leaves(reference))
+  theirs = next(filter(None, meshes), None)
+  if theirs is not None:
+    out = following.onto(zero, out, theirs)
+  return out, new_state

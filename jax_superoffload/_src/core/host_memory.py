@@ -44,6 +44,13 @@ def to_device(x: jax.Array) -> jax.Array:
   return jax.device_put(x, jax.memory.Space.Device)
 
 
+def kind_for(on_host: bool) -> str | None:
+  """The memory kind of a sharding in host memory, or in device memory."""
+  if on_host and host_memory_available():
+    return HOST_MEMORY_KIND
+  return None  # The default: device memory.
+
+
 def memory_kind(x: jax.Array) -> str | None:
   """The memory kind of a concrete array, or None for tracers."""
   sharding = getattr(x, 'sharding', None)

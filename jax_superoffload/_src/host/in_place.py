@@ -49,7 +49,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jax_superoffload._src import host_memory
+from jax_superoffload._src.core import host_memory
 
 
 def wanted(zero: object | None) -> bool:

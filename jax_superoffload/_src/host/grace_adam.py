@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_superoffload import _grace_adam
-from jax_superoffload._src import adam_args
-from jax_superoffload._src.hyperparams import Hyperparams
+from jax_superoffload._src.core import adam_args
+from jax_superoffload._src.core.hyperparams import Hyperparams
 
 # The target names are declared once, in xla_ffi/adam_ffi.h.
 ADAM_STEP_TARGET = _grace_adam.ADAM_STEP_TARGET

@@ -1,0 +1,156 @@
+"""`init` of `adam` / `adamw`: a fresh state, made where it lives."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.core import moments
+from jax_superoffload._src.optim import options as options_lib
+from jax_superoffload._src.optim import state as state_lib
+from jax_superoffload._src.parallel import following
+from jax_superoffload._src.parallel import zero as zero_lib
+
+
+def _build_state(opts, params: Any, placement) -> state_lib.SuperOffloadState:
+  """A fresh state: the master from the parameters, zero moments."""
+  plan = state_lib.bucketing_for(opts, params, placement)
+  leaves = jax.tree.leaves(params)
+  if opts.zero is not None:
+    leaves = [opts.zero.unshard(x) for x in leaves]
+  # Placed by init's out_shardings (_state_shardings) as well.
+  master, mu, nu, kept, mu_scales, nu_scales = [], [], [], [], [], []
+  for i, (shape, m_t, mu_t, nu_t, paired) in enumerate(
+    state_lib.leaf_state_types(opts, plan)
+  ):
+    host = state_lib.host_leaf(plan, i)
+    m = leaves[i].astype(m_t)
+    if paired:
+      m = jnp.broadcast_to(m[None], shape)
+    elif not host:  # jit would hand the parameter itself back otherwise.
+      m = jnp.copy(m)
+    kshape = shape[1:] if paired else (0,) * (len(shape) + 2)
+    # Moved to host memory inside too: jit's out_shardings alone leave the
+    # arrays typed as device memory (JAX 0.10), which host compute refuses.
+    master.append(
+      host_memory.to_host(m) if state_lib.lives_on_host(m, host) else m
+    )
+    made = [(mu, shape, mu_t), (nu, shape, nu_t), (kept, kshape, 'f4')]
+    scales_shape = state_lib.scales_shape(opts, plan, i)
+    if scales_shape is not None:
+      made += [(mu_scales, scales_shape, 'f4'), (nu_scales, scales_shape, 'f4')]
+    for out, sh, dt in made:
+      if not (host and len(sh) > 0):
+        out.append(jnp.zeros(sh, dt))
+      elif opts.zero is None:  # Made by host compute where they live.
+        out.append(host_memory.on_host(functools.partial(jnp.zeros, sh, dt)))
+      else:
+        out.append(host_memory.to_host(jnp.zeros(sh, dt)))
+  tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
+  return state_lib.SuperOffloadState(
+    count=jnp.zeros([], jnp.int32),
+    mu=tree(mu),
+    nu=tree(nu),
+    master=tree(master),
+    redone=jnp.zeros([], jnp.int32),
+    skipped=jnp.zeros([], jnp.int32),
+    row=jnp.zeros([], jnp.int32) if opts.double_buffered else None,
+    kept_grads=tree(kept) if opts.double_buffered else None,
+    mu_scales=tree(mu_scales) if opts.moments_8bit else None,
+    nu_scales=tree(nu_scales) if opts.moments_8bit else None,
+    placement=plan.placement,
+  )
+
+
+def _device_of(params: Any) -> jax.Device:
+  """The one device concrete parameters are on (default: the first)."""
+  for x in jax.tree.leaves(params):
+    sharding = getattr(x, 'sharding', None)
+    if sharding is not None and not isinstance(x, jax.core.Tracer):
+      return next(iter(sharding.device_set))
+  return jax.devices()[0]
+
+
+def _state_shardings(
+  opts, params: Any, placement
+) -> state_lib.SuperOffloadState:
+  """The out_shardings of `init`: where each state leaf is made.
+
+  In pinned host memory (but scalars and device buckets on the device);
+  under ZeRO each leaf split along one axis, when following the
+  parameters' shardings as its parameter is.
+  """
+  plan = state_lib.bucketing_for(opts, params, placement)
+  zero = opts.zero
+  if zero is None:
+    device = _device_of(params)
+
+    def sharding(spec, host):
+      del spec
+      kind = host_memory.kind_for(host)
+      return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+  else:
+    sharding = zero.sharding
+  master, kept, scales = [], [], []
+  for i, (shape, *_, paired) in enumerate(
+    state_lib.leaf_state_types(opts, plan)
+  ):
+    host = state_lib.host_leaf(plan, i)
+    spec = zero_lib.P()
+    if zero is not None:
+      spec = zero.spec_for(i, plan.lay.shapes[i])
+    state_spec = zero_lib.pair_spec(spec) if paired else spec
+    master.append(sharding(state_spec, host and len(shape) > 0))
+    kept_host = host and (not paired or len(shape) > 1)
+    kept.append(sharding(spec if paired else zero_lib.P(), kept_host))
+    scales_spec = zero_lib.P()
+    if zero is not None and i in plan.bucket_of:
+      scales_spec = zero.scales_spec(spec)
+    scales.append(sharding(scales_spec, host))
+  tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
+  counter = sharding(zero_lib.P(), False)
+  return state_lib.SuperOffloadState(
+    count=counter,
+    mu=tree(master),
+    nu=tree(master),
+    master=tree(master),
+    redone=counter,
+    skipped=counter,
+    row=counter if opts.double_buffered else None,
+    kept_grads=tree(kept) if opts.double_buffered else None,
+    mu_scales=tree(scales) if opts.moments_8bit else None,
+    nu_scales=tree(scales) if opts.moments_8bit else None,
+    placement=plan.placement,
+  )
+
+
+def init(
+  opts: options_lib.Options, params: optax.Params
+) -> state_lib.SuperOffloadState:
+  """`init` of the transformation: the state for `params`."""
+  # Chosen once per tree ("auto" plans), kept in the state for `update`.
+  placement = opts.decide_placement(opts.layout(params), params)
+  if not jax.tree.leaves(params):  # Say optax.tree_map_params' placeholder.
+    return _build_state(opts, params, placement)
+  # One traced computation that writes each state leaf where it lives
+  # (out_shardings): no leaf is made on the device and copied over, so the
+  # peak is the parameters plus the state. Under a mesh every placement is
+  # also a sharding of its global arrays (eager transfers of process-local
+  # values to a mesh spanning several processes are not supported).
+  return jax.jit(
+    lambda p: _build_state(opts, p, placement),
+    out_shardings=_state_shardings(opts, params, placement),
+  )(params)
+
+
+def init_following(opts, params: optax.Params) -> state_lib.SuperOffloadState:
+  """`init`, with the state split as the parameters are (without a mesh)."""
+  if opts.zero is not None:
+    return init(opts, params)
+  block = moments.BLOCK if opts.moments_8bit else 0
+  return init(opts.with_zero(following.of_params(params, block)), params)
