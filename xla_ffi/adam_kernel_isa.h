@@ -35,6 +35,20 @@ JSO_DECLARE_ISA(Sve)
 
 #undef JSO_DECLARE_ISA
 
+// The entry points of one instruction set's unit.
+struct IsaEntries {
+  bool (*compiled)();
+  double (*step)(const AdamConstants&, const AdamBuffers&, int64_t, int64_t,
+                 bool);
+  void (*roofline)(const AdamBuffers&, int64_t, int64_t);
+  void (*reseed_bf16)(float*, const uint16_t*, float, int64_t, int64_t);
+  double (*lowp_step)(const AdamConstants&, const LowpMomentBuffers&, int64_t,
+                      int64_t, bool);
+};
+
+// Those of `isa`, which need not be available.
+const IsaEntries& Entries(Isa isa);
+
 }  // namespace jax_superoffload::internal
 
 #endif  // JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_ISA_H_

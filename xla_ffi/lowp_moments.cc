@@ -52,20 +52,8 @@ double LowpAdamStepRange(const AdamConstants& constants,
                          int64_t end, Isa isa, bool sum_squares) {
   if (begin >= end) return 0.0;
   if (!IsaAvailable(isa)) isa = Isa::kScalar;
-  switch (isa) {
-    case Isa::kAvx2:
-      return internal::LowpStepRangeAvx2(constants, buffers, begin, end,
-                                         sum_squares);
-    case Isa::kAvx512:
-      return internal::LowpStepRangeAvx512(constants, buffers, begin, end,
-                                           sum_squares);
-    case Isa::kNeon:
-      return internal::LowpStepRangeNeon(constants, buffers, begin, end,
-                                         sum_squares);
-    default:  // Scalar, and SVE (no low-precision loop of its own).
-      return internal::LowpStepRangeScalar(constants, buffers, begin, end,
-                                           sum_squares);
-  }
+  return internal::Entries(isa).lowp_step(constants, buffers, begin, end,
+                                          sum_squares);
 }
 
 }  // namespace jax_superoffload

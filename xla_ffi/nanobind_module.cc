@@ -23,6 +23,32 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+// The environment's settings, read when Python asks (as it traces a call),
+// never by a handler: a malformed value is a ValueError naming it.
+std::string PrefetchPolicy() {
+  jax_superoffload::Prefetch prefetch;
+  const char* name = std::getenv("JAX_SUPEROFFLOAD_PREFETCH");
+  if (!jax_superoffload::ParsePrefetch(name, &prefetch)) {
+    throw nb::value_error(("JAX_SUPEROFFLOAD_PREFETCH must be t0, nta, none "
+                           "or unset, not '" +
+                           std::string(name) + "'")
+                              .c_str());
+  }
+  return jax_superoffload::PrefetchName(prefetch);
+}
+
+int64_t HostThreads() {
+  const char* value = std::getenv("JAX_SUPEROFFLOAD_HOST_THREADS");
+  const int64_t threads = jax_superoffload::ParseThreads(value);
+  if (threads < 0) {
+    throw nb::value_error(("JAX_SUPEROFFLOAD_HOST_THREADS must be a whole "
+                           "number from 1 to 4096 or unset, not '" +
+                           std::string(value) + "'")
+                              .c_str());
+  }
+  return threads;
+}
+
 }  // namespace
 
 NB_MODULE(_grace_adam, m) {
@@ -66,21 +92,25 @@ NB_MODULE(_grace_adam, m) {
   m.def("instruction_set",
         []() { return jax_superoffload::IsaName(jax_superoffload::BestIsa()); },
         "The instruction set the kernel dispatches to on this CPU.");
+  nb::list packed;
+  for (const jax_superoffload::PackedScalar& scalar :
+       jax_superoffload::kPackedScalars) {
+    packed.append(scalar.name);
+  }
+  m.attr("PACKED_SCALARS") = nb::tuple(packed);
+  m.def("prefetch_policy", &PrefetchPolicy,
+        "The software prefetch JAX_SUPEROFFLOAD_PREFETCH asks for: t0 (the "
+        "default), nta or none.");
+  m.def("host_threads", &HostThreads,
+        "The threads in all JAX_SUPEROFFLOAD_HOST_THREADS asks for, 0 when "
+        "it is unset.");
   m.def(
-      "prefetch_policy",
-      []() {
-        jax_superoffload::Prefetch prefetch;
-        const char* name = std::getenv("JAX_SUPEROFFLOAD_PREFETCH");
-        if (!jax_superoffload::ParsePrefetch(name, &prefetch)) {
-          throw nb::value_error(
-              "JAX_SUPEROFFLOAD_PREFETCH must be t0, nta, none or unset");
-        }
-        return jax_superoffload::PrefetchName(prefetch);
+      "own_helper_threads",
+      [](int64_t pool_threads) {
+        return jax_superoffload::OwnHelperThreads(HostThreads(), pool_threads);
       },
-      "The software prefetch the kernel's handlers use now: t0, nta or none.");
-  m.def("own_helper_threads", &jax_superoffload::OwnHelperThreads,
-        nb::arg("pool_threads"),
-        "Threads a step would start beside the caller given an intra-op "
-        "pool of `pool_threads` (-1: it uses the pool), as the environment "
-        "now says.");
+      nb::arg("pool_threads"),
+      "Threads a step would start beside the caller given an intra-op "
+      "pool of `pool_threads` (-1: it uses the pool), as the environment "
+      "now says.");
 }

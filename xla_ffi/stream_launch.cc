@@ -154,7 +154,7 @@ ffi::Error TakeDeferredError() {
 }
 
 ffi::Error OnStream::Place(std::vector<Touched>& touched) {
-  if (ffi::Error error = TakeDeferredError(); error.failure()) return error;
+  JSO_RETURN_IF_ERROR(TakeDeferredError());
   if (driver_ == nullptr) {
     return ffi::Error(ffi::ErrorCode::kUnavailable,
                       "jax_superoffload: no CUDA driver for a stream step");

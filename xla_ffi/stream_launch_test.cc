@@ -117,7 +117,7 @@ ffi::Error Launch(OnStream& launch, Doubling& d) {
   std::vector<Touched> touched = {Touch(d.in, 4 * d.n, Role::kInput),
                                   Touch(d.out, 4 * d.n, Role::kOutput),
                                   Touch(d.sum, 4, Role::kOutput)};
-  if (ffi::Error e = launch.Place(touched); e.failure()) return e;
+  JSO_RETURN_IF_ERROR(launch.Place(touched));
   return launch.Run(DoublingWork(d));
 }
 
