@@ -5,6 +5,8 @@
 // a recompilation. The kernel's settings (prefetch, helper threads) are
 // attributes, fixed when the call is traced (BucketAttrs).
 
+#include "xla_ffi/adam_ffi.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -12,7 +14,6 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/adam_ffi.h"
 #include "xla_ffi/adam_kernel.h"
 #include "xla_ffi/ffi_support.h"
 #include "xla_ffi/launch.h"
@@ -132,8 +133,8 @@ void TouchSegmentLeaves(std::vector<SegmentLeaf>& leaves,
         Touch(b.grad, ElementBytes(b.grad_type, n), Role::kInput));
     touched->push_back(
         Touch(b.lowp_out, ElementBytes(b.lowp_type, n), Role::kOutput));
-    touched->push_back(Touch(leaf.params, ElementBytes(leaf.param_type, n),
-                             Role::kInput));
+    touched->push_back(
+        Touch(leaf.params, ElementBytes(leaf.param_type, n), Role::kInput));
   }
 }
 
@@ -147,10 +148,8 @@ void TouchSegmentLeaves(std::vector<SegmentLeaf>& leaves,
 // in the parameters' dtypes, written by the same pass. One leaf may come
 // with S scalar sets (a vmapped `kernels.adam_step`): set s then steps the
 // s-th of S equal blocks of it.
-ffi::Error AdamStepSegments(Launch& launch, ffi::Buffer<ffi::S32> count,
-                            ffi::Buffer<ffi::F32> scalars,
-                            ffi::RemainingArgs args,
-                            ffi::ResultBuffer<ffi::F32> sumsq,
+ffi::Error AdamStepSegments(Launch& launch, Counts count, Scalars scalars,
+                            ffi::RemainingArgs args, SumSq sumsq,
                             ffi::RemainingRets rets, BucketAttrs attrs) {
   const LeafRuns runs(attrs.num_leaves, args.size(), rets.size());
   const bool copy_weights = runs.CopiesWeights(3);
@@ -158,8 +157,8 @@ ffi::Error AdamStepSegments(Launch& launch, ffi::Buffer<ffi::S32> count,
   const bool destinations =
       copy_weights && runs.k() > 0 &&
       static_cast<int64_t>(args.size()) == (leaf_args + 1) * runs.k();
-  JSO_RETURN_IF_ERROR(runs.Expect(leaf_args + (destinations ? 1 : 0),
-                                  copy_weights ? 4 : 3));
+  JSO_RETURN_IF_ERROR(
+      runs.Expect(leaf_args + (destinations ? 1 : 0), copy_weights ? 4 : 3));
   Prefetch prefetch;
   JSO_RETURN_IF_ERROR(ReadPrefetch(attrs.prefetch, &prefetch));
   std::vector<SegmentLeaf> leaves(runs.k());
@@ -189,17 +188,19 @@ ffi::Error AdamStepSegments(Launch& launch, ffi::Buffer<ffi::S32> count,
     // not depend on the number of threads.
     std::vector<double> partial(compute_sumsq ? num_chunks : 0, 0.0);
     const Isa isa = BestIsa();
-    ForEachPiece(workers, starts, [&](size_t j, int64_t begin, int64_t end,
-                                      int64_t chunk) {
-      double* sum = compute_sumsq ? &partial[chunk] : nullptr;
-      // Several sets come with one leaf only, whose offsets are global.
-      for (int64_t i = begin; i < end;) {
-        const int64_t s = i / block;
-        const int64_t stop = std::min(end, (s + 1) * block);
-        StepSegmentPiece(constants[s], leaves[j], i, stop, isa, sum);
-        i = stop;
-      }
-    });
+    ForEachPiece(workers, starts,
+                 [&](size_t j, int64_t begin, int64_t end, int64_t chunk) {
+                   double* sum = compute_sumsq ? &partial[chunk] : nullptr;
+                   // Several sets come with one leaf only, whose offsets are
+                   // global.
+                   for (int64_t i = begin; i < end;) {
+                     const int64_t s = i / block;
+                     const int64_t stop = std::min(end, (s + 1) * block);
+                     StepSegmentPiece(constants[s], leaves[j], i, stop, isa,
+                                      sum);
+                     i = stop;
+                   }
+                 });
     TotalInChunkOrder(partial, sumsq_out);
     std::fill(sumsq_out + 1, sumsq_out + set.num_sets, 0.0f);  // Batched.
     return ffi::Error::Success();
@@ -238,8 +239,7 @@ ffi::Error PairLeaf(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
 }
 
 ffi::Error PairLeaves(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
-                      const BucketAttrs& attrs, int64_t k,
-                      ffi::Buffer<ffi::S32> row,
+                      const BucketAttrs& attrs, int64_t k, Flag row,
                       std::vector<PairBuffers>* pairs,
                       std::vector<int64_t>* sizes) {
   if (row.element_count() != 1) {
@@ -276,7 +276,8 @@ void TouchPairs(std::vector<PairBuffers>& pairs, bool grads,
       touched->push_back(Touch(*x, 8 * n, Role::kState));
     }
     touched->push_back(Touch(p.kept_grad, 4 * n, Role::kState));
-    touched->push_back(Touch(p.lowp_out, ElementBytes(p.lowp_type, n), weights));
+    touched->push_back(
+        Touch(p.lowp_out, ElementBytes(p.lowp_type, n), weights));
     if (grads) {
       touched->push_back(
           Touch(p.grad, ElementBytes(p.grad_type, n), Role::kInput));
@@ -308,8 +309,8 @@ ffi::Error GetSpeculativeLeaf(ffi::RemainingArgs& args,
     JSO_RETURN_IF_ERROR(PairWeights(rets, k, 4, j, pair));
   }
   if (attrs.reseed) {
-    JSO_RETURN_IF_ERROR(GetTyped(args, k, 5, j, pair->size, "parameter",
-                                 params, param_type));
+    JSO_RETURN_IF_ERROR(
+        GetTyped(args, k, 5, j, pair->size, "parameter", params, param_type));
   }
   return ffi::Error::Success();
 }
@@ -327,8 +328,8 @@ double SpeculativePiece(const AdamConstants& constants, const PairBuffers& pair,
   float* current = pair.master + from * pair.row_stride;
   return ReseedThenStep(current, params, param_type, constants, current, begin,
                         end, isa, [&](int64_t lo, int64_t hi) {
-                          return SpeculativeStepRange(constants, pair, from,
-                                                      lo, hi, isa);
+                          return SpeculativeStepRange(constants, pair, from, lo,
+                                                      hi, isa);
                         });
 }
 
@@ -338,15 +339,12 @@ double SpeculativePiece(const AdamConstants& constants, const PairBuffers& pair,
 // k parameters copied into the current row where they differ from it.
 // Results: the sum of squares (f32[1]), the 4k state buffers (aliased) and
 // optionally k weights.
-ffi::Error AdamStepSpeculative(Launch& launch, ffi::Buffer<ffi::S32> count,
-                               ffi::Buffer<ffi::F32> scalars,
-                               ffi::Buffer<ffi::S32> row,
-                               ffi::RemainingArgs args,
-                               ffi::ResultBuffer<ffi::F32> sumsq,
+ffi::Error AdamStepSpeculative(Launch& launch, Counts count, Scalars scalars,
+                               Flag row, ffi::RemainingArgs args, SumSq sumsq,
                                ffi::RemainingRets rets, BucketAttrs attrs) {
   const LeafRuns runs(attrs.num_leaves, args.size(), rets.size());
-  JSO_RETURN_IF_ERROR(runs.Expect(attrs.reseed ? 6 : 5,
-                                  runs.CopiesWeights(4) ? 5 : 4));
+  JSO_RETURN_IF_ERROR(
+      runs.Expect(attrs.reseed ? 6 : 5, runs.CopiesWeights(4) ? 5 : 4));
   const int64_t k = runs.k();
   std::vector<PairBuffers> pairs;
   std::vector<int64_t> sizes;
@@ -354,15 +352,14 @@ ffi::Error AdamStepSpeculative(Launch& launch, ffi::Buffer<ffi::S32> count,
   std::vector<const void*> params(k, nullptr);
   std::vector<ElementType> param_types(k, ElementType::kF32);
   for (int64_t j = 0; j < k; ++j) {
-    JSO_RETURN_IF_ERROR(GetSpeculativeLeaf(args, rets, runs, attrs, j,
-                                           &pairs[j], &params[j],
-                                           &param_types[j]));
+    JSO_RETURN_IF_ERROR(GetSpeculativeLeaf(
+        args, rets, runs, attrs, j, &pairs[j], &params[j], &param_types[j]));
   }
   ScalarSet set;
   const std::vector<int64_t> starts = Starts(sizes);
   int64_t num_chunks = 0;
-  JSO_RETURN_IF_ERROR(BucketSetup(count, scalars, attrs, starts, &sumsq,
-                                  false, &set, &num_chunks));
+  JSO_RETURN_IF_ERROR(BucketSetup(count, scalars, attrs, starts, &sumsq, false,
+                                  &set, &num_chunks));
   const int32_t* row_data = row.typed_data();
   float* sumsq_out = sumsq->typed_data();
   using Role = Touched::Role;
@@ -371,8 +368,8 @@ ffi::Error AdamStepSpeculative(Launch& launch, ffi::Buffer<ffi::S32> count,
   touched.push_back(Touch(sumsq_out, 4, Role::kOutput));
   TouchPairs(pairs, true, Role::kOutput, &touched);
   for (int64_t j = 0; j < k; ++j) {
-    touched.push_back(Touch(params[j], ElementBytes(param_types[j], sizes[j]),
-                            Role::kInput));
+    touched.push_back(
+        Touch(params[j], ElementBytes(param_types[j], sizes[j]), Role::kInput));
   }
   JSO_RETURN_IF_ERROR(launch.Place(touched));
   return RunWith(launch, attrs, [=](Workers workers) {
@@ -382,11 +379,12 @@ ffi::Error AdamStepSpeculative(Launch& launch, ffi::Buffer<ffi::S32> count,
     // Per-chunk partial sums, added in chunk order: independent of threads.
     std::vector<double> partial(num_chunks, 0.0);
     const Isa isa = BestIsa();
-    ForEachPiece(workers, starts, [&](size_t j, int64_t begin, int64_t end,
-                                      int64_t chunk) {
-      partial[chunk] += SpeculativePiece(constants, pairs[j], params[j],
-                                         param_types[j], from, begin, end, isa);
-    });
+    ForEachPiece(workers, starts,
+                 [&](size_t j, int64_t begin, int64_t end, int64_t chunk) {
+                   partial[chunk] +=
+                       SpeculativePiece(constants, pairs[j], params[j],
+                                        param_types[j], from, begin, end, isa);
+                 });
     TotalInChunkOrder(partial, sumsq_out);
     return ffi::Error::Success();
   });
@@ -416,11 +414,8 @@ ffi::Error GetValidatedWeights(ffi::RemainingArgs& args,
 // aliases its output, so a step that validates costs a call that returns.
 // Operands: k masters, mu, nu, kept (see PairLeaves) and optionally the k
 // speculative weights copies; results: the 3k state buffers and the copies.
-ffi::Error AdamStepValidated(Launch& launch, ffi::Buffer<ffi::S32> count,
-                             ffi::Buffer<ffi::F32> scalars,
-                             ffi::Buffer<ffi::S32> row,
-                             ffi::Buffer<ffi::S32> flags,
-                             ffi::Buffer<ffi::F32> redo_scale,
+ffi::Error AdamStepValidated(Launch& launch, Counts count, Scalars scalars,
+                             Flag row, Flag flags, Scalars redo_scale,
                              ffi::RemainingArgs args, ffi::RemainingRets rets,
                              BucketAttrs attrs) {
   if (flags.element_count() != 2 || redo_scale.element_count() != 1) {
@@ -428,13 +423,13 @@ ffi::Error AdamStepValidated(Launch& launch, ffi::Buffer<ffi::S32> count,
   }
   const LeafRuns runs(attrs.num_leaves, args.size(), rets.size());
   const bool copy_weights = runs.CopiesWeights(3);
-  JSO_RETURN_IF_ERROR(
-      runs.Expect(copy_weights ? 5 : 4, copy_weights ? 4 : 3));
+  JSO_RETURN_IF_ERROR(runs.Expect(copy_weights ? 5 : 4, copy_weights ? 4 : 3));
   const int64_t k = runs.k();
   std::vector<PairBuffers> pairs;
   std::vector<int64_t> sizes;
   JSO_RETURN_IF_ERROR(PairLeaves(args, rets, attrs, k, row, &pairs, &sizes));
-  if (copy_weights) JSO_RETURN_IF_ERROR(GetValidatedWeights(args, rets, k, &pairs));
+  if (copy_weights)
+    JSO_RETURN_IF_ERROR(GetValidatedWeights(args, rets, k, &pairs));
   ScalarSet set;
   attrs.keep_nonfinite = false;  // The redo steps every element it kept.
   JSO_RETURN_IF_ERROR(CheckScalarSets(count, scalars, attrs, -1, &set));
@@ -475,8 +470,8 @@ ffi::Error StreamRoofline(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
                           ffi::ResultBuffer<ffi::F32> nu_out,
                           std::string_view prefetch, int64_t host_threads) {
   const int64_t size = static_cast<int64_t>(master.element_count());
-  for (size_t n : {grad.element_count(), mu.element_count(),
-                   nu.element_count()}) {
+  for (size_t n :
+       {grad.element_count(), mu.element_count(), nu.element_count()}) {
     if (static_cast<int64_t>(n) != size) {
       return InvalidArgument("roofline buffers must have the same size");
     }
@@ -518,12 +513,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamRoofline,
 
 JSO_DEFINE_BUCKET_HANDLERS(JsoAdamStepSegments, JsoAdamStepSegmentsStream,
                            ::jax_superoffload::AdamStepSegments, true);
-JSO_DEFINE_BUCKET_HANDLERS(JsoAdamStepSpeculative,
-                           JsoAdamStepSpeculativeStream,
+JSO_DEFINE_BUCKET_HANDLERS(JsoAdamStepSpeculative, JsoAdamStepSpeculativeStream,
                            ::jax_superoffload::AdamStepSpeculative, true,
-                           ::xla::ffi::Buffer<::xla::ffi::S32>);
+                           ::jax_superoffload::Flag);
 JSO_DEFINE_BUCKET_HANDLERS(JsoAdamStepValidated, JsoAdamStepValidatedStream,
                            ::jax_superoffload::AdamStepValidated, false,
-                           ::xla::ffi::Buffer<::xla::ffi::S32>,
-                           ::xla::ffi::Buffer<::xla::ffi::S32>,
-                           ::xla::ffi::Buffer<::xla::ffi::F32>);
+                           ::jax_superoffload::Flag, ::jax_superoffload::Flag,
+                           ::jax_superoffload::Scalars);

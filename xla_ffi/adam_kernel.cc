@@ -39,12 +39,10 @@ bool CpuSupports(Isa isa) {
 }
 
 // Indexed by Isa. SVE has no low-precision loop of its own: the scalar one.
-#define JSO_ISA_ENTRIES(Name, Lowp)                               \
-  {                                                               \
-    internal::Name##Compiled, internal::AdamStepRange##Name,      \
-        internal::RooflineRange##Name, internal::ReseedBf16Range##Name, \
-        internal::LowpStepRange##Lowp                             \
-  }
+#define JSO_ISA_ENTRIES(Name, Lowp)                                \
+  {internal::Name##Compiled, internal::AdamStepRange##Name,        \
+   internal::RooflineRange##Name, internal::ReseedBf16Range##Name, \
+   internal::LowpStepRange##Lowp}
 const internal::IsaEntries kIsaEntries[] = {
     JSO_ISA_ENTRIES(Scalar, Scalar), JSO_ISA_ENTRIES(Avx2, Avx2),
     JSO_ISA_ENTRIES(Avx512, Avx512), JSO_ISA_ENTRIES(Neon, Neon),
@@ -55,7 +53,8 @@ bool Compiled(Isa isa) { return internal::Entries(isa).compiled(); }
 
 // 1 / (1 - decay^t) in double, then rounded once to fp32.
 float InverseBiasCorrection(float decay, double t) {
-  return static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(decay), t)));
+  return static_cast<float>(1.0 /
+                            (1.0 - std::pow(static_cast<double>(decay), t)));
 }
 
 bool IsSixteenBit(ElementType type) {
@@ -69,31 +68,14 @@ const internal::IsaEntries& internal::Entries(Isa isa) {
 }
 
 const char* IsaName(Isa isa) {
-  switch (isa) {
-    case Isa::kScalar:
-      return "scalar";
-    case Isa::kAvx2:
-      return "avx2";
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kNeon:
-      return "neon";
-    case Isa::kSve:
-      return "sve";
-  }
-  return "unknown";
+  static constexpr const char* kNames[] = {"scalar", "avx2", "avx512", "neon",
+                                           "sve"};
+  return internal::EnumName(kNames, isa, "unknown");
 }
 
 const char* PrefetchName(Prefetch prefetch) {
-  switch (prefetch) {
-    case Prefetch::kNone:
-      return "none";
-    case Prefetch::kT0:
-      return "t0";
-    case Prefetch::kNta:
-      return "nta";
-  }
-  return "unknown";
+  static constexpr const char* kNames[] = {"none", "t0", "nta"};
+  return internal::EnumName(kNames, prefetch, "unknown");
 }
 
 bool ParsePrefetch(const char* name, Prefetch* out) {
@@ -199,16 +181,14 @@ int64_t AlignedOutputsHead(const AdamBuffers& b, int64_t begin, int64_t end) {
       (b.grad_copy != nullptr && phase(b.grad_copy) != master)) {
     return -1;
   }
-  const int64_t head =
-      static_cast<int64_t>((64 - master) % 64 / sizeof(float));
+  const int64_t head = static_cast<int64_t>((64 - master) % 64 / sizeof(float));
   return std::min(head, end - begin);
 }
 
 bool IsaStreams(Isa isa) { return isa != Isa::kSve; }
 
 void AdamStep(const AdamConfig& config, const AdamBuffers& buffers) {
-  AdamStepRange(MakeAdamConstants(config), buffers, 0, buffers.size,
-                BestIsa());
+  AdamStepRange(MakeAdamConstants(config), buffers, 0, buffers.size, BestIsa());
 }
 
 void StreamRooflineRange(const AdamBuffers& buffers, int64_t begin,

@@ -249,8 +249,7 @@ ffi::Error CheckBatchedSets(int64_t num_sets, int64_t num_scalars,
 
 }  // namespace
 
-ffi::Error CheckScalarSets(ffi::Buffer<ffi::S32> count,
-                           ffi::Buffer<ffi::F32> scalars,
+ffi::Error CheckScalarSets(Counts count, Scalars scalars,
                            const BucketAttrs& attrs, int64_t batched_size,
                            ScalarSet* out) {
   const int64_t num_sets = static_cast<int64_t>(count.element_count());
@@ -258,11 +257,10 @@ ffi::Error CheckScalarSets(ffi::Buffer<ffi::S32> count,
   if (batched_size >= 0) {
     JSO_RETURN_IF_ERROR(CheckBatchedSets(num_sets, num_scalars, batched_size));
   } else if (num_sets != 1 || num_scalars != kNumScalarsPerSet) {
-    return InvalidArgument("expected one count and " +
-                           std::to_string(kNumScalarsPerSet) +
-                           " scalars, got " + std::to_string(num_sets) +
-                           " and " + std::to_string(num_scalars) +
-                           " (leaves cannot be batched)");
+    return InvalidArgument(
+        "expected one count and " + std::to_string(kNumScalarsPerSet) +
+        " scalars, got " + std::to_string(num_sets) + " and " +
+        std::to_string(num_scalars) + " (leaves cannot be batched)");
   }
   out->count = count.typed_data();
   out->scalars = scalars.typed_data();
@@ -272,11 +270,9 @@ ffi::Error CheckScalarSets(ffi::Buffer<ffi::S32> count,
   return ffi::Error::Success();
 }
 
-ffi::Error BucketSetup(ffi::Buffer<ffi::S32> count,
-                       ffi::Buffer<ffi::F32> scalars, const BucketAttrs& attrs,
-                       const std::vector<int64_t>& starts,
-                       ffi::ResultBuffer<ffi::F32>* sumsq, bool batched,
-                       ScalarSet* set, int64_t* num_chunks) {
+ffi::Error BucketSetup(Counts count, Scalars scalars, const BucketAttrs& attrs,
+                       const std::vector<int64_t>& starts, SumSq* sumsq,
+                       bool batched, ScalarSet* set, int64_t* num_chunks) {
   JSO_RETURN_IF_ERROR(CheckScalarSets(count, scalars, attrs,
                                       batched ? starts.back() : -1, set));
   // A batched call's sum of squares is batched too: one per set.

@@ -24,16 +24,24 @@
 #include "xla_ffi/host_pool.h"
 
 // Returns the ffi::Error of `expr` from the enclosing function if it failed.
-#define JSO_RETURN_IF_ERROR(expr)                                   \
-  do {                                                              \
+#define JSO_RETURN_IF_ERROR(expr)                                    \
+  do {                                                               \
     if (::xla::ffi::Error jso_error = (expr); jso_error.failure()) { \
-      return jso_error;                                             \
-    }                                                               \
+      return jso_error;                                              \
+    }                                                                \
   } while (0)
 
 namespace jax_superoffload {
 
 namespace ffi = xla::ffi;
+
+// The operands of the bucket handlers, by their job: the step counts
+// (s32, one per scalar set), f32 scalars (kPackedScalars per set), an s32
+// flag (a row, skip, ...), and the f32 sum of squares they return.
+using Counts = ffi::Buffer<ffi::S32>;
+using Scalars = ffi::Buffer<ffi::F32>;
+using Flag = ffi::Buffer<ffi::S32>;
+using SumSq = ffi::ResultBuffer<ffi::F32>;
 
 // The attributes of every bucket handler, fixed when the call is traced
 // (grace_adam.py passes them all to each). A handler ignores those it has
@@ -54,8 +62,7 @@ struct BucketAttrs {
 }  // namespace jax_superoffload
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    ::jax_superoffload::BucketAttrs,
-    ::xla::ffi::StructMember<bool>("nesterov"),
+    ::jax_superoffload::BucketAttrs, ::xla::ffi::StructMember<bool>("nesterov"),
     ::xla::ffi::StructMember<bool>("keep_nonfinite"),
     ::xla::ffi::StructMember<bool>("compute_sumsq"),
     ::xla::ffi::StructMember<int64_t>("num_leaves"),
@@ -120,7 +127,8 @@ void RunChunks(const Schedule& schedule, int64_t helpers, int64_t num_chunks,
   shared->all_done.wait(lock, [&] { return shared->done == num_chunks; });
 }
 
-// RunChunks on the process's pool, with OwnHelperThreads helpers (pool_threads: the threads of XLA's pool, 0 where there is none).
+// RunChunks on the process's pool, with OwnHelperThreads helpers (pool_threads:
+// the threads of XLA's pool, 0 where there is none).
 template <class Fn>
 void RunChunksOnHostPool(int64_t requested, int64_t pool_threads,
                          int64_t num_chunks, const Fn& fn) {
@@ -203,11 +211,11 @@ class LeafRuns {
   // Checks that there are `args` runs of operands and `rets` of results.
   ffi::Error Expect(int64_t args, int64_t rets) const {
     if (k_ < 0 || num_args_ != args * k_ || num_rets_ != rets * k_) {
-      return InvalidArgument(
-          "expected " + std::to_string(args) + " and " + std::to_string(rets) +
-          " runs of " + std::to_string(k_) + " leaves, got " +
-          std::to_string(num_args_) + " operands and " +
-          std::to_string(num_rets_) + " results");
+      return InvalidArgument("expected " + std::to_string(args) + " and " +
+                             std::to_string(rets) + " runs of " +
+                             std::to_string(k_) + " leaves, got " +
+                             std::to_string(num_args_) + " operands and " +
+                             std::to_string(num_rets_) + " results");
     }
     return ffi::Error::Success();
   }
@@ -284,15 +292,14 @@ void ReseedRange(const float* master, const void* params, ElementType type,
 // still in L1/L2: the parameters' read is then the only traffic re-seeding
 // adds. Returns the sum of what the steps return.
 template <class Step>
-double ReseedThenStep(const float* master, const void* params,
-                      ElementType type, const AdamConstants& constants,
-                      float* out, int64_t begin, int64_t end, Isa isa,
-                      const Step& step) {
+double ReseedThenStep(const float* master, const void* params, ElementType type,
+                      const AdamConstants& constants, float* out, int64_t begin,
+                      int64_t end, Isa isa, const Step& step) {
   double total = 0.0;
   for (int64_t from = begin; from < end; from += kReseedBlock) {
     const int64_t to = std::min(end, from + kReseedBlock);
-    ReseedRange(master, params, type, ReseedTolerance(constants), out, from,
-                to, isa);
+    ReseedRange(master, params, type, ReseedTolerance(constants), out, from, to,
+                isa);
     total += step(from, to);
   }
   return total;
@@ -338,19 +345,16 @@ struct ScalarSet {
 // Checks count (s32[S]) and scalars (f32[S * kNumScalarsPerSet]). S is 1
 // unless `batched_size` >= 0: the elements of a batched (vmapped) leaf,
 // whose S equal blocks take one set each.
-ffi::Error CheckScalarSets(ffi::Buffer<ffi::S32> count,
-                           ffi::Buffer<ffi::F32> scalars,
+ffi::Error CheckScalarSets(Counts count, Scalars scalars,
                            const BucketAttrs& attrs, int64_t batched_size,
                            ScalarSet* out);
 
 // A bucket's scalar sets (several only where `batched`: one leaf) and its
-// sum of squares (f32, one per set) checked, and the number of fixed work chunks over
-// its `starts.back()` elements.
-ffi::Error BucketSetup(ffi::Buffer<ffi::S32> count,
-                       ffi::Buffer<ffi::F32> scalars, const BucketAttrs& attrs,
-                       const std::vector<int64_t>& starts,
-                       ffi::ResultBuffer<ffi::F32>* sumsq, bool batched,
-                       ScalarSet* set, int64_t* num_chunks);
+// sum of squares (f32, one per set) checked, and the number of fixed work
+// chunks over its `starts.back()` elements.
+ffi::Error BucketSetup(Counts count, Scalars scalars, const BucketAttrs& attrs,
+                       const std::vector<int64_t>& starts, SumSq* sumsq,
+                       bool batched, ScalarSet* set, int64_t* num_chunks);
 
 }  // namespace jax_superoffload
 

@@ -63,13 +63,12 @@ inline std::vector<Touched> TouchScalars(ScalarSet& set) {
 
 // Runs `work` through `launch` with the helper threads the call's
 // attributes ask for.
-inline ffi::Error RunWith(Launch& launch, const BucketAttrs& attrs,
-                          Work work) {
-  return launch.Run([threads = attrs.host_threads,
-                     work = std::move(work)](Workers workers) {
-    workers.host_threads = threads;
-    return work(workers);
-  });
+inline ffi::Error RunWith(Launch& launch, const BucketAttrs& attrs, Work work) {
+  return launch.Run(
+      [threads = attrs.host_threads, work = std::move(work)](Workers workers) {
+        workers.host_threads = threads;
+        return work(workers);
+      });
 }
 
 class RunNow final : public Launch {
@@ -103,13 +102,13 @@ template <class Context, bool kSumsq, class... Flags>
 auto BucketBinding() {
   auto args = (ffi::Ffi::Bind()
                    .Ctx<Context>()
-                   .template Arg<ffi::Buffer<ffi::S32>>()
-                   .template Arg<ffi::Buffer<ffi::F32>>() |
+                   .template Arg<Counts>()
+                   .template Arg<Scalars>() |
                ... | BindArg<Flags>{})
                   .RemainingArgs();
   if constexpr (kSumsq) {
     return std::move(args)
-        .template Ret<ffi::Buffer<ffi::F32>>()
+        .template Ret<ffi::Buffer<ffi::F32>>()  // SumSq.
         .RemainingRets()
         .template Attrs<BucketAttrs>();
   } else {

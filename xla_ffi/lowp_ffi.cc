@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -21,14 +20,18 @@ namespace ffi = xla::ffi;
 namespace jax_superoffload {
 namespace {
 
-// A moment's storage format from its buffer's dtype.
+// A moment's storage format from its buffer's dtype: f32, bf16 (as the
+// element types) or u8 codes.
 bool ToMomentFormat(ffi::DataType dtype, MomentFormat* out) {
-  static constexpr std::pair<ffi::DataType, MomentFormat> kFormats[] = {
-      {ffi::DataType::F32, MomentFormat::kF32},
-      {ffi::DataType::BF16, MomentFormat::kBF16},
-      {ffi::DataType::U8, MomentFormat::kQ8},
-  };
-  return LookUp(kFormats, dtype, out);
+  ElementType type;
+  if (dtype == ffi::DataType::U8) {
+    *out = MomentFormat::kQ8;
+  } else if (ToElementType(dtype, &type) && type != ElementType::kF16) {
+    *out = type == ElementType::kF32 ? MomentFormat::kF32 : MomentFormat::kBF16;
+  } else {
+    return false;
+  }
+  return true;
 }
 
 int64_t NumBlocks(int64_t n) { return (n + kQuantBlock - 1) / kQuantBlock; }
@@ -82,8 +85,7 @@ ffi::Error GetLowpState(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
       (b->mu_format == MomentFormat::kQ8) != runs.quantized) {
     return LeafError(j, std::string("moments must be (bf16, f32), (bf16, "
                                     "bf16)") +
-                            (runs.quantized ? " or (u8, u8) with scales"
-                                            : ""));
+                            (runs.quantized ? " or (u8, u8) with scales" : ""));
   }
   b->size = n;
   b->master_in = static_cast<const float*>(master.untyped_data());
@@ -104,11 +106,11 @@ ffi::Error GetLowpLeaf(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
                        ElementType* param_type) {
   JSO_RETURN_IF_ERROR(GetLowpState(args, rets, runs, k, j, b));
   const int64_t n = b->size;
-  JSO_RETURN_IF_ERROR(GetTyped(args, k, runs.grad(), j, n, "gradient",
-                               &b->grad, &b->grad_type));
+  JSO_RETURN_IF_ERROR(GetTyped(args, k, runs.grad(), j, n, "gradient", &b->grad,
+                               &b->grad_type));
   if (runs.copy_weights) {
-    JSO_RETURN_IF_ERROR(GetRet(rets, k, runs.weights(), j, n, &b->lowp_out,
-                               &b->lowp_type));
+    JSO_RETURN_IF_ERROR(
+        GetRet(rets, k, runs.weights(), j, n, &b->lowp_out, &b->lowp_type));
   }
   if (runs.reseed) {
     JSO_RETURN_IF_ERROR(GetTyped(args, k, runs.params(), j, n, "parameter",
@@ -123,8 +125,8 @@ ffi::Error GetLowpLeaf(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
 // Leaf `b`'s step over [begin, end) (block-aligned for 8-bit moments),
 // starting from `params` where the master no longer rounds to them.
 double StepLowpPiece(const AdamConstants& constants, const LowpMomentBuffers& b,
-                     const void* params, ElementType param_type,
-                     int64_t begin, int64_t end, Isa isa, bool sum_squares) {
+                     const void* params, ElementType param_type, int64_t begin,
+                     int64_t end, Isa isa, bool sum_squares) {
   if (params == nullptr) {
     return LowpAdamStepRange(constants, b, begin, end, isa, sum_squares);
   }
@@ -135,12 +137,11 @@ double StepLowpPiece(const AdamConstants& constants, const LowpMomentBuffers& b,
   }
   // Re-seeded into the output and stepped there from cache.
   from.master_in = b.master_out;
-  return ReseedThenStep(b.master_in, params, param_type, constants,
-                        b.master_out, begin, end, isa,
-                        [&](int64_t lo, int64_t hi) {
-                          return LowpAdamStepRange(constants, from, lo, hi,
-                                                   isa, sum_squares);
-                        });
+  return ReseedThenStep(
+      b.master_in, params, param_type, constants, b.master_out, begin, end, isa,
+      [&](int64_t lo, int64_t hi) {
+        return LowpAdamStepRange(constants, from, lo, hi, isa, sum_squares);
+      });
 }
 
 // The buffers of low-precision leaves, for a launch to place. The state is
@@ -152,10 +153,10 @@ void TouchLowpLeaves(std::vector<LowpMomentBuffers>& leaves,
   using Role = Touched::Role;
   for (size_t j = 0; j < leaves.size(); ++j) {
     LowpMomentBuffers& b = leaves[j];
-    for (const void** x : {reinterpret_cast<const void**>(&b.master_in),
-                           &b.mu_in, &b.nu_in,
-                           reinterpret_cast<const void**>(&b.mu_scale_in),
-                           reinterpret_cast<const void**>(&b.nu_scale_in)}) {
+    for (const void** x :
+         {reinterpret_cast<const void**>(&b.master_in), &b.mu_in, &b.nu_in,
+          reinterpret_cast<const void**>(&b.mu_scale_in),
+          reinterpret_cast<const void**>(&b.nu_scale_in)}) {
       touched->push_back(Touch(*x, 1, Role::kState));
     }
     for (void** x : {reinterpret_cast<void**>(&b.master_out), &b.mu_out,
@@ -167,8 +168,8 @@ void TouchLowpLeaves(std::vector<LowpMomentBuffers>& leaves,
         Touch(b.grad, ElementBytes(b.grad_type, b.size), Role::kInput));
     touched->push_back(
         Touch(b.lowp_out, ElementBytes(b.lowp_type, b.size), Role::kOutput));
-    touched->push_back(Touch(params[j], ElementBytes(param_types[j], b.size),
-                             Role::kInput));
+    touched->push_back(
+        Touch(params[j], ElementBytes(param_types[j], b.size), Role::kInput));
   }
 }
 
@@ -184,11 +185,8 @@ void TouchLowpLeaves(std::vector<LowpMomentBuffers>& leaves,
 // that a piece of a leaf starts on a block and nothing depends on the
 // number of threads. `skip` (s32[1]) nonzero: no step (STV dropped it);
 // the state is left as it is and the weights are not written.
-ffi::Error AdamStepLowpSegments(Launch& launch, ffi::Buffer<ffi::S32> count,
-                                ffi::Buffer<ffi::F32> scalars,
-                                ffi::Buffer<ffi::S32> skip,
-                                ffi::RemainingArgs args,
-                                ffi::ResultBuffer<ffi::F32> sumsq,
+ffi::Error AdamStepLowpSegments(Launch& launch, Counts count, Scalars scalars,
+                                Flag skip, ffi::RemainingArgs args, SumSq sumsq,
                                 ffi::RemainingRets rets, BucketAttrs attrs) {
   LowpRuns runs{attrs.quantized, attrs.reseed, false};
   const LeafRuns leaf_runs(attrs.num_leaves, args.size(), rets.size());
@@ -210,8 +208,8 @@ ffi::Error AdamStepLowpSegments(Launch& launch, ffi::Buffer<ffi::S32> count,
   ScalarSet set;
   const std::vector<int64_t> starts = Starts(padded);
   int64_t num_chunks = 0;
-  JSO_RETURN_IF_ERROR(BucketSetup(count, scalars, attrs, starts, &sumsq,
-                                  false, &set, &num_chunks));
+  JSO_RETURN_IF_ERROR(BucketSetup(count, scalars, attrs, starts, &sumsq, false,
+                                  &set, &num_chunks));
   if (skip.element_count() != 1) return InvalidArgument("skip is a scalar");
   const int32_t* skip_data = skip.typed_data();
   float* sumsq_out = sumsq->typed_data();
@@ -229,14 +227,15 @@ ffi::Error AdamStepLowpSegments(Launch& launch, ffi::Buffer<ffi::S32> count,
     const AdamConstants constants = set.Read(0);
     std::vector<double> partial(num_chunks, 0.0);
     const Isa isa = BestIsa();
-    ForEachPiece(workers, starts, [&](size_t j, int64_t begin, int64_t end,
-                                      int64_t chunk) {
-      end = std::min(end, leaves[j].size);  // The padding is not stepped.
-      if (begin >= end) return;
-      partial[chunk] +=
-          StepLowpPiece(constants, leaves[j], params[j], param_types[j], begin,
-                        end, isa, compute_sumsq);
-    });
+    ForEachPiece(
+        workers, starts,
+        [&](size_t j, int64_t begin, int64_t end, int64_t chunk) {
+          end = std::min(end, leaves[j].size);  // The padding is not stepped.
+          if (begin >= end) return;
+          partial[chunk] +=
+              StepLowpPiece(constants, leaves[j], params[j], param_types[j],
+                            begin, end, isa, compute_sumsq);
+        });
     TotalInChunkOrder(partial, sumsq_out);
     return ffi::Error::Success();
   });
@@ -248,4 +247,4 @@ ffi::Error AdamStepLowpSegments(Launch& launch, ffi::Buffer<ffi::S32> count,
 JSO_DEFINE_BUCKET_HANDLERS(JsoAdamStepLowpSegments,
                            JsoAdamStepLowpSegmentsStream,
                            ::jax_superoffload::AdamStepLowpSegments, true,
-                           ::xla::ffi::Buffer<::xla::ffi::S32>);
+                           ::jax_superoffload::Flag);
