@@ -361,7 +361,7 @@ void RunCase(int64_t n, const Case& c, int steps) {
   }
 }
 
-void TestConversionsExhaustively() {
+void TestWideningExhaustively() {
   // Every binary16 widens exactly (checked through the kernel's f16 path:
   // with lr = 0 and b1 = 0, mu after one step is the widened gradient).
   std::vector<uint16_t> halves(1 << 16);
@@ -390,7 +390,10 @@ void TestConversionsExhaustively() {
       Check(ok, "16-bit gradients widen exactly", IsaName(isa));
     }
   }
-  // Narrowing: random and edge-case floats through the low-precision copy.
+}
+
+// Narrowing: random and edge-case floats through the low-precision copy.
+void TestNarrowing() {
   uint64_t rng = 99;
   std::vector<float> values;
   for (uint32_t b :
@@ -436,6 +439,11 @@ void TestConversionsExhaustively() {
             IsaName(isa));
     }
   }
+}
+
+void TestConversionsExhaustively() {
+  TestWideningExhaustively();
+  TestNarrowing();
 }
 
 void TestNonFiniteGradients() {

@@ -84,8 +84,11 @@ def adam_step_reference(
 
 
 def _scalars(hyper: Hyperparams, dtype) -> dict[str, jax.Array]:
-  """The packed scalars by name, in `dtype` (Python floats stay double for
-  f64; otherwise rounded to f32 first, as the kernel receives them)."""
+  """The packed scalars by name, in `dtype`.
+
+  Python floats stay double for f64; otherwise they are rounded to f32
+  first, as the kernel receives them.
+  """
   if dtype == jnp.float64:
     return {n: jnp.asarray(hyper.scalar(n), dtype) for n in PACKED_NAMES}
   packed = hyper.packed()

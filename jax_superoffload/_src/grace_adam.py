@@ -170,7 +170,13 @@ def adam_step(
   )
   count = jnp.asarray(count, jnp.int32)
   out = call(
-    count, hyper.packed(), master, mu, nu, grad, *extra,
+    count,
+    hyper.packed(),
+    master,
+    mu,
+    nu,
+    grad,
+    *extra,
     **_bucket_attrs(hyper, 1),
   )
   return tuple(out[1:])
