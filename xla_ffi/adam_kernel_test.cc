@@ -16,6 +16,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "xla_ffi/stv_kernel.h"
@@ -1263,104 +1264,124 @@ void TestStreamedSpeculationAttack() {
         context);
 }
 
+// Double-buffered state (both rows) and bf16 gradients, at random.
+void FillPairs(uint64_t& rng, GuardedFloats& master, GuardedFloats& mu,
+               GuardedFloats& nu, std::vector<uint16_t>& g16) {
+  const int64_t n = static_cast<int64_t>(g16.size());
+  for (int64_t i = 0; i < 2 * n; ++i) {
+    master[i] = static_cast<float>(Uniform(rng));
+    mu[i] = static_cast<float>(Uniform(rng) * 0.01);
+    nu[i] = static_cast<float>((Uniform(rng) + 1.0) * 1e-4);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    g16[i] =
+        static_cast<uint16_t>(Bits(static_cast<float>(Uniform(rng))) >> 16);
+  }
+}
+
+// The speculative step of the bucket `segs` (laid end to end from
+// `starts`) in fixed chunks of `chunk` elements, as the handler splits it;
+// returns the pieces it took and how many of them could stream.
+std::pair<int64_t, int64_t> StepInChunks(const AdamConstants& k,
+                                         std::vector<PairBuffers>& segs,
+                                         const std::vector<int64_t>& starts,
+                                         int64_t chunk, int from, Isa isa) {
+  const int64_t n = starts.back();
+  int64_t pieces = 0, streamed = 0;
+  for (int64_t b = 0; b < n; b += chunk) {
+    const int64_t e = std::min(n, b + chunk);
+    for (size_t j = 0; j < segs.size(); ++j) {
+      const int64_t lo = std::max(b, starts[j]);
+      const int64_t hi = std::min(e, starts[j + 1]);
+      if (hi <= lo) continue;
+      const AdamBuffers probe =
+          RowStep(segs[j], from, segs[j].grad, ElementType::kBF16);
+      ++pieces;
+      streamed += StreamableHead(probe, lo - starts[j], hi - starts[j]) >= 0;
+      SpeculativeStepRange(k, segs[j], from, lo - starts[j], hi - starts[j],
+                           isa);
+    }
+  }
+  return {pieces, streamed};
+}
+
 // A bucket of odd leaves over more than one kChunkElements chunk, split as
 // the FFI handler splits it (chunks, then leaves), buffers 64-aligned: the
 // rows stream in every piece (the kept gradient where it shares their
 // alignment), and every element is the scalar step's, the kept gradient
 // exact.
+// One bucket of speculative steps from row `from` over chunks of `chunk`.
+void CheckBucketOverChunks(Isa isa, int from, int64_t chunk) {
+  std::vector<int64_t> sizes = {1, 15, 17, 3 * chunk / 2 + 7, 33, chunk / 2 + 1,
+                                5};
+  int64_t n = 0;
+  for (int64_t s : sizes) n += s;
+  std::vector<int64_t> starts = {0};
+  for (int64_t s : sizes) starts.push_back(starts.back() + s);
+  GuardedFloats master(2 * n, 0), mu(2 * n, 0), nu(2 * n, 0);
+  GuardedFloats kept(n, 0);
+  std::vector<uint16_t> g16(n);
+  uint64_t rng = 99 + from;
+  FillPairs(rng, master, mu, nu, g16);
+  const std::vector<float> before(master.data(), master.data() + 2 * n);
+  const std::vector<float> before_mu(mu.data(), mu.data() + 2 * n);
+  const std::vector<float> before_nu(nu.data(), nu.data() + 2 * n);
+  for (int64_t i = 0; i < n; ++i) kept[i] = -7.0f;
+  AdamConfig config;
+  config.learning_rate = 1e-3f;
+  const AdamConstants k = MakeAdamConstants(config);
+  std::vector<PairBuffers> segs(sizes.size());
+  for (size_t j = 0; j < sizes.size(); ++j) {
+    segs[j] = PairBuffers{sizes[j],
+                          n,
+                          master.data() + starts[j],
+                          mu.data() + starts[j],
+                          nu.data() + starts[j],
+                          g16.data() + starts[j],
+                          ElementType::kBF16,
+                          kept.data() + starts[j]};
+  }
+  const auto [pieces, streamed] =
+      StepInChunks(k, segs, starts, chunk, from, isa);
+  std::vector<float> rm(n), rmu(n), rnu(n);
+  AdamBuffers ref{n,
+                  before.data() + from * n,
+                  g16.data(),
+                  before_mu.data() + from * n,
+                  before_nu.data() + from * n,
+                  rm.data(),
+                  rmu.data(),
+                  rnu.data()};
+  ref.grad_type = ElementType::kBF16;
+  AdamStepRange(k, ref, 0, n, Isa::kScalar);
+  bool same = true, kept_exact = true;
+  const int64_t out = (1 - from) * n;
+  for (int64_t i = 0; i < n; ++i) {
+    same &= Bits(master[out + i]) == Bits(rm[i]) &&
+            Bits(mu[out + i]) == Bits(rmu[i]) &&
+            Bits(nu[out + i]) == Bits(rnu[i]);
+    kept_exact &= Bits(kept[i]) == (static_cast<uint32_t>(g16[i]) << 16);
+  }
+  char context[96];
+  std::snprintf(context, sizeof(context),
+                "isa=%s from=%d n=%lld %lld/%lld pieces streamed", IsaName(isa),
+                from, static_cast<long long>(n),
+                static_cast<long long>(streamed),
+                static_cast<long long>(pieces));
+  Check(same, "chunked bucket: rows are the scalar step's", context);
+  Check(kept_exact, "chunked bucket: kept gradient exact", context);
+  Check(master.GuardsIntact() && mu.GuardsIntact() && nu.GuardsIntact() &&
+            kept.GuardsIntact(),
+        "chunked bucket: no write outside", context);
+  // Each piece's three rows share their phase: all stream.
+  Check(streamed == pieces, "chunked bucket: every piece streams", context);
+}
+
 void TestStreamedBucketOverChunks(bool quick) {
   const int64_t chunk = quick ? 4099 : kChunkElements;
   for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kScalar}) {
     if (!IsaAvailable(isa)) continue;
-    for (int from : {0, 1}) {
-      std::vector<int64_t> sizes = {
-          1, 15, 17, 3 * chunk / 2 + 7, 33, chunk / 2 + 1, 5};
-      int64_t n = 0;
-      for (int64_t s : sizes) n += s;
-      std::vector<int64_t> starts = {0};
-      for (int64_t s : sizes) starts.push_back(starts.back() + s);
-      GuardedFloats master(2 * n, 0), mu(2 * n, 0), nu(2 * n, 0);
-      GuardedFloats kept(n, 0);
-      std::vector<uint16_t> g16(n);
-      uint64_t rng = 99 + from;
-      for (int64_t i = 0; i < 2 * n; ++i) {
-        master[i] = static_cast<float>(Uniform(rng));
-        mu[i] = static_cast<float>(Uniform(rng) * 0.01);
-        nu[i] = static_cast<float>((Uniform(rng) + 1.0) * 1e-4);
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        g16[i] =
-            static_cast<uint16_t>(Bits(static_cast<float>(Uniform(rng))) >> 16);
-      }
-      const std::vector<float> before(master.data(), master.data() + 2 * n);
-      const std::vector<float> before_mu(mu.data(), mu.data() + 2 * n);
-      const std::vector<float> before_nu(nu.data(), nu.data() + 2 * n);
-      for (int64_t i = 0; i < n; ++i) kept[i] = -7.0f;
-      AdamConfig config;
-      config.learning_rate = 1e-3f;
-      const AdamConstants k = MakeAdamConstants(config);
-      std::vector<PairBuffers> segs(sizes.size());
-      for (size_t j = 0; j < sizes.size(); ++j) {
-        PairBuffers& p = segs[j];
-        p.size = sizes[j];
-        p.row_stride = n;
-        p.master = master.data() + starts[j];
-        p.mu = mu.data() + starts[j];
-        p.nu = nu.data() + starts[j];
-        p.grad = g16.data() + starts[j];
-        p.grad_type = ElementType::kBF16;
-        p.kept_grad = kept.data() + starts[j];
-      }
-      int64_t pieces = 0, streamed = 0;
-      for (int64_t b = 0; b < n; b += chunk) {
-        const int64_t e = std::min(n, b + chunk);
-        for (size_t j = 0; j < sizes.size(); ++j) {
-          const int64_t lo = std::max(b, starts[j]);
-          const int64_t hi = std::min(e, starts[j + 1]);
-          if (hi <= lo) continue;
-          const AdamBuffers probe =
-              RowStep(segs[j], from, segs[j].grad, ElementType::kBF16);
-          ++pieces;
-          streamed +=
-              StreamableHead(probe, lo - starts[j], hi - starts[j]) >= 0;
-          SpeculativeStepRange(k, segs[j], from, lo - starts[j], hi - starts[j],
-                               isa);
-        }
-      }
-      std::vector<float> rm(n), rmu(n), rnu(n);
-      AdamBuffers ref;
-      ref.size = n;
-      ref.master_in = before.data() + from * n;
-      ref.mu_in = before_mu.data() + from * n;
-      ref.nu_in = before_nu.data() + from * n;
-      ref.master_out = rm.data();
-      ref.mu_out = rmu.data();
-      ref.nu_out = rnu.data();
-      ref.grad = g16.data();
-      ref.grad_type = ElementType::kBF16;
-      AdamStepRange(k, ref, 0, n, Isa::kScalar);
-      bool same = true, kept_exact = true;
-      const int64_t out = (1 - from) * n;
-      for (int64_t i = 0; i < n; ++i) {
-        same &= Bits(master[out + i]) == Bits(rm[i]) &&
-                Bits(mu[out + i]) == Bits(rmu[i]) &&
-                Bits(nu[out + i]) == Bits(rnu[i]);
-        kept_exact &= Bits(kept[i]) == (static_cast<uint32_t>(g16[i]) << 16);
-      }
-      char context[96];
-      std::snprintf(context, sizeof(context),
-                    "isa=%s from=%d n=%lld %lld/%lld pieces streamed",
-                    IsaName(isa), from, static_cast<long long>(n),
-                    static_cast<long long>(streamed),
-                    static_cast<long long>(pieces));
-      Check(same, "chunked bucket: rows are the scalar step's", context);
-      Check(kept_exact, "chunked bucket: kept gradient exact", context);
-      Check(master.GuardsIntact() && mu.GuardsIntact() && nu.GuardsIntact() &&
-                kept.GuardsIntact(),
-            "chunked bucket: no write outside", context);
-      // Each piece's three rows share their phase: all stream.
-      Check(streamed == pieces, "chunked bucket: every piece streams", context);
-    }
+    for (int from : {0, 1}) CheckBucketOverChunks(isa, from, chunk);
   }
 }
 
