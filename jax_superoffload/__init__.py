@@ -9,6 +9,8 @@ import importlib
 
 from jax_superoffload import kernels
 from jax_superoffload import ulysses
+from jax_superoffload._src.host.executors import resolve as resolve_executor
+from jax_superoffload._src.host.plugin_ffi import host_registration
 from jax_superoffload._src.optim.alias import adam
 from jax_superoffload._src.optim.alias import adamw
 from jax_superoffload._src.optim.interchange import export_adam_state
@@ -23,6 +25,7 @@ from jax_superoffload._src.parallel.weight_flow import offload_stacked
 from jax_superoffload._src.parallel.weight_flow import update_offloaded
 from jax_superoffload._src.parallel.weight_flow import weight_flow_scan
 from jax_superoffload._src.parallel.zero import replicated_state_bytes
+from jax_superoffload._src.planning.hardware import ADAM_BYTES_PER_PARAM
 from jax_superoffload._src.planning.hardware import CPU_ONLY
 from jax_superoffload._src.planning.hardware import GH200
 from jax_superoffload._src.planning.hardware import H100_PCIE
@@ -54,6 +57,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+  'ADAM_BYTES_PER_PARAM',
   'CPU_ONLY',
   'GH200',
   'H100_PCIE',
@@ -69,6 +73,7 @@ __all__ = [
   'adamw',
   'export_adam_state',
   'fetch_stacked',
+  'host_registration',
   'import_adam_state',
   'kernels',
   'match_placement',
@@ -77,38 +82,8 @@ __all__ = [
   'offload_stacked',
   'plan',
   'replicated_state_bytes',
+  'resolve_executor',
   'ulysses',
   'update_offloaded',
   'weight_flow_scan',
-]
-
-# Public for experiments/ (issue 27)
-# - `resolve_executor`: the executor an `executor=` string runs on this
-#   backend ("auto" resolved), for the trainer's logs and the GPU benchmark.
-# - `host_registration`: whether the kernel is filed as host compute in the
-#   CUDA PJRT plugin's FFI registry, and why not; reported by the GPU check.
-# - `adam_step_segments`, `adam_step_lowp_segments`, `adam_step_speculative`
-#   with `Hyperparams` and `MOMENT_BLOCK`: the kernel's bucket entry points
-#   that the optimizer's host step calls, which `kernels.adam_step` does not
-#   cover; benchmarked one by one by experiments/benchmarks/bench_adam.
-# - `ADAM_BYTES_PER_PARAM`: the bytes one fp32 AdamW step moves per
-#   parameter, the unit of `HardwareProfile.host_adam_bytes_per_s`.
-from jax_superoffload._src.host.executors import resolve as resolve_executor
-from jax_superoffload._src.host.grace_adam import adam_step_lowp_segments
-from jax_superoffload._src.host.grace_adam import adam_step_segments
-from jax_superoffload._src.host.grace_adam import adam_step_speculative
-from jax_superoffload._src.planning.hardware import ADAM_BYTES_PER_PARAM
-from jax_superoffload._src.core.hyperparams import Hyperparams
-from jax_superoffload._src.core.moments import BLOCK as MOMENT_BLOCK
-from jax_superoffload._src.host.plugin_ffi import host_registration
-
-__all__ += [
-  'ADAM_BYTES_PER_PARAM',
-  'MOMENT_BLOCK',
-  'Hyperparams',
-  'adam_step_lowp_segments',
-  'adam_step_segments',
-  'adam_step_speculative',
-  'host_registration',
-  'resolve_executor',
 ]

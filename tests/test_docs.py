@@ -32,6 +32,8 @@ _MOVED = {
   ),
   'host, below: 1.19x)': 'host, on its page: 1.19x)',
   'in the AMD run above)': 'in the AMD run)',
+  # The offload keywords gathered in one `Offload` object (issue 26).
+  'adamw(..., clip_norm=1.0,': 'adamw(..., offload=Offload(clip_norm=1.0,',
 }
 
 # Issue 27 moved experiments/ into packages: the old README's module names

@@ -52,10 +52,12 @@ def test_prefetch_policy_default_and_override(monkeypatch):
 def test_every_prefetch_policy_gives_the_same_bits(monkeypatch):
   n = 70001  # Several chunks' worth of lines, and an odd tail.
   args = [jnp.asarray(x) for x in _state(n)]
-  step = jax.jit(_lowp_step)
   results = {}
   for policy in ('t0', 'nta', 'none'):
     monkeypatch.setenv(ENV, policy)
+    # A fresh function: the policy is fixed when a call is traced.
+    step = jax.jit(lambda *a: _lowp_step(*a))
+    assert f'prefetch = "{policy}"' in step.lower(*args).as_text()
     results[policy] = [np.asarray(x) for x in step(*args)]
   for policy in ('nta', 'none'):
     for got, want in zip(results[policy], results['t0'], strict=True):
@@ -68,7 +70,25 @@ def test_bad_prefetch_variable_is_an_error_not_a_crash(monkeypatch):
   args = [jnp.asarray(x) for x in _state(64)]
   monkeypatch.setenv(ENV, 'fast')
   with pytest.raises(Exception, match=f"{ENV} must be .* not 'fast'"):
-    jax.block_until_ready(jax.jit(_lowp_step)(*args))
+    jax.block_until_ready(jax.jit(lambda *a: _lowp_step(*a))(*args))
+
+
+def test_settings_are_fixed_when_the_call_is_traced(monkeypatch):
+  # The environment is read once, by Python as it traces; the handlers
+  # take the settings as attributes and never read it themselves, so a
+  # compiled step keeps its settings whatever the environment says later.
+  args = [jnp.asarray(x) for x in _state(64)]
+  monkeypatch.setenv(ENV, 'nta')
+  monkeypatch.setenv('JAX_SUPEROFFLOAD_HOST_THREADS', '3')
+  step = jax.jit(lambda *a: _lowp_step(*a))
+  text = step.lower(*args).as_text()
+  assert 'prefetch = "nta"' in text and 'host_threads = 3' in text
+  want = [np.asarray(x) for x in step(*args)]
+  monkeypatch.setenv(ENV, 'fast')
+  monkeypatch.setenv('JAX_SUPEROFFLOAD_HOST_THREADS', 'four')
+  got = [np.asarray(x) for x in step(*args)]
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
 
 
 def test_lowp_copy_writes_into_the_donated_destination():

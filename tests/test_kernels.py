@@ -9,7 +9,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_superoffload import _grace_adam
 from jax_superoffload import kernels
+from jax_superoffload._src.core import hyperparams
 from jax_superoffload._src.core.hyperparams import Hyperparams
 from jax_superoffload._src.host import grace_adam
 
@@ -478,3 +480,34 @@ def test_instruction_set_is_reported():
     'neon',
     'sve',
   )
+
+
+def test_the_scalar_order_is_the_kernels():
+  # Declared once, in C++ (kPackedScalars); Python packs in that order.
+  assert hyperparams.PACKED_NAMES == _grace_adam.PACKED_SCALARS
+  assert len(set(hyperparams.PACKED_NAMES)) == 9
+  hyper = hyperparams.Hyperparams(
+    count=0,
+    learning_rate=0.5,
+    b1=0.25,
+    b2=0.125,
+    eps=3.0,
+    eps_root=4.0,
+    weight_decay=5.0,
+    grad_scale=6.0,
+  )
+  packed = np.asarray(hyper.packed())
+  for i, name in enumerate(hyperparams.PACKED_NAMES):
+    assert packed[i] == np.float32(hyper.scalar(name)), name
+  assert hyper.scalar('one_minus_b1') == 0.75
+
+
+def test_a_single_leaf_step_is_a_segments_call():
+  m, g, a, b = (jnp.ones(8, jnp.float32) for _ in range(4))
+  hlo = (
+    jax.jit(lambda *x: kernels.adam_step(*x, count=0, learning_rate=1e-3))
+    .lower(m, g, a, b)
+    .as_text()
+  )
+  assert grace_adam.ADAM_STEP_SEGMENTS_TARGET in hlo
+  assert 'num_leaves = 1' in hlo

@@ -1,25 +1,23 @@
-// XLA FFI handlers for the Grace Adam kernel (CPU platform).
+// XLA FFI handlers for the Grace Adam kernel with fp32 moments.
 //
 // Scalars arrive as buffers, not attributes, so that a learning-rate
 // schedule, a changing step count or injected hyperparameters never trigger
-// a recompilation. Under vmap (`vmap_method="broadcast_all"`) the scalars
-// gain the same leading batch dimensions as the arrays: set s of the scalars
-// then applies to the s-th contiguous block of the flattened arrays.
+// a recompilation. The kernel's settings (prefetch, helper threads) are
+// attributes, fixed when the call is traced (BucketAttrs).
+
+#include "xla_ffi/adam_ffi.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/adam_ffi.h"
 #include "xla_ffi/adam_kernel.h"
 #include "xla_ffi/ffi_support.h"
 #include "xla_ffi/launch.h"
 #include "xla_ffi/stream_launch.h"
-#include "xla_ffi/float_convert.h"
 #include "xla_ffi/stv_kernel.h"
 
 namespace ffi = xla::ffi;
@@ -27,155 +25,13 @@ namespace ffi = xla::ffi;
 namespace jax_superoffload {
 namespace {
 
-ffi::Error AdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
-                        ffi::AnyBuffer grad, ffi::Buffer<ffi::F32> mu,
-                        ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::S32> count,
-                        ffi::Buffer<ffi::F32> scalars,
-                        ffi::ResultBuffer<ffi::F32> master_out,
-                        ffi::ResultBuffer<ffi::F32> mu_out,
-                        ffi::ResultBuffer<ffi::F32> nu_out,
-                        void* lowp_out,
-                        ffi::DataType lowp_dtype, bool nesterov) {
-  const int64_t size = static_cast<int64_t>(master.element_count());
-  if (static_cast<int64_t>(grad.element_count()) != size ||
-      static_cast<int64_t>(mu.element_count()) != size ||
-      static_cast<int64_t>(nu.element_count()) != size) {
-    return InvalidArgument("master, grad, mu and nu must have the same size");
-  }
-  AdamBuffers b;
-  b.size = size;
-  if (!ToElementType(grad.element_type(), &b.grad_type)) {
-    return InvalidArgument("gradient dtype must be f32, bf16 or f16");
-  }
-  b.master_in = master.typed_data();
-  b.grad = grad.untyped_data();
-  b.mu_in = mu.typed_data();
-  b.nu_in = nu.typed_data();
-  b.master_out = master_out->typed_data();
-  b.mu_out = mu_out->typed_data();
-  b.nu_out = nu_out->typed_data();
-  if (lowp_out != nullptr) {
-    if (lowp_dtype == ffi::DataType::BF16) {
-      b.lowp_type = ElementType::kBF16;
-    } else if (lowp_dtype == ffi::DataType::F16) {
-      b.lowp_type = ElementType::kF16;
-    } else {
-      return InvalidArgument("low-precision copy dtype must be bf16 or f16");
-    }
-    b.lowp_out = lowp_out;
-  }
-  if (const char* error = ValidateAdamBuffers(b)) return InvalidArgument(error);
-  if (ffi::Error error = ReadEnvironment(&b.prefetch); error.failure()) {
-    return error;
-  }
-  std::vector<AdamConstants> sets;
-  int64_t block = 0;
-  if (ffi::Error error =
-          ReadScalarSets(count, scalars, nesterov, size, &sets, &block);
-      error.failure()) {
-    return error;
-  }
-  if (size == 0) return ffi::Error::Success();
-  const Isa isa = BestIsa();
-  const int64_t num_chunks = (size + kChunkElements - 1) / kChunkElements;
-  ParallelChunks(pool, num_chunks, [&](int64_t chunk) {
-    const int64_t begin = chunk * kChunkElements;
-    const int64_t end = std::min(size, begin + kChunkElements);
-    // A chunk may straddle the blocks of two scalar sets.
-    for (int64_t i = begin; i < end;) {
-      const int64_t set = i / block;
-      const int64_t stop = std::min(end, (set + 1) * block);
-      AdamStepRange(sets[set], b, i, stop, isa);
-      i = stop;
-    }
-  });
-  return ffi::Error::Success();
-}
-
-ffi::Error AdamStepHandler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
-                    ffi::AnyBuffer grad, ffi::Buffer<ffi::F32> mu,
-                    ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::S32> count,
-                    ffi::Buffer<ffi::F32> scalars,
-                    ffi::ResultBuffer<ffi::F32> master_out,
-                    ffi::ResultBuffer<ffi::F32> mu_out,
-                    ffi::ResultBuffer<ffi::F32> nu_out, bool nesterov) {
-  return AdamStepImpl(pool, master, grad, mu, nu, count, scalars, master_out,
-                      mu_out, nu_out, nullptr, ffi::DataType::F32,
-                      nesterov);
-}
-
-ffi::Error AdamStepLowpHandler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
-                        ffi::AnyBuffer grad, ffi::Buffer<ffi::F32> mu,
-                        ffi::Buffer<ffi::F32> nu, ffi::Buffer<ffi::S32> count,
-                        ffi::Buffer<ffi::F32> scalars,
-                        ffi::ResultBuffer<ffi::F32> master_out,
-                        ffi::ResultBuffer<ffi::F32> mu_out,
-                        ffi::ResultBuffer<ffi::F32> nu_out,
-                        ffi::Result<ffi::AnyBuffer> lowp_out, bool nesterov) {
-  if (static_cast<int64_t>(lowp_out->element_count()) !=
-      static_cast<int64_t>(master.element_count())) {
-    return InvalidArgument("low-precision copy must have the master's size");
-  }
-  return AdamStepImpl(pool, master, grad, mu, nu, count, scalars, master_out,
-                      mu_out, nu_out, lowp_out->untyped_data(),
-                      lowp_out->element_type(), nesterov);
-}
-
-// As AdamStepLowpHandler, with the copy's destination passed in as well:
-// aliased to the copy's output, so a donated destination is written in place
-// instead of a fresh buffer being mapped (and faulted in) on every step.
-ffi::Error AdamStepLowpIntoHandler(
-    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master, ffi::AnyBuffer grad,
-    ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
-    ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
-    ffi::AnyBuffer /*destination*/, ffi::ResultBuffer<ffi::F32> master_out,
-    ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
-    ffi::Result<ffi::AnyBuffer> lowp_out, bool nesterov) {
-  return AdamStepLowpHandler(pool, master, grad, mu, nu, count, scalars,
-                             master_out, mu_out, nu_out, lowp_out, nesterov);
-}
-
-ffi::Error StreamRooflineHandler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
-                          ffi::Buffer<ffi::F32> grad, ffi::Buffer<ffi::F32> mu,
-                          ffi::Buffer<ffi::F32> nu,
-                          ffi::ResultBuffer<ffi::F32> master_out,
-                          ffi::ResultBuffer<ffi::F32> mu_out,
-                          ffi::ResultBuffer<ffi::F32> nu_out) {
-  const int64_t size = static_cast<int64_t>(master.element_count());
-  if (static_cast<int64_t>(grad.element_count()) != size ||
-      static_cast<int64_t>(mu.element_count()) != size ||
-      static_cast<int64_t>(nu.element_count()) != size) {
-    return InvalidArgument("roofline buffers must have the same size");
-  }
-  AdamBuffers b;
-  b.size = size;
-  b.master_in = master.typed_data();
-  b.grad = grad.typed_data();
-  b.mu_in = mu.typed_data();
-  b.nu_in = nu.typed_data();
-  b.master_out = master_out->typed_data();
-  b.mu_out = mu_out->typed_data();
-  b.nu_out = nu_out->typed_data();
-  if (ffi::Error error = ReadEnvironment(&b.prefetch); error.failure()) {
-    return error;
-  }
-  const int64_t num_chunks = (size + kChunkElements - 1) / kChunkElements;
-  ParallelChunks(pool, num_chunks, [&](int64_t chunk) {
-    const int64_t begin = chunk * kChunkElements;
-    StreamRooflineRange(b, begin, std::min(size, begin + kChunkElements));
-  });
-  return ffi::Error::Success();
-}
-
-
 // A plain step whose master is written to another buffer than the one it
 // reads (the parameters): the state is written with streaming stores from
 // the first element at which master_out, mu_out and nu_out are all 64-byte
 // aligned. A plain store to master_out would first read its line (4 more
 // bytes per parameter); mu and nu, updated in place, are streamed too, as
-// one instantiation of the loop streams all three. On the Intel Xeon VM
-// this took bench_step's one-leaf step from 73.8 to 67.5 ms. The values
-// written are those of the plain step.
+// one instantiation of the loop streams all three. The values written are
+// those of the plain step.
 void StepStreamingState(const AdamConstants& constants, AdamBuffers b,
                         int64_t begin, int64_t end, Isa isa) {
   const int64_t head = IsaStreams(isa) ? AlignedOutputsHead(b, begin, end) : -1;
@@ -188,158 +44,167 @@ void StepStreamingState(const AdamConstants& constants, AdamBuffers b,
   AdamStepSumSquaresRange(constants, b, begin + head, end, isa);
 }
 
+// A leaf of a Segments call: its buffers and the parameters it starts from
+// (null without `reseed`).
+struct SegmentLeaf {
+  AdamBuffers b;
+  const void* params = nullptr;
+  ElementType param_type = ElementType::kF32;
+};
 
-// One bucket of k leaves, each with its own fp32 state. Operands: k masters,
-// k mu, k nu, k gradients (f32, bf16 or f16) and, with `reseed`, the k
-// parameters the step starts from (see ReseedRange). Results: the sum of
-// the squared scaled gradients (f32[1], zero unless `compute_sumsq`), the k
-// new masters, mu and nu (aliased to their operands by the caller), and
-// optionally k new weights in the parameters' dtypes, written by the same
-// pass.
-ffi::Error AdamStepSegments(
-    Launch& launch, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
-    ffi::RemainingArgs args, ffi::ResultBuffer<ffi::F32> sumsq,
-    ffi::RemainingRets rets, bool nesterov, bool keep_nonfinite,
-    bool compute_sumsq, int64_t num_leaves, bool reseed) {
-  const LeafRuns runs(num_leaves, args.size(), rets.size());
-  const bool copy_weights = runs.CopiesWeights(3);
-  if (ffi::Error error = runs.Expect(reseed ? 5 : 4, copy_weights ? 4 : 3);
-      error.failure()) {
-    return error;
+// Leaf `leaf`'s step over [begin, end), adding the sum of squares to `sumsq`
+// where it is set.
+void StepSegmentPiece(const AdamConstants& constants, const SegmentLeaf& leaf,
+                      int64_t begin, int64_t end, Isa isa, double* sumsq) {
+  auto step = [&](const AdamBuffers& buffers, int64_t from, int64_t to) {
+    if (sumsq != nullptr) {
+      *sumsq += AdamStepSumSquaresRange(constants, buffers, from, to, isa);
+    } else {
+      AdamStepRange(constants, buffers, from, to, isa);
+    }
+  };
+  const AdamBuffers& b = leaf.b;
+  if (leaf.params == nullptr) return step(b, begin, end);
+  AdamBuffers from = b;
+  if (leaf.param_type == ElementType::kF32) {
+    // fp32 parameters are the master itself: the step reads them in its
+    // place, which adds no traffic (ReseedRange would copy them over).
+    from.master_in = static_cast<const float*>(leaf.params);
+    if (sumsq != nullptr) return step(from, begin, end);
+    return StepStreamingState(constants, from, begin, end, isa);
   }
+  // Re-seeded into the output and stepped there from cache.
+  from.master_in = b.master_out;
+  ReseedThenStep(b.master_in, leaf.params, leaf.param_type, constants,
+                 b.master_out, begin, end, isa, [&](int64_t lo, int64_t hi) {
+                   step(from, lo, hi);
+                   return 0.0;
+                 });
+}
+
+// Leaf j of a Segments call (see AdamStepSegments).
+ffi::Error GetSegmentLeaf(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
+                          const LeafRuns& runs, const BucketAttrs& attrs,
+                          size_t j, SegmentLeaf* leaf) {
   const int64_t k = runs.k();
-  Prefetch prefetch;
-  if (ffi::Error error = ReadEnvironment(&prefetch); error.failure()) {
-    return error;
+  ffi::AnyBuffer master(nullptr), mu(nullptr), nu(nullptr);
+  JSO_RETURN_IF_ERROR(GetArg(args, k, 0, j, -1, &master));
+  const int64_t n = static_cast<int64_t>(master.element_count());
+  JSO_RETURN_IF_ERROR(GetArg(args, k, 1, j, n, &mu));
+  JSO_RETURN_IF_ERROR(GetArg(args, k, 2, j, n, &nu));
+  for (const ffi::AnyBuffer* x : {&master, &mu, &nu}) {
+    JSO_RETURN_IF_ERROR(F32(*x, j, "state"));
   }
-  std::vector<AdamBuffers> leaves(k);
-  std::vector<int64_t> sizes(k);
-  std::vector<const void*> params(k, nullptr);
-  std::vector<ElementType> param_types(k, ElementType::kF32);
-  for (int64_t j = 0; j < k; ++j) {
-    ffi::AnyBuffer master(nullptr), mu(nullptr), nu(nullptr);
-    if (ffi::Error e = GetArg(args, k, 0, j, -1, &master); e.failure()) return e;
-    const int64_t n = static_cast<int64_t>(master.element_count());
-    if (ffi::Error e = GetArg(args, k, 1, j, n, &mu); e.failure()) return e;
-    if (ffi::Error e = GetArg(args, k, 2, j, n, &nu); e.failure()) return e;
-    for (const ffi::AnyBuffer* x : {&master, &mu, &nu}) {
-      if (ffi::Error e = F32(*x, j, "state"); e.failure()) return e;
-    }
-    AdamBuffers& b = leaves[j];
-    b.size = n;
-    b.prefetch = prefetch;
-    if (ffi::Error e =
-            GetTyped(args, k, 3, j, n, "gradient", &b.grad, &b.grad_type);
-        e.failure()) {
-      return e;
-    }
-    b.master_in = static_cast<const float*>(master.untyped_data());
-    b.mu_in = static_cast<const float*>(mu.untyped_data());
-    b.nu_in = static_cast<const float*>(nu.untyped_data());
-    void* out = nullptr;
-    if (ffi::Error e = GetRet(rets, k, 0, j, n, &out); e.failure()) return e;
-    b.master_out = static_cast<float*>(out);
-    if (ffi::Error e = GetRet(rets, k, 1, j, n, &out); e.failure()) return e;
-    b.mu_out = static_cast<float*>(out);
-    if (ffi::Error e = GetRet(rets, k, 2, j, n, &out); e.failure()) return e;
-    b.nu_out = static_cast<float*>(out);
-    if (copy_weights) {
-      if (ffi::Error e = GetRet(rets, k, 3, j, n, &b.lowp_out, &b.lowp_type);
-          e.failure()) {
-        return e;
-      }
-    }
-    if (reseed) {
-      if (ffi::Error e = GetTyped(args, k, 4, j, n, "parameter", &params[j],
-                                  &param_types[j]);
-          e.failure()) {
-        return e;
-      }
-    }
-    if (const char* error = ValidateAdamBuffers(b)) {
-      return LeafError(j, error);
-    }
-    sizes[j] = n;
+  AdamBuffers& b = leaf->b;
+  b.size = n;
+  JSO_RETURN_IF_ERROR(
+      GetTyped(args, k, 3, j, n, "gradient", &b.grad, &b.grad_type));
+  b.master_in = static_cast<const float*>(master.untyped_data());
+  b.mu_in = static_cast<const float*>(mu.untyped_data());
+  b.nu_in = static_cast<const float*>(nu.untyped_data());
+  JSO_RETURN_IF_ERROR(GetRetAs(rets, k, 0, j, n, &b.master_out));
+  JSO_RETURN_IF_ERROR(GetRetAs(rets, k, 1, j, n, &b.mu_out));
+  JSO_RETURN_IF_ERROR(GetRetAs(rets, k, 2, j, n, &b.nu_out));
+  if (runs.CopiesWeights(3)) {
+    JSO_RETURN_IF_ERROR(GetRet(rets, k, 3, j, n, &b.lowp_out, &b.lowp_type));
   }
-  ScalarSet set;
-  std::vector<int64_t> starts = Starts(sizes);
-  int64_t num_chunks = 0;
-  if (ffi::Error error = BucketSetup(count, scalars, nesterov, keep_nonfinite,
-                                     starts, sumsq, &set, &num_chunks);
-      error.failure()) {
-    return error;
+  if (attrs.reseed) {
+    JSO_RETURN_IF_ERROR(GetTyped(args, k, 4, j, n, "parameter", &leaf->params,
+                                 &leaf->param_type));
   }
-  float* sumsq_out = sumsq->typed_data();
+  if (const char* error = ValidateAdamBuffers(b)) return LeafError(j, error);
+  return ffi::Error::Success();
+}
+
+// The buffers of Segments leaves, for a launch to place.
+void TouchSegmentLeaves(std::vector<SegmentLeaf>& leaves,
+                        std::vector<Touched>* touched) {
   using Role = Touched::Role;
-  std::vector<Touched> touched = {
-      Touch(set.count, 4, Role::kInput),
-      Touch(set.scalars, 4 * kNumScalarsPerSet, Role::kInput),
-      Touch(sumsq_out, 4, Role::kOutput)};
-  for (int64_t j = 0; j < k; ++j) {
-    AdamBuffers& b = leaves[j];
+  for (SegmentLeaf& leaf : leaves) {
+    AdamBuffers& b = leaf.b;
     const int64_t n = b.size;
     for (const float** x : {&b.master_in, &b.mu_in, &b.nu_in}) {
-      touched.push_back(Touch(*x, 4 * n, Role::kState));
+      touched->push_back(Touch(*x, 4 * n, Role::kState));
     }
     for (float** x : {&b.master_out, &b.mu_out, &b.nu_out}) {
-      touched.push_back(Touch(*x, 4 * n, Role::kState));
+      touched->push_back(Touch(*x, 4 * n, Role::kState));
     }
-    touched.push_back(Touch(b.grad, ElementBytes(b.grad_type, n), Role::kInput));
-    touched.push_back(
+    touched->push_back(
+        Touch(b.grad, ElementBytes(b.grad_type, n), Role::kInput));
+    touched->push_back(
         Touch(b.lowp_out, ElementBytes(b.lowp_type, n), Role::kOutput));
-    touched.push_back(
-        Touch(params[j], ElementBytes(param_types[j], n), Role::kInput));
+    touched->push_back(
+        Touch(leaf.params, ElementBytes(leaf.param_type, n), Role::kInput));
   }
-  if (ffi::Error error = launch.Place(touched); error.failure()) return error;
-  Work work = [=](Workers workers) {
-    const AdamConstants constants = set.Read();
+}
+
+// One bucket of k leaves, each with its own fp32 state. Operands: k masters,
+// k mu, k nu, k gradients (f32, bf16 or f16), with `reseed` the k
+// parameters the step starts from (see ReseedRange) and, with a weights
+// copy, optionally k destinations for it (aliased to the copies; their
+// contents are ignored). Results: the sum of the squared scaled gradients
+// (f32[1], zero unless `compute_sumsq`), the k new masters, mu and nu
+// (aliased to their operands by the caller), and optionally k new weights
+// in the parameters' dtypes, written by the same pass. One leaf may come
+// with S scalar sets (a vmapped `kernels.adam_step`): set s then steps the
+// s-th of S equal blocks of it.
+ffi::Error AdamStepSegments(Launch& launch, Counts count, Scalars scalars,
+                            ffi::RemainingArgs args, SumSq sumsq,
+                            ffi::RemainingRets rets, BucketAttrs attrs) {
+  const LeafRuns runs(attrs.num_leaves, args.size(), rets.size());
+  const bool copy_weights = runs.CopiesWeights(3);
+  const int64_t leaf_args = attrs.reseed ? 5 : 4;
+  const bool destinations =
+      copy_weights && runs.k() > 0 &&
+      static_cast<int64_t>(args.size()) == (leaf_args + 1) * runs.k();
+  JSO_RETURN_IF_ERROR(
+      runs.Expect(leaf_args + (destinations ? 1 : 0), copy_weights ? 4 : 3));
+  Prefetch prefetch;
+  JSO_RETURN_IF_ERROR(ReadPrefetch(attrs.prefetch, &prefetch));
+  std::vector<SegmentLeaf> leaves(runs.k());
+  std::vector<int64_t> sizes(runs.k());
+  for (int64_t j = 0; j < runs.k(); ++j) {
+    JSO_RETURN_IF_ERROR(GetSegmentLeaf(args, rets, runs, attrs, j, &leaves[j]));
+    leaves[j].b.prefetch = prefetch;
+    sizes[j] = leaves[j].b.size;
+  }
+  ScalarSet set;
+  const std::vector<int64_t> starts = Starts(sizes);
+  int64_t num_chunks = 0;
+  JSO_RETURN_IF_ERROR(BucketSetup(count, scalars, attrs, starts, &sumsq,
+                                  runs.k() == 1, &set, &num_chunks));
+  float* sumsq_out = sumsq->typed_data();
+  std::vector<Touched> touched = TouchScalars(set);
+  touched.push_back(Touch(sumsq_out, 4 * set.num_sets, Touched::Role::kOutput));
+  TouchSegmentLeaves(leaves, &touched);
+  JSO_RETURN_IF_ERROR(launch.Place(touched));
+  const bool compute_sumsq = attrs.compute_sumsq;
+  return RunWith(launch, attrs, [=](Workers workers) {
+    const std::vector<AdamConstants> constants = set.ReadAll();
+    const int64_t block = starts.back() / set.num_sets;
     // Per-chunk sums of squared (scaled) gradients, for speculation-then-
     // validation's global norm: taken by the step's own pass over the
     // chunk, and added in chunk order. Chunks are fixed, so the result does
     // not depend on the number of threads.
     std::vector<double> partial(compute_sumsq ? num_chunks : 0, 0.0);
     const Isa isa = BestIsa();
-    ForEachPiece(workers, starts, [&](size_t j, int64_t begin, int64_t end,
-                                      int64_t chunk) {
-      const AdamBuffers& b = leaves[j];
-      auto step = [&](const AdamBuffers& buffers, int64_t from, int64_t to) {
-        if (compute_sumsq) {
-          partial[chunk] +=
-              AdamStepSumSquaresRange(constants, buffers, from, to, isa);
-        } else {
-          AdamStepRange(constants, buffers, from, to, isa);
-        }
-      };
-      if (params[j] == nullptr) {
-        step(b, begin, end);
-        return;
-      }
-      if (param_types[j] == ElementType::kF32) {
-        // fp32 parameters are the master itself: the step reads them in its
-        // place, which adds no traffic (ReseedRange would copy them over).
-        AdamBuffers from_params = b;
-        from_params.master_in = static_cast<const float*>(params[j]);
-        if (compute_sumsq) {
-          step(from_params, begin, end);
-        } else {
-          StepStreamingState(constants, from_params, begin, end, isa);
-        }
-        return;
-      }
-      // Re-seeded into the output and stepped there from cache.
-      AdamBuffers fixed = b;
-      fixed.master_in = b.master_out;
-      ReseedThenStep(b.master_in, params[j], param_types[j], constants,
-                     b.master_out, begin, end, isa,
-                     [&](int64_t from, int64_t to) {
-                       step(fixed, from, to);
-                       return 0.0;
-                     });
-    });
+    ForEachPiece(workers, starts,
+                 [&](size_t j, int64_t begin, int64_t end, int64_t chunk) {
+                   double* sum = compute_sumsq ? &partial[chunk] : nullptr;
+                   // Several sets come with one leaf only, whose offsets are
+                   // global.
+                   for (int64_t i = begin; i < end;) {
+                     const int64_t s = i / block;
+                     const int64_t stop = std::min(end, (s + 1) * block);
+                     StepSegmentPiece(constants[s], leaves[j], i, stop, isa,
+                                      sum);
+                     i = stop;
+                   }
+                 });
     TotalInChunkOrder(partial, sumsq_out);
+    std::fill(sumsq_out + 1, sumsq_out + set.num_sets, 0.0f);  // Batched.
     return ffi::Error::Success();
-  };
-  return launch.Run(std::move(work));
+  });
 }
 
 // The double-buffered leaves of speculation-then-validation (stv_kernel.h):
@@ -348,48 +213,45 @@ ffi::Error AdamStepSegments(
 // gradients as fp32. Operands from `first_run` on: k masters, k mu, k nu,
 // k kept. The state must alias its results. The row itself is read when
 // the step runs (ReadRow).
+ffi::Error PairLeaf(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
+                    int64_t k, size_t j, Prefetch prefetch, PairBuffers* p) {
+  ffi::AnyBuffer kept(nullptr);
+  JSO_RETURN_IF_ERROR(GetArg(args, k, 3, j, -1, &kept));
+  const int64_t n = static_cast<int64_t>(kept.element_count());
+  float* state[3];
+  for (int run = 0; run < 3; ++run) {
+    ffi::AnyBuffer x(nullptr);
+    JSO_RETURN_IF_ERROR(GetArg(args, k, run, j, 2 * n, &x));
+    JSO_RETURN_IF_ERROR(F32(x, j, "state"));
+    JSO_RETURN_IF_ERROR(GetRetAs(rets, k, run, j, 2 * n, &state[run]));
+    if (state[run] != x.untyped_data()) {
+      return LeafError(j, "double-buffered state must alias its results");
+    }
+  }
+  p->prefetch = prefetch;
+  p->size = n;
+  p->row_stride = n;
+  p->master = state[0];
+  p->mu = state[1];
+  p->nu = state[2];
+  p->kept_grad = static_cast<float*>(kept.untyped_data());
+  return ffi::Error::Success();
+}
+
 ffi::Error PairLeaves(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
-                      int64_t k, ffi::Buffer<ffi::S32> row,
+                      const BucketAttrs& attrs, int64_t k, Flag row,
                       std::vector<PairBuffers>* pairs,
                       std::vector<int64_t>* sizes) {
   if (row.element_count() != 1) {
     return InvalidArgument("row must be one s32 scalar, 0 or 1");
   }
   Prefetch prefetch;
-  if (ffi::Error error = ReadEnvironment(&prefetch); error.failure()) {
-    return error;
-  }
+  JSO_RETURN_IF_ERROR(ReadPrefetch(attrs.prefetch, &prefetch));
   pairs->assign(k, PairBuffers{});
   sizes->assign(k, 0);
   for (int64_t j = 0; j < k; ++j) {
-    ffi::AnyBuffer kept(nullptr);
-    if (ffi::Error e = GetArg(args, k, 3, j, -1, &kept); e.failure()) return e;
-    const int64_t n = static_cast<int64_t>(kept.element_count());
-    float* state[3];
-    for (int run = 0; run < 3; ++run) {
-      ffi::AnyBuffer x(nullptr);
-      if (ffi::Error e = GetArg(args, k, run, j, 2 * n, &x); e.failure()) {
-        return e;
-      }
-      if (ffi::Error e = F32(x, j, "state"); e.failure()) return e;
-      void* out = nullptr;
-      if (ffi::Error e = GetRet(rets, k, run, j, 2 * n, &out); e.failure()) {
-        return e;
-      }
-      if (out != x.untyped_data()) {
-        return LeafError(j, "double-buffered state must alias its results");
-      }
-      state[run] = static_cast<float*>(out);
-    }
-    PairBuffers& p = (*pairs)[j];
-    p.prefetch = prefetch;
-    p.size = n;
-    p.row_stride = n;
-    p.master = state[0];
-    p.mu = state[1];
-    p.nu = state[2];
-    p.kept_grad = static_cast<float*>(kept.untyped_data());
-    (*sizes)[j] = n;
+    JSO_RETURN_IF_ERROR(PairLeaf(args, rets, k, j, prefetch, &(*pairs)[j]));
+    (*sizes)[j] = (*pairs)[j].size;
   }
   return ffi::Error::Success();
 }
@@ -414,7 +276,8 @@ void TouchPairs(std::vector<PairBuffers>& pairs, bool grads,
       touched->push_back(Touch(*x, 8 * n, Role::kState));
     }
     touched->push_back(Touch(p.kept_grad, 4 * n, Role::kState));
-    touched->push_back(Touch(p.lowp_out, ElementBytes(p.lowp_type, n), weights));
+    touched->push_back(
+        Touch(p.lowp_out, ElementBytes(p.lowp_type, n), weights));
     if (grads) {
       touched->push_back(
           Touch(p.grad, ElementBytes(p.grad_type, n), Role::kInput));
@@ -427,107 +290,121 @@ ffi::Error PairWeights(ffi::RemainingRets& rets, int64_t k, int64_t run,
   return GetRet(rets, k, run, j, p->size, &p->lowp_out, &p->lowp_type);
 }
 
+// The speculative step's own operands and results of leaf j (see
+// AdamStepSpeculative), beside its double-buffered state.
+ffi::Error GetSpeculativeLeaf(ffi::RemainingArgs& args,
+                              ffi::RemainingRets& rets, const LeafRuns& runs,
+                              const BucketAttrs& attrs, size_t j,
+                              PairBuffers* pair, const void** params,
+                              ElementType* param_type) {
+  const int64_t k = runs.k();
+  float* kept_out = nullptr;
+  JSO_RETURN_IF_ERROR(GetRetAs(rets, k, 3, j, pair->size, &kept_out));
+  if (kept_out != pair->kept_grad) {
+    return LeafError(j, "kept gradients must alias their result");
+  }
+  JSO_RETURN_IF_ERROR(GetTyped(args, k, 4, j, pair->size, "gradient",
+                               &pair->grad, &pair->grad_type));
+  if (runs.CopiesWeights(4)) {
+    JSO_RETURN_IF_ERROR(PairWeights(rets, k, 4, j, pair));
+  }
+  if (attrs.reseed) {
+    JSO_RETURN_IF_ERROR(
+        GetTyped(args, k, 5, j, pair->size, "parameter", params, param_type));
+  }
+  return ffi::Error::Success();
+}
+
+// Leaf `pair`'s speculative step over [begin, end) from row `from`,
+// re-seeded first from `params` where they are set; returns its sum of
+// squares.
+double SpeculativePiece(const AdamConstants& constants, const PairBuffers& pair,
+                        const void* params, ElementType param_type, int from,
+                        int64_t begin, int64_t end, Isa isa) {
+  if (params == nullptr) {
+    return SpeculativeStepRange(constants, pair, from, begin, end, isa);
+  }
+  // The current row re-seeded in place and stepped from cache.
+  float* current = pair.master + from * pair.row_stride;
+  return ReseedThenStep(current, params, param_type, constants, current, begin,
+                        end, isa, [&](int64_t lo, int64_t hi) {
+                          return SpeculativeStepRange(constants, pair, from, lo,
+                                                      hi, isa);
+                        });
+}
+
 // The speculative step of double-buffered leaves: reads row `row`, writes
 // the other, keeps the gradients (fp32) and sums their squares. Operands:
 // k masters, mu, nu, kept (see PairLeaves), k gradients and, with `reseed`,
 // k parameters copied into the current row where they differ from it.
 // Results: the sum of squares (f32[1]), the 4k state buffers (aliased) and
 // optionally k weights.
-ffi::Error AdamStepSpeculative(
-    Launch& launch, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
-    ffi::Buffer<ffi::S32> row, ffi::RemainingArgs args,
-    ffi::ResultBuffer<ffi::F32> sumsq, ffi::RemainingRets rets, bool nesterov,
-    bool keep_nonfinite, int64_t num_leaves, bool reseed) {
-  const LeafRuns runs(num_leaves, args.size(), rets.size());
-  const bool copy_weights = runs.CopiesWeights(4);
-  if (ffi::Error error = runs.Expect(reseed ? 6 : 5, copy_weights ? 5 : 4);
-      error.failure()) {
-    return error;
-  }
+ffi::Error AdamStepSpeculative(Launch& launch, Counts count, Scalars scalars,
+                               Flag row, ffi::RemainingArgs args, SumSq sumsq,
+                               ffi::RemainingRets rets, BucketAttrs attrs) {
+  const LeafRuns runs(attrs.num_leaves, args.size(), rets.size());
+  JSO_RETURN_IF_ERROR(
+      runs.Expect(attrs.reseed ? 6 : 5, runs.CopiesWeights(4) ? 5 : 4));
   const int64_t k = runs.k();
   std::vector<PairBuffers> pairs;
   std::vector<int64_t> sizes;
-  if (ffi::Error e = PairLeaves(args, rets, k, row, &pairs, &sizes);
-      e.failure()) {
-    return e;
-  }
+  JSO_RETURN_IF_ERROR(PairLeaves(args, rets, attrs, k, row, &pairs, &sizes));
   std::vector<const void*> params(k, nullptr);
   std::vector<ElementType> param_types(k, ElementType::kF32);
   for (int64_t j = 0; j < k; ++j) {
-    void* kept_out = nullptr;
-    if (ffi::Error e = GetRet(rets, k, 3, j, sizes[j], &kept_out);
-        e.failure()) {
-      return e;
-    }
-    if (kept_out != pairs[j].kept_grad) {
-      return LeafError(j, "kept gradients must alias their result");
-    }
-    if (ffi::Error e = GetTyped(args, k, 4, j, sizes[j], "gradient",
-                                &pairs[j].grad, &pairs[j].grad_type);
-        e.failure()) {
-      return e;
-    }
-    if (copy_weights) {
-      if (ffi::Error e = PairWeights(rets, k, 4, j, &pairs[j]); e.failure()) {
-        return e;
-      }
-    }
-    if (reseed) {
-      if (ffi::Error e = GetTyped(args, k, 5, j, sizes[j], "parameter",
-                                  &params[j], &param_types[j]);
-          e.failure()) {
-        return e;
-      }
-    }
+    JSO_RETURN_IF_ERROR(GetSpeculativeLeaf(
+        args, rets, runs, attrs, j, &pairs[j], &params[j], &param_types[j]));
   }
   ScalarSet set;
   const std::vector<int64_t> starts = Starts(sizes);
   int64_t num_chunks = 0;
-  if (ffi::Error error = BucketSetup(count, scalars, nesterov, keep_nonfinite,
-                                     starts, sumsq, &set, &num_chunks);
-      error.failure()) {
-    return error;
-  }
+  JSO_RETURN_IF_ERROR(BucketSetup(count, scalars, attrs, starts, &sumsq, false,
+                                  &set, &num_chunks));
   const int32_t* row_data = row.typed_data();
   float* sumsq_out = sumsq->typed_data();
   using Role = Touched::Role;
-  std::vector<Touched> touched = {
-      Touch(set.count, 4, Role::kInput),
-      Touch(set.scalars, 4 * kNumScalarsPerSet, Role::kInput),
-      Touch(row_data, 4, Role::kInput), Touch(sumsq_out, 4, Role::kOutput)};
+  std::vector<Touched> touched = TouchScalars(set);
+  touched.push_back(Touch(row_data, 4, Role::kInput));
+  touched.push_back(Touch(sumsq_out, 4, Role::kOutput));
   TouchPairs(pairs, true, Role::kOutput, &touched);
   for (int64_t j = 0; j < k; ++j) {
-    touched.push_back(Touch(params[j], ElementBytes(param_types[j], sizes[j]),
-                            Role::kInput));
+    touched.push_back(
+        Touch(params[j], ElementBytes(param_types[j], sizes[j]), Role::kInput));
   }
-  if (ffi::Error error = launch.Place(touched); error.failure()) return error;
-  Work work = [=](Workers workers) {
+  JSO_RETURN_IF_ERROR(launch.Place(touched));
+  return RunWith(launch, attrs, [=](Workers workers) {
     int from = 0;
-    if (ffi::Error e = ReadRow(row_data, &from); e.failure()) return e;
-    const AdamConstants constants = set.Read();
+    JSO_RETURN_IF_ERROR(ReadRow(row_data, &from));
+    const AdamConstants constants = set.Read(0);
     // Per-chunk partial sums, added in chunk order: independent of threads.
     std::vector<double> partial(num_chunks, 0.0);
     const Isa isa = BestIsa();
-    ForEachPiece(workers, starts, [&](size_t j, int64_t begin, int64_t end,
-                                      int64_t chunk) {
-      if (params[j] == nullptr) {
-        partial[chunk] +=
-            SpeculativeStepRange(constants, pairs[j], from, begin, end, isa);
-        return;
-      }
-      // The current row re-seeded in place and stepped from cache.
-      float* current = pairs[j].master + from * pairs[j].row_stride;
-      partial[chunk] += ReseedThenStep(
-          current, params[j], param_types[j], constants, current, begin, end,
-          isa, [&](int64_t lo, int64_t hi) {
-            return SpeculativeStepRange(constants, pairs[j], from, lo, hi,
-                                        isa);
-          });
-    });
+    ForEachPiece(workers, starts,
+                 [&](size_t j, int64_t begin, int64_t end, int64_t chunk) {
+                   partial[chunk] +=
+                       SpeculativePiece(constants, pairs[j], params[j],
+                                        param_types[j], from, begin, end, isa);
+                 });
     TotalInChunkOrder(partial, sumsq_out);
     return ffi::Error::Success();
-  };
-  return launch.Run(std::move(work));
+  });
+}
+
+// The speculative weights copies a Validated call rewrites on a redo: read
+// and aliased to their results.
+ffi::Error GetValidatedWeights(ffi::RemainingArgs& args,
+                               ffi::RemainingRets& rets, int64_t k,
+                               std::vector<PairBuffers>* pairs) {
+  for (int64_t j = 0; j < k; ++j) {
+    PairBuffers& pair = (*pairs)[j];
+    ffi::AnyBuffer in(nullptr);
+    JSO_RETURN_IF_ERROR(GetArg(args, k, 4, j, pair.size, &in));
+    JSO_RETURN_IF_ERROR(PairWeights(rets, k, 3, j, &pair));
+    if (in.untyped_data() != pair.lowp_out) {
+      return LeafError(j, "weights copies must alias their results");
+    }
+  }
+  return ffi::Error::Success();
 }
 
 // After validation: for a clipped step (flags[0]), the step again from the
@@ -537,174 +414,91 @@ ffi::Error AdamStepSpeculative(
 // aliases its output, so a step that validates costs a call that returns.
 // Operands: k masters, mu, nu, kept (see PairLeaves) and optionally the k
 // speculative weights copies; results: the 3k state buffers and the copies.
-ffi::Error AdamStepValidated(
-    Launch& launch, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> scalars,
-    ffi::Buffer<ffi::S32> row, ffi::Buffer<ffi::S32> flags,
-    ffi::Buffer<ffi::F32> redo_scale, ffi::RemainingArgs args,
-    ffi::RemainingRets rets, bool nesterov, int64_t num_leaves) {
+ffi::Error AdamStepValidated(Launch& launch, Counts count, Scalars scalars,
+                             Flag row, Flag flags, Scalars redo_scale,
+                             ffi::RemainingArgs args, ffi::RemainingRets rets,
+                             BucketAttrs attrs) {
   if (flags.element_count() != 2 || redo_scale.element_count() != 1) {
     return InvalidArgument("validation needs flags [redo, skip] and a scale");
   }
-  const LeafRuns runs(num_leaves, args.size(), rets.size());
+  const LeafRuns runs(attrs.num_leaves, args.size(), rets.size());
   const bool copy_weights = runs.CopiesWeights(3);
-  if (ffi::Error error = runs.Expect(copy_weights ? 5 : 4, copy_weights ? 4 : 3);
-      error.failure()) {
-    return error;
-  }
+  JSO_RETURN_IF_ERROR(runs.Expect(copy_weights ? 5 : 4, copy_weights ? 4 : 3));
   const int64_t k = runs.k();
   std::vector<PairBuffers> pairs;
   std::vector<int64_t> sizes;
-  if (ffi::Error e = PairLeaves(args, rets, k, row, &pairs, &sizes);
-      e.failure()) {
-    return e;
-  }
-  for (int64_t j = 0; copy_weights && j < k; ++j) {
-    ffi::AnyBuffer in(nullptr);
-    if (ffi::Error e = GetArg(args, k, 4, j, sizes[j], &in); e.failure()) {
-      return e;
-    }
-    if (ffi::Error e = PairWeights(rets, k, 3, j, &pairs[j]); e.failure()) {
-      return e;
-    }
-    if (in.untyped_data() != pairs[j].lowp_out) {
-      return LeafError(j, "weights copies must alias their results");
-    }
-  }
+  JSO_RETURN_IF_ERROR(PairLeaves(args, rets, attrs, k, row, &pairs, &sizes));
+  if (copy_weights)
+    JSO_RETURN_IF_ERROR(GetValidatedWeights(args, rets, k, &pairs));
   ScalarSet set;
-  if (ffi::Error error =
-          CheckOneScalarSet(count, scalars, nesterov, false, &set);
-      error.failure()) {
-    return error;
-  }
+  attrs.keep_nonfinite = false;  // The redo steps every element it kept.
+  JSO_RETURN_IF_ERROR(CheckScalarSets(count, scalars, attrs, -1, &set));
   const std::vector<int64_t> starts = Starts(sizes);
   const int32_t* row_data = row.typed_data();
   const int32_t* flag_data = flags.typed_data();
   const float* scale_data = redo_scale.typed_data();
   using Role = Touched::Role;
-  std::vector<Touched> touched = {
-      Touch(set.count, 4, Role::kInput),
-      Touch(set.scalars, 4 * kNumScalarsPerSet, Role::kInput),
-      Touch(row_data, 4, Role::kInput), Touch(flag_data, 8, Role::kInput),
-      Touch(scale_data, 4, Role::kInput)};
+  std::vector<Touched> touched = TouchScalars(set);
+  touched.push_back(Touch(row_data, 4, Role::kInput));
+  touched.push_back(Touch(flag_data, 8, Role::kInput));
+  touched.push_back(Touch(scale_data, 4, Role::kInput));
   // The weights copies the speculative step wrote: rewritten on a redo.
   TouchPairs(pairs, false, Role::kInOut, &touched);
-  if (ffi::Error error = launch.Place(touched); error.failure()) return error;
-  Work work = [=](Workers workers) {
+  JSO_RETURN_IF_ERROR(launch.Place(touched));
+  return RunWith(launch, attrs, [=](Workers workers) {
     if (flag_data[0] == 0) return ffi::Error::Success();
     int from = 0;
-    if (ffi::Error e = ReadRow(row_data, &from); e.failure()) return e;
-    AdamConstants again = set.Read();
+    JSO_RETURN_IF_ERROR(ReadRow(row_data, &from));
+    AdamConstants again = set.Read(0);
     again.grad_scale = scale_data[0];
     const Isa isa = BestIsa();
-    ForEachPiece(workers, starts, [&](size_t j, int64_t begin, int64_t end,
-                                      int64_t) {
-      RedoStepRange(again, pairs[j], from, begin, end, isa);
-    });
+    ForEachPiece(workers, starts,
+                 [&](size_t j, int64_t begin, int64_t end, int64_t) {
+                   RedoStepRange(again, pairs[j], from, begin, end, isa);
+                 });
     return ffi::Error::Success();
-  };
-  return launch.Run(std::move(work));
+  });
 }
 
-// The bindings of the bucket handlers, behind the context: XLA:CPU's pool,
-// or the CUDA stream (launch.h's OnCpu and OnStream).
-template <class Context>
-auto SegmentsBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<Context>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .RemainingArgs()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .RemainingRets()
-      .template Attr<bool>("nesterov")
-      .template Attr<bool>("keep_nonfinite")
-      .template Attr<bool>("compute_sumsq")
-      .template Attr<int64_t>("num_leaves")
-      .template Attr<bool>("reseed");
-}
-
-template <class Context>
-auto SpeculativeBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<Context>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .RemainingArgs()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .RemainingRets()
-      .template Attr<bool>("nesterov")
-      .template Attr<bool>("keep_nonfinite")
-      .template Attr<int64_t>("num_leaves")
-      .template Attr<bool>("reseed");
-}
-
-template <class Context>
-auto ValidatedBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<Context>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::S32>>()
-      .template Arg<ffi::Buffer<ffi::F32>>()
-      .RemainingArgs()
-      .RemainingRets()
-      .template Attr<bool>("nesterov")
-      .template Attr<int64_t>("num_leaves");
+// The same-traffic stream of the kernel (StreamRooflineRange), for
+// benchmarks: master += grad, mu and nu swapped.
+ffi::Error StreamRoofline(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
+                          ffi::Buffer<ffi::F32> grad, ffi::Buffer<ffi::F32> mu,
+                          ffi::Buffer<ffi::F32> nu,
+                          ffi::ResultBuffer<ffi::F32> master_out,
+                          ffi::ResultBuffer<ffi::F32> mu_out,
+                          ffi::ResultBuffer<ffi::F32> nu_out,
+                          std::string_view prefetch, int64_t host_threads) {
+  const int64_t size = static_cast<int64_t>(master.element_count());
+  for (size_t n :
+       {grad.element_count(), mu.element_count(), nu.element_count()}) {
+    if (static_cast<int64_t>(n) != size) {
+      return InvalidArgument("roofline buffers must have the same size");
+    }
+  }
+  AdamBuffers b;
+  JSO_RETURN_IF_ERROR(ReadPrefetch(prefetch, &b.prefetch));
+  b.size = size;
+  b.master_in = master.typed_data();
+  b.grad = grad.typed_data();
+  b.mu_in = mu.typed_data();
+  b.nu_in = nu.typed_data();
+  b.master_out = master_out->typed_data();
+  b.mu_out = mu_out->typed_data();
+  b.nu_out = nu_out->typed_data();
+  const int64_t num_chunks = (size + kChunkElements - 1) / kChunkElements;
+  ParallelChunks(Workers{&pool, host_threads}, num_chunks, [&](int64_t chunk) {
+    const int64_t begin = chunk * kChunkElements;
+    StreamRooflineRange(b, begin, std::min(size, begin + kChunkElements));
+  });
+  return ffi::Error::Success();
 }
 
 }  // namespace
 }  // namespace jax_superoffload
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStep, jax_superoffload::AdamStepHandler,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("nesterov"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowp, jax_superoffload::AdamStepLowpHandler,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("nesterov"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoAdamStepLowpInto,
-                              jax_superoffload::AdamStepLowpIntoHandler,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("nesterov"));
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamRoofline,
-                              jax_superoffload::StreamRooflineHandler,
+                              jax_superoffload::StreamRoofline,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -713,34 +507,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamRoofline,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<std::string_view>("prefetch")
+                                  .Attr<int64_t>("host_threads"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JsoAdamStepSegments,
-    jax_superoffload::kOnCpu<jax_superoffload::AdamStepSegments>,
-    jax_superoffload::SegmentsBinding<ffi::ThreadPool>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JsoAdamStepSegmentsStream,
-    jax_superoffload::kOnStream<jax_superoffload::AdamStepSegments>,
-    jax_superoffload::SegmentsBinding<ffi::PlatformStream<void*>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JsoAdamStepSpeculative,
-    jax_superoffload::kOnCpu<jax_superoffload::AdamStepSpeculative>,
-    jax_superoffload::SpeculativeBinding<ffi::ThreadPool>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JsoAdamStepSpeculativeStream,
-    jax_superoffload::kOnStream<jax_superoffload::AdamStepSpeculative>,
-    jax_superoffload::SpeculativeBinding<ffi::PlatformStream<void*>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JsoAdamStepValidated,
-    jax_superoffload::kOnCpu<jax_superoffload::AdamStepValidated>,
-    jax_superoffload::ValidatedBinding<ffi::ThreadPool>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JsoAdamStepValidatedStream,
-    jax_superoffload::kOnStream<jax_superoffload::AdamStepValidated>,
-    jax_superoffload::ValidatedBinding<ffi::PlatformStream<void*>>());
+JSO_DEFINE_BUCKET_HANDLERS(JsoAdamStepSegments, JsoAdamStepSegmentsStream,
+                           ::jax_superoffload::AdamStepSegments, true);
+JSO_DEFINE_BUCKET_HANDLERS(JsoAdamStepSpeculative, JsoAdamStepSpeculativeStream,
+                           ::jax_superoffload::AdamStepSpeculative, true,
+                           ::jax_superoffload::Flag);
+JSO_DEFINE_BUCKET_HANDLERS(JsoAdamStepValidated, JsoAdamStepValidatedStream,
+                           ::jax_superoffload::AdamStepValidated, false,
+                           ::jax_superoffload::Flag, ::jax_superoffload::Flag,
+                           ::jax_superoffload::Scalars);

@@ -6,9 +6,6 @@
 #include "xla/ffi/api/c_api.h"
 
 extern "C" {
-XLA_FFI_Error* JsoAdamStep(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JsoAdamStepLowp(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* JsoAdamStepLowpInto(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoStreamRoofline(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepSegments(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepLowpSegments(XLA_FFI_CallFrame* call_frame);
@@ -37,11 +34,6 @@ struct FfiTarget {
 };
 
 inline constexpr FfiTarget kFfiTargets[] = {
-    {"ADAM_STEP_TARGET", "jax_superoffload_adam_step", JsoAdamStep},
-    {"ADAM_STEP_LOWP_TARGET", "jax_superoffload_adam_step_lowp",
-     JsoAdamStepLowp},
-    {"ADAM_STEP_LOWP_INTO_TARGET", "jax_superoffload_adam_step_lowp_into",
-     JsoAdamStepLowpInto},
     {"ADAM_STEP_SEGMENTS_TARGET", "jax_superoffload_adam_step_segments",
      JsoAdamStepSegments, JsoAdamStepSegmentsStream},
     {"ADAM_STEP_LOWP_SEGMENTS_TARGET",

@@ -38,25 +38,23 @@ bool CpuSupports(Isa isa) {
   }
 }
 
-bool Compiled(Isa isa) {
-  switch (isa) {
-    case Isa::kScalar:
-      return internal::ScalarCompiled();
-    case Isa::kAvx2:
-      return internal::Avx2Compiled();
-    case Isa::kAvx512:
-      return internal::Avx512Compiled();
-    case Isa::kNeon:
-      return internal::NeonCompiled();
-    case Isa::kSve:
-      return internal::SveCompiled();
-  }
-  return false;
-}
+// Indexed by Isa. SVE has no low-precision loop of its own: the scalar one.
+#define JSO_ISA_ENTRIES(Name, Lowp)                                \
+  {internal::Name##Compiled, internal::AdamStepRange##Name,        \
+   internal::RooflineRange##Name, internal::ReseedBf16Range##Name, \
+   internal::LowpStepRange##Lowp}
+const internal::IsaEntries kIsaEntries[] = {
+    JSO_ISA_ENTRIES(Scalar, Scalar), JSO_ISA_ENTRIES(Avx2, Avx2),
+    JSO_ISA_ENTRIES(Avx512, Avx512), JSO_ISA_ENTRIES(Neon, Neon),
+    JSO_ISA_ENTRIES(Sve, Scalar)};
+#undef JSO_ISA_ENTRIES
+
+bool Compiled(Isa isa) { return internal::Entries(isa).compiled(); }
 
 // 1 / (1 - decay^t) in double, then rounded once to fp32.
 float InverseBiasCorrection(float decay, double t) {
-  return static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(decay), t)));
+  return static_cast<float>(1.0 /
+                            (1.0 - std::pow(static_cast<double>(decay), t)));
 }
 
 bool IsSixteenBit(ElementType type) {
@@ -65,32 +63,19 @@ bool IsSixteenBit(ElementType type) {
 
 }  // namespace
 
+const internal::IsaEntries& internal::Entries(Isa isa) {
+  return kIsaEntries[static_cast<int>(isa)];
+}
+
 const char* IsaName(Isa isa) {
-  switch (isa) {
-    case Isa::kScalar:
-      return "scalar";
-    case Isa::kAvx2:
-      return "avx2";
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kNeon:
-      return "neon";
-    case Isa::kSve:
-      return "sve";
-  }
-  return "unknown";
+  static constexpr const char* kNames[] = {"scalar", "avx2", "avx512", "neon",
+                                           "sve"};
+  return internal::EnumName(kNames, isa, "unknown");
 }
 
 const char* PrefetchName(Prefetch prefetch) {
-  switch (prefetch) {
-    case Prefetch::kNone:
-      return "none";
-    case Prefetch::kT0:
-      return "t0";
-    case Prefetch::kNta:
-      return "nta";
-  }
-  return "unknown";
+  static constexpr const char* kNames[] = {"none", "t0", "nta"};
+  return internal::EnumName(kNames, prefetch, "unknown");
 }
 
 bool ParsePrefetch(const char* name, Prefetch* out) {
@@ -119,22 +104,12 @@ Isa BestIsa() {
 AdamConstants MakeAdamConstants(const AdamConfig& config) {
   const double t = static_cast<double>(config.count) + 1.0;
   AdamConstants k;
-  k.learning_rate = config.learning_rate;
-  k.b1 = config.b1;
-  k.one_minus_b1 = std::isnan(config.one_minus_b1) ? 1.0f - config.b1
-                                                   : config.one_minus_b1;
-  k.b2 = config.b2;
-  k.one_minus_b2 = std::isnan(config.one_minus_b2) ? 1.0f - config.b2
-                                                   : config.one_minus_b2;
-  k.eps = config.eps;
-  k.eps_root = config.eps_root;
-  k.weight_decay = config.weight_decay;
-  k.grad_scale = config.grad_scale;
+  static_cast<AdamConfig&>(k) = config;
+  if (std::isnan(k.one_minus_b1)) k.one_minus_b1 = 1.0f - config.b1;
+  if (std::isnan(k.one_minus_b2)) k.one_minus_b2 = 1.0f - config.b2;
   k.c1 = InverseBiasCorrection(config.b1, t);
   k.c1_next = InverseBiasCorrection(config.b1, t + 1.0);
   k.c2 = InverseBiasCorrection(config.b2, t);
-  k.nesterov = config.nesterov;
-  k.keep_nonfinite = config.keep_nonfinite;
   return k;
 }
 
@@ -164,23 +139,8 @@ double StepRange(const AdamConstants& constants, const AdamBuffers& buffers,
                  int64_t begin, int64_t end, Isa isa, bool sum_squares) {
   if (begin >= end) return 0.0;
   if (!IsaAvailable(isa)) isa = Isa::kScalar;
-  switch (isa) {
-    case Isa::kAvx2:
-      return internal::AdamStepRangeAvx2(constants, buffers, begin, end,
-                                         sum_squares);
-    case Isa::kAvx512:
-      return internal::AdamStepRangeAvx512(constants, buffers, begin, end,
-                                           sum_squares);
-    case Isa::kNeon:
-      return internal::AdamStepRangeNeon(constants, buffers, begin, end,
-                                         sum_squares);
-    case Isa::kSve:
-      return internal::AdamStepRangeSve(constants, buffers, begin, end,
-                                        sum_squares);
-    default:
-      return internal::AdamStepRangeScalar(constants, buffers, begin, end,
-                                           sum_squares);
-  }
+  return internal::Entries(isa).step(constants, buffers, begin, end,
+                                     sum_squares);
 }
 
 }  // namespace
@@ -200,23 +160,7 @@ void ReseedBf16Range(float* master, const uint16_t* params, float tolerance,
                      int64_t begin, int64_t end, Isa isa) {
   if (begin >= end) return;
   if (!IsaAvailable(isa)) isa = Isa::kScalar;
-  switch (isa) {
-    case Isa::kAvx2:
-      return internal::ReseedBf16RangeAvx2(master, params, tolerance, begin,
-                                           end);
-    case Isa::kAvx512:
-      return internal::ReseedBf16RangeAvx512(master, params, tolerance, begin,
-                                             end);
-    case Isa::kNeon:
-      return internal::ReseedBf16RangeNeon(master, params, tolerance, begin,
-                                           end);
-    case Isa::kSve:
-      return internal::ReseedBf16RangeSve(master, params, tolerance, begin,
-                                          end);
-    default:
-      return internal::ReseedBf16RangeScalar(master, params, tolerance, begin,
-                                             end);
-  }
+  internal::Entries(isa).reseed_bf16(master, params, tolerance, begin, end);
 }
 
 int64_t StreamableHead(const AdamBuffers& b, int64_t begin, int64_t end) {
@@ -237,33 +181,20 @@ int64_t AlignedOutputsHead(const AdamBuffers& b, int64_t begin, int64_t end) {
       (b.grad_copy != nullptr && phase(b.grad_copy) != master)) {
     return -1;
   }
-  const int64_t head =
-      static_cast<int64_t>((64 - master) % 64 / sizeof(float));
+  const int64_t head = static_cast<int64_t>((64 - master) % 64 / sizeof(float));
   return std::min(head, end - begin);
 }
 
 bool IsaStreams(Isa isa) { return isa != Isa::kSve; }
 
 void AdamStep(const AdamConfig& config, const AdamBuffers& buffers) {
-  AdamStepRange(MakeAdamConstants(config), buffers, 0, buffers.size,
-                BestIsa());
+  AdamStepRange(MakeAdamConstants(config), buffers, 0, buffers.size, BestIsa());
 }
 
 void StreamRooflineRange(const AdamBuffers& buffers, int64_t begin,
                          int64_t end) {
   if (begin >= end) return;
-  switch (BestIsa()) {
-    case Isa::kAvx2:
-      return internal::RooflineRangeAvx2(buffers, begin, end);
-    case Isa::kAvx512:
-      return internal::RooflineRangeAvx512(buffers, begin, end);
-    case Isa::kNeon:
-      return internal::RooflineRangeNeon(buffers, begin, end);
-    case Isa::kSve:
-      return internal::RooflineRangeSve(buffers, begin, end);
-    default:
-      return internal::RooflineRangeScalar(buffers, begin, end);
-  }
+  internal::Entries(BestIsa()).roofline(buffers, begin, end);
 }
 
 }  // namespace jax_superoffload

@@ -80,7 +80,9 @@ const char* PrefetchName(Prefetch prefetch);
 // null name gives kDefaultPrefetch. Returns false for anything else.
 bool ParsePrefetch(const char* name, Prefetch* out);
 
-// Hyperparameters and per-step scalars, as given by the caller.
+// Hyperparameters and per-step scalars, as given by the caller: the one
+// C++ form of Python's `Hyperparams` (the FFI handlers fill it from the f32
+// scalars operand, laid out as kPackedScalars says).
 struct AdamConfig {
   float learning_rate = 1e-3f;
   float b1 = 0.9f;
@@ -102,22 +104,35 @@ struct AdamConfig {
   int64_t count = 0;
 };
 
-// Constants derived once per step from an AdamConfig.
-struct AdamConstants {
-  float learning_rate;
-  float b1;
-  float one_minus_b1;
-  float b2;
-  float one_minus_b2;
-  float eps;
-  float eps_root;
-  float weight_decay;
-  float grad_scale;
-  float c1;       // 1 / (1 - b1^t)
-  float c1_next;  // 1 / (1 - b1^(t+1)), used by Nesterov only.
-  float c2;       // 1 / (1 - b2^t)
-  bool nesterov;
-  bool keep_nonfinite;
+// One set of the FFI handlers' f32 scalars operand: these AdamConfig fields
+// in this order. Declared only here; the nanobind module hands the names to
+// Python (`PACKED_SCALARS`), which packs its `Hyperparams` in this order.
+struct PackedScalar {
+  const char* name;
+  float AdamConfig::*field;
+};
+
+inline constexpr PackedScalar kPackedScalars[] = {
+    {"learning_rate", &AdamConfig::learning_rate},
+    {"b1", &AdamConfig::b1},
+    {"one_minus_b1", &AdamConfig::one_minus_b1},
+    {"b2", &AdamConfig::b2},
+    {"one_minus_b2", &AdamConfig::one_minus_b2},
+    {"eps", &AdamConfig::eps},
+    {"eps_root", &AdamConfig::eps_root},
+    {"weight_decay", &AdamConfig::weight_decay},
+    {"grad_scale", &AdamConfig::grad_scale},
+};
+
+inline constexpr int64_t kNumScalarsPerSet =
+    sizeof(kPackedScalars) / sizeof(kPackedScalars[0]);
+
+// An AdamConfig with its constants derived once per step: 1 - b resolved
+// (never NaN) and the bias corrections.
+struct AdamConstants : AdamConfig {
+  float c1 = 0.0f;       // 1 / (1 - b1^t)
+  float c1_next = 0.0f;  // 1 / (1 - b1^(t+1)), used by Nesterov only.
+  float c2 = 0.0f;       // 1 / (1 - b2^t)
 };
 
 AdamConstants MakeAdamConstants(const AdamConfig& config);

@@ -20,8 +20,8 @@ struct Avx2Ops {
   static JSO_INLINE V Div(V a, V b) { return _mm256_div_ps(a, b); }
   static JSO_INLINE V Sqrt(V a) { return _mm256_sqrt_ps(a); }
   static JSO_INLINE V SelectFinite(V g, V a, V b) {
-    const V finite = _mm256_cmp_ps(_mm256_sub_ps(g, g), _mm256_setzero_ps(),
-                                   _CMP_EQ_OQ);
+    const V finite =
+        _mm256_cmp_ps(_mm256_sub_ps(g, g), _mm256_setzero_ps(), _CMP_EQ_OQ);
     return _mm256_blendv_ps(b, a, finite);
   }
   static JSO_INLINE V Load(const float* p) { return _mm256_loadu_ps(p); }
@@ -39,15 +39,16 @@ struct Avx2Ops {
   }
   static JSO_INLINE void StoreBf16(uint16_t* p, V x) {
     const __m256i bits = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16),
-                                         _mm256_set1_epi32(1));
+    const __m256i lsb =
+        _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
     const __m256i rounded = _mm256_add_epi32(
         bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
     const __m256i quiet_nan =
         _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
-    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    const __m256i high = _mm256_srli_epi32(
-        _mm256_blendv_epi8(rounded, quiet_nan, is_nan), 16);
+    const __m256i is_nan =
+        _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i high =
+        _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet_nan, is_nan), 16);
     const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high),
                                             _mm256_extracti128_si256(high, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);

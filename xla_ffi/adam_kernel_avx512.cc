@@ -39,8 +39,8 @@ struct Avx512Ops {
   }
   static JSO_INLINE void StoreBf16(uint16_t* p, V x) {
     const __m512i bits = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16),
-                                         _mm512_set1_epi32(1));
+    const __m512i lsb =
+        _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_add_epi32(
         bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
     const __m512i quiet_nan =

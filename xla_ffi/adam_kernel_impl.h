@@ -44,9 +44,13 @@ struct ScalarOps {
   // before the results are handed on.
   static JSO_INLINE void StoreStream(float* p, V x) { *p = x; }
   static JSO_INLINE void Fence() {}
-  static JSO_INLINE V LoadBf16(const uint16_t* p) { return Bf16BitsToFloat(*p); }
+  static JSO_INLINE V LoadBf16(const uint16_t* p) {
+    return Bf16BitsToFloat(*p);
+  }
   static JSO_INLINE V LoadF16(const uint16_t* p) { return F16BitsToFloat(*p); }
-  static JSO_INLINE void StoreBf16(uint16_t* p, V x) { *p = FloatToBf16Bits(x); }
+  static JSO_INLINE void StoreBf16(uint16_t* p, V x) {
+    *p = FloatToBf16Bits(x);
+  }
   static JSO_INLINE void StoreF16(uint16_t* p, V x) { *p = FloatToF16Bits(x); }
 };
 
@@ -204,8 +208,8 @@ double AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
   // only the sum-of-squares loops get the streaming instantiations.
   if constexpr (kSumSquares && !kStream) {
     if (buffers.stream_state) {
-      return AdamLoop<Ops, kGrad, kLowp, kNesterov, kDecay, kGuard, true,
-                      true>(constants, buffers, begin, end);
+      return AdamLoop<Ops, kGrad, kLowp, kNesterov, kDecay, kGuard, true, true>(
+          constants, buffers, begin, end);
     }
   }
   using V = typename Ops::V;
@@ -228,15 +232,16 @@ double AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
   } else {
     double lane_totals[kLanes] = {};
     while (i + kLanes <= end) {
-      const int64_t stop =
-          end - i < kSumSquaresPerLane * kLanes
-              ? end
-              : i + kSumSquaresPerLane * kLanes;
+      const int64_t stop = end - i < kSumSquaresPerLane * kLanes
+                               ? end
+                               : i + kSumSquaresPerLane * kLanes;
       V sum = Ops::Set(0.0f);
 #pragma GCC unroll 4
       for (; i + kLanes <= stop; i += kLanes) {
-        sum = Ops::Add(sum, AdamElements<Ops, kGrad, kLowp, kNesterov, kDecay,
-                                         kGuard, kStream>(k, b, i));
+        sum = Ops::Add(
+            sum,
+            AdamElements<Ops, kGrad, kLowp, kNesterov, kDecay, kGuard, kStream>(
+                k, b, i));
       }
       alignas(64) float lanes[kLanes];
       Ops::Store(lanes, sum);
@@ -276,21 +281,22 @@ void RooflineLoop(const AdamBuffers& b, int64_t begin, int64_t end) {
 // no branches. `Loop<G, L, N, D, F, S>::Run(k, b, begin, end)` does the work
 // and returns the sum of squares (S) or 0.
 template <template <ElementType, ElementType, bool, bool, bool, bool>
-          class Loop, ElementType kGrad, ElementType kLowp,
-          bool kNesterov, bool kDecay, bool kGuard>
+          class Loop,
+          ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay,
+          bool kGuard>
 double DispatchSumSquares(const AdamConstants& k, const AdamBuffers& b,
                           int64_t begin, int64_t end, bool sum_squares) {
   if (sum_squares) {
-    return Loop<kGrad, kLowp, kNesterov, kDecay, kGuard, true>::Run(k, b,
-                                                                    begin, end);
+    return Loop<kGrad, kLowp, kNesterov, kDecay, kGuard, true>::Run(k, b, begin,
+                                                                    end);
   }
   return Loop<kGrad, kLowp, kNesterov, kDecay, kGuard, false>::Run(k, b, begin,
                                                                    end);
 }
 
 template <template <ElementType, ElementType, bool, bool, bool, bool>
-          class Loop, ElementType kGrad, ElementType kLowp,
-          bool kNesterov, bool kDecay>
+          class Loop,
+          ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay>
 double DispatchGuard(const AdamConstants& k, const AdamBuffers& b,
                      int64_t begin, int64_t end, bool sum_squares) {
   if (k.keep_nonfinite) {
@@ -302,8 +308,8 @@ double DispatchGuard(const AdamConstants& k, const AdamBuffers& b,
 }
 
 template <template <ElementType, ElementType, bool, bool, bool, bool>
-          class Loop, ElementType kGrad, ElementType kLowp,
-          bool kNesterov>
+          class Loop,
+          ElementType kGrad, ElementType kLowp, bool kNesterov>
 double DispatchDecay(const AdamConstants& k, const AdamBuffers& b,
                      int64_t begin, int64_t end, bool sum_squares) {
   if (k.weight_decay != 0.0f) {
@@ -315,7 +321,8 @@ double DispatchDecay(const AdamConstants& k, const AdamBuffers& b,
 }
 
 template <template <ElementType, ElementType, bool, bool, bool, bool>
-          class Loop, ElementType kGrad, ElementType kLowp>
+          class Loop,
+          ElementType kGrad, ElementType kLowp>
 double DispatchNesterov(const AdamConstants& k, const AdamBuffers& b,
                         int64_t begin, int64_t end, bool sum_squares) {
   if (k.nesterov) {
@@ -327,29 +334,30 @@ double DispatchNesterov(const AdamConstants& k, const AdamBuffers& b,
 }
 
 template <template <ElementType, ElementType, bool, bool, bool, bool>
-          class Loop, ElementType kGrad>
-double DispatchLowp(const AdamConstants& k, const AdamBuffers& b,
-                    int64_t begin, int64_t end, bool sum_squares) {
+          class Loop,
+          ElementType kGrad>
+double DispatchLowp(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
+                    int64_t end, bool sum_squares) {
   switch (b.lowp_type) {
     case ElementType::kF32:
       return DispatchNesterov<Loop, kGrad, ElementType::kF32>(k, b, begin, end,
                                                               sum_squares);
     case ElementType::kBF16:
-      return DispatchNesterov<Loop, kGrad, ElementType::kBF16>(
-          k, b, begin, end, sum_squares);
+      return DispatchNesterov<Loop, kGrad, ElementType::kBF16>(k, b, begin, end,
+                                                               sum_squares);
     case ElementType::kF16:
       return DispatchNesterov<Loop, kGrad, ElementType::kF16>(k, b, begin, end,
                                                               sum_squares);
     default:
-      return DispatchNesterov<Loop, kGrad, ElementType::kNone>(
-          k, b, begin, end, sum_squares);
+      return DispatchNesterov<Loop, kGrad, ElementType::kNone>(k, b, begin, end,
+                                                               sum_squares);
   }
 }
 
 template <template <ElementType, ElementType, bool, bool, bool, bool>
           class Loop>
-double DispatchAdam(const AdamConstants& k, const AdamBuffers& b,
-                    int64_t begin, int64_t end, bool sum_squares) {
+double DispatchAdam(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
+                    int64_t end, bool sum_squares) {
   switch (b.grad_type) {
     case ElementType::kBF16:
       return DispatchLowp<Loop, ElementType::kBF16>(k, b, begin, end,
@@ -404,35 +412,34 @@ inline void ReseedBf16Loop(float* master, const uint16_t* __restrict params,
 }  // namespace jax_superoffload
 
 // Defines the entry points of adam_kernel_isa.h for a fixed-width Ops.
-#define JSO_DEFINE_FIXED_WIDTH_ISA(Name, Ops)                                \
-  namespace jax_superoffload::internal {                                    \
-  bool Name##Compiled() { return true; }                                    \
-  double AdamStepRange##Name(const AdamConstants& k, const AdamBuffers& b,  \
-                             int64_t begin, int64_t end, bool sum_squares) {\
-    return DispatchAdam<FixedWidth<Ops>::template Loop>(k, b, begin, end,   \
-                                                        sum_squares);       \
-  }                                                                         \
-  void RooflineRange##Name(const AdamBuffers& b, int64_t begin,             \
-                           int64_t end) {                                   \
-    RooflineLoop<Ops>(b, begin, end);                                       \
-  }                                                                         \
-  void ReseedBf16Range##Name(float* master, const uint16_t* params,         \
-                             float tolerance, int64_t begin, int64_t end) { \
-    ReseedBf16Loop(master, params, tolerance, begin, end);                  \
-  }                                                                         \
+#define JSO_DEFINE_FIXED_WIDTH_ISA(Name, Ops)                                  \
+  namespace jax_superoffload::internal {                                       \
+  bool Name##Compiled() { return true; }                                       \
+  double AdamStepRange##Name(const AdamConstants& k, const AdamBuffers& b,     \
+                             int64_t begin, int64_t end, bool sum_squares) {   \
+    return DispatchAdam<FixedWidth<Ops>::template Loop>(k, b, begin, end,      \
+                                                        sum_squares);          \
+  }                                                                            \
+  void RooflineRange##Name(const AdamBuffers& b, int64_t begin, int64_t end) { \
+    RooflineLoop<Ops>(b, begin, end);                                          \
+  }                                                                            \
+  void ReseedBf16Range##Name(float* master, const uint16_t* params,            \
+                             float tolerance, int64_t begin, int64_t end) {    \
+    ReseedBf16Loop(master, params, tolerance, begin, end);                     \
+  }                                                                            \
   }  // namespace jax_superoffload::internal
 
 // Defines the entry points of an instruction set this build does not target.
-#define JSO_DEFINE_MISSING_ISA(Name)                                         \
-  namespace jax_superoffload::internal {                                    \
-  bool Name##Compiled() { return false; }                                   \
-  double AdamStepRange##Name(const AdamConstants&, const AdamBuffers&,      \
-                             int64_t, int64_t, bool) {                      \
-    return 0.0;                                                             \
-  }                                                                         \
-  void RooflineRange##Name(const AdamBuffers&, int64_t, int64_t) {}         \
-  void ReseedBf16Range##Name(float*, const uint16_t*, float, int64_t,       \
-                             int64_t) {}                                    \
+#define JSO_DEFINE_MISSING_ISA(Name)                                   \
+  namespace jax_superoffload::internal {                               \
+  bool Name##Compiled() { return false; }                              \
+  double AdamStepRange##Name(const AdamConstants&, const AdamBuffers&, \
+                             int64_t, int64_t, bool) {                 \
+    return 0.0;                                                        \
+  }                                                                    \
+  void RooflineRange##Name(const AdamBuffers&, int64_t, int64_t) {}    \
+  void ReseedBf16Range##Name(float*, const uint16_t*, float, int64_t,  \
+                             int64_t) {}                               \
   }  // namespace jax_superoffload::internal
 
 #endif  // JAX_SUPEROFFLOAD_XLA_FFI_ADAM_KERNEL_IMPL_H_

@@ -45,8 +45,7 @@ JSO_INLINE svfloat32_t SveLoadGrad(svbool_t pg, const void* grad, int64_t i) {
 }
 
 template <ElementType kLowp>
-JSO_INLINE void SveStoreLowp(svbool_t pg, void* out, int64_t i,
-                             svfloat32_t x) {
+JSO_INLINE void SveStoreLowp(svbool_t pg, void* out, int64_t i, svfloat32_t x) {
   uint16_t* dst = static_cast<uint16_t*>(out) + i;  // Unused for kF32.
   if constexpr (kLowp == ElementType::kF32) {
     svst1_f32(pg, static_cast<float*>(out) + i, x);
@@ -67,9 +66,8 @@ JSO_INLINE void SveStoreLowp(svbool_t pg, void* out, int64_t i,
 // One vector at i, its active lanes `pg`: load, step, store. Returns g * g.
 template <ElementType kGrad, ElementType kLowp, bool kNesterov, bool kDecay,
           bool kGuard>
-JSO_INLINE svfloat32_t SveElements(const AdamConstants& k,
-                                   const AdamBuffers& b, svbool_t pg,
-                                   int64_t i) {
+JSO_INLINE svfloat32_t SveElements(const AdamConstants& k, const AdamBuffers& b,
+                                   svbool_t pg, int64_t i) {
   if (StartsLine(i, static_cast<int64_t>(svcntw()))) {
     PrefetchInputs<kGrad>(b, i);
   }
@@ -117,10 +115,10 @@ struct SveLoop {
         for (; i < stop; i += lanes) {
           const svbool_t pg = svwhilelt_b32(i, stop);
           // Merging add: lanes past the end keep their sum.
-          sum = svadd_f32_m(
-              pg, sum,
-              SveElements<kGrad, kLowp, kNesterov, kDecay, kGuard>(k, b, pg,
-                                                                   i));
+          sum =
+              svadd_f32_m(pg, sum,
+                          SveElements<kGrad, kLowp, kNesterov, kDecay, kGuard>(
+                              k, b, pg, i));
         }
         // svcvt_f64_f32 widens the even-numbered fp32 lanes; shifting each
         // 64-bit container right by 32 brings the odd ones there.

@@ -6,55 +6,36 @@
 // set available on the running CPU must also agree with the scalar path bit
 // for bit. Prints "N passed, N failed" and exits non-zero on any failure.
 
+#include "xla_ffi/adam_kernel.h"
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
 #include <initializer_list>
 #include <limits>
+#include <utility>
 #include <vector>
 
-#include "xla_ffi/adam_kernel.h"
 #include "xla_ffi/stv_kernel.h"
+#include "xla_ffi/test_util.h"
 
 namespace jax_superoffload {
 namespace {
 
-int g_passed = 0;
-int g_failed = 0;
-
-void Check(bool ok, const char* what, const char* context) {
-  if (ok) {
-    ++g_passed;
-  } else {
-    ++g_failed;
-    std::printf("FAILED: %s [%s]\n", what, context);
-  }
-}
-
-uint64_t SplitMix(uint64_t& state) {
-  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-double Uniform(uint64_t& state) {  // In [-1, 1).
-  return static_cast<double>(SplitMix(state) >> 11) * 0x1.0p-52 - 1.0;
-}
-
-uint32_t Bits(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
+// Buffers that step `p`, `m` and `v` in place with the gradient `g`.
+template <class Grad>
+AdamBuffers InPlace(std::vector<float>& p, std::vector<float>& m,
+                    std::vector<float>& v, const std::vector<Grad>& g) {
+  AdamBuffers b;
+  b.size = static_cast<int64_t>(p.size());
+  b.master_in = b.master_out = p.data();
+  b.mu_in = b.mu_out = m.data();
+  b.nu_in = b.nu_out = v.data();
+  b.grad = g.data();
   return b;
-}
-
-float FromBits(uint32_t b) {
-  float x;
-  std::memcpy(&x, &b, 4);
-  return x;
 }
 
 // --- Independent 16-bit references, by exhaustive tables and doubles. ---
@@ -79,14 +60,21 @@ uint16_t ReferenceHalf(float x) {
   int lo = 0, hi = 0x7bff;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (HalfValue(static_cast<uint16_t>(mid)) <= v) lo = mid; else hi = mid - 1;
+    if (HalfValue(static_cast<uint16_t>(mid)) <= v)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   const double below = HalfValue(static_cast<uint16_t>(lo));
-  const double above = lo == 0x7bff ? 65536.0 : HalfValue(static_cast<uint16_t>(lo + 1));
+  const double above =
+      lo == 0x7bff ? 65536.0 : HalfValue(static_cast<uint16_t>(lo + 1));
   int chosen;
-  if (v - below < above - v) chosen = lo;
-  else if (v - below > above - v) chosen = lo + 1;
-  else chosen = (lo % 2 == 0) ? lo : lo + 1;
+  if (v - below < above - v)
+    chosen = lo;
+  else if (v - below > above - v)
+    chosen = lo + 1;
+  else
+    chosen = (lo % 2 == 0) ? lo : lo + 1;
   return static_cast<uint16_t>(sign | chosen);  // lo + 1 == 0x7c00 is inf.
 }
 
@@ -98,12 +86,16 @@ uint16_t ReferenceBf16(float x) {
   const uint32_t up = down + 0x10000u;
   const double v = std::fabs(static_cast<double>(x));
   const double dv = std::fabs(static_cast<double>(FromBits(down)));
-  const double uv = std::isinf(FromBits(up)) ? std::ldexp(1.0, 128)
-                                             : std::fabs(static_cast<double>(FromBits(up)));
+  const double uv = std::isinf(FromBits(up))
+                        ? std::ldexp(1.0, 128)
+                        : std::fabs(static_cast<double>(FromBits(up)));
   uint32_t chosen;
-  if (v - dv < uv - v) chosen = down;
-  else if (v - dv > uv - v) chosen = up;
-  else chosen = ((down >> 16) & 1) ? up : down;
+  if (v - dv < uv - v)
+    chosen = down;
+  else if (v - dv > uv - v)
+    chosen = up;
+  else
+    chosen = ((down >> 16) & 1) ? up : down;
   return static_cast<uint16_t>(chosen >> 16);
 }
 
@@ -140,16 +132,16 @@ StepResult ReferenceElement(const Hyper& h, int64_t t, double grad,
   r.mu_scale = std::fabs(h.b1 * mu) + std::fabs((1.0 - h.b1) * g);
   r.mu = h.b1 * mu + (1.0 - h.b1) * g;
   r.nu = h.b2 * nu + (1.0 - h.b2) * g * g;
-  const double mu_hat = h.nesterov ? h.b1 * r.mu / bc1_next + (1.0 - h.b1) * g / bc1
-                                   : r.mu / bc1;
+  const double mu_hat =
+      h.nesterov ? h.b1 * r.mu / bc1_next + (1.0 - h.b1) * g / bc1 : r.mu / bc1;
   const double mu_hat_scale =
       h.nesterov ? r.mu_scale / bc1_next + std::fabs((1.0 - h.b1) * g / bc1)
                  : r.mu_scale / bc1;
   const double denominator = std::sqrt(r.nu / bc2 + h.eps_root) + h.eps;
   const double update = mu_hat / denominator + h.wd * master;
   r.master = master - h.lr * update;
-  r.master_scale = std::fabs(r.master) +
-                   h.lr * (mu_hat_scale / denominator + std::fabs(h.wd * master));
+  r.master_scale = std::fabs(r.master) + h.lr * (mu_hat_scale / denominator +
+                                                 std::fabs(h.wd * master));
   return r;
 }
 
@@ -184,10 +176,14 @@ struct Case {
 
 const char* TypeName(ElementType t) {
   switch (t) {
-    case ElementType::kF32: return "f32";
-    case ElementType::kBF16: return "bf16";
-    case ElementType::kF16: return "f16";
-    default: return "none";
+    case ElementType::kF32:
+      return "f32";
+    case ElementType::kBF16:
+      return "bf16";
+    case ElementType::kF16:
+      return "f16";
+    default:
+      return "none";
   }
 }
 
@@ -207,7 +203,8 @@ void RunCase(int64_t n, const Case& c, int steps) {
   uint64_t rng = 1234 + n;
   const std::vector<Isa> isas = [] {
     std::vector<Isa> out;
-    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
+    for (Isa isa :
+         {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
       if (IsaAvailable(isa)) out.push_back(isa);
     }
     return out;
@@ -250,7 +247,8 @@ void RunCase(int64_t n, const Case& c, int steps) {
   bool isas_agree = true, lowp_exact = true;
   for (int step = 0; step < steps; ++step) {
     // A warmup-then-decay learning-rate schedule, changing every step.
-    const float lr = 1e-2f * std::min(1.0f, (step + 1) / 5.0f) / (1.0f + 0.1f * step);
+    const float lr =
+        1e-2f * std::min(1.0f, (step + 1) / 5.0f) / (1.0f + 0.1f * step);
     std::vector<double> grad(n);
     for (int64_t i = 0; i < n; ++i) {
       // Gradients spanning several decades, so moments are not all alike.
@@ -299,8 +297,8 @@ void RunCase(int64_t n, const Case& c, int steps) {
       AdamStepRange(constants, b, split, n, isas[k]);
     }
     // The reference sees the same fp32-rounded hyperparameters.
-    const Hyper h{lr, b1, b2, eps, c.eps_root, c.weight_decay, c.grad_scale,
-                  c.nesterov};
+    const Hyper h{lr,           b1,        b2, eps, c.eps_root, c.weight_decay,
+                  c.grad_scale, c.nesterov};
     for (int64_t i = 0; i < n; ++i) {
       for (int k = 1; k < kNumIsas; ++k) {
         if (Bits(master[k].data[i]) != Bits(master[0].data[i]) ||
@@ -322,28 +320,34 @@ void RunCase(int64_t n, const Case& c, int steps) {
       } else if (c.lowp_type == ElementType::kF16) {
         lowp_exact &= lowp[0].data[i] == ReferenceHalf(p);
       }
-      const StepResult one = ReferenceElement(h, step + 1, grad[i], before_master[i],
-                                              before_mu[i], before_nu[i]);
-      worst_master = std::max(worst_master, UlpsAt(p - one.master, one.master_scale));
-      worst_mu = std::max(worst_mu, UlpsAt(mu[0].data[i] - one.mu, one.mu_scale));
+      const StepResult one = ReferenceElement(
+          h, step + 1, grad[i], before_master[i], before_mu[i], before_nu[i]);
+      worst_master =
+          std::max(worst_master, UlpsAt(p - one.master, one.master_scale));
+      worst_mu =
+          std::max(worst_mu, UlpsAt(mu[0].data[i] - one.mu, one.mu_scale));
       worst_nu = std::max(worst_nu, UlpsAt(nu[0].data[i] - one.nu, one.nu));
-      const StepResult traj = ReferenceElement(h, step + 1, grad[i], ref.master[i],
-                                               ref.mu[i], ref.nu[i]);
+      const StepResult traj = ReferenceElement(
+          h, step + 1, grad[i], ref.master[i], ref.mu[i], ref.nu[i]);
       ref.master_scale[i] = std::max(ref.master_scale[i], traj.master_scale);
       ref.mu_scale[i] = std::max(ref.mu_scale[i] * h.b1, traj.mu_scale);
       ref.master[i] = traj.master;
       ref.mu[i] = traj.mu;
       ref.nu[i] = traj.nu;
-      drift_master = std::max(drift_master, UlpsAt(p - ref.master[i], ref.master_scale[i]));
-      drift_mu = std::max(drift_mu, UlpsAt(mu[0].data[i] - ref.mu[i], ref.mu_scale[i]));
-      drift_nu = std::max(drift_nu, UlpsAt(nu[0].data[i] - ref.nu[i], ref.nu[i]));
+      drift_master = std::max(drift_master,
+                              UlpsAt(p - ref.master[i], ref.master_scale[i]));
+      drift_mu = std::max(drift_mu,
+                          UlpsAt(mu[0].data[i] - ref.mu[i], ref.mu_scale[i]));
+      drift_nu =
+          std::max(drift_nu, UlpsAt(nu[0].data[i] - ref.nu[i], ref.nu[i]));
     }
   }
   Check(isas_agree, "every instruction set equals scalar bit for bit", context);
   Check(lowp_exact, "low-precision copy is the master rounded to nearest even",
         context);
   // One step is a handful of correctly rounded operations: a few ulps.
-  Check(worst_master <= 4.0, "each step's master within 4 ulps of float64", context);
+  Check(worst_master <= 4.0, "each step's master within 4 ulps of float64",
+        context);
   Check(worst_mu <= 2.0, "each step's mu within 2 ulps of float64", context);
   Check(worst_nu <= 2.0, "each step's nu within 2 ulps of float64", context);
   // Over the trajectory rounding accumulates at most about an ulp a step.
@@ -352,18 +356,20 @@ void RunCase(int64_t n, const Case& c, int steps) {
         "trajectory within half an ulp a step of float64", context);
   if (worst_master > 4.0 || worst_mu > 2.0 || worst_nu > 2.0 ||
       drift_master > allowed || drift_mu > allowed || drift_nu > allowed) {
-    std::printf("  ulps: step master %.2f mu %.2f nu %.2f; trajectory %.2f %.2f %.2f\n",
-                worst_master, worst_mu, worst_nu, drift_master, drift_mu, drift_nu);
+    std::printf(
+        "  ulps: step master %.2f mu %.2f nu %.2f; trajectory %.2f %.2f %.2f\n",
+        worst_master, worst_mu, worst_nu, drift_master, drift_mu, drift_nu);
   }
 }
 
-void TestConversionsExhaustively() {
+void TestWideningExhaustively() {
   // Every binary16 widens exactly (checked through the kernel's f16 path:
   // with lr = 0 and b1 = 0, mu after one step is the widened gradient).
   std::vector<uint16_t> halves(1 << 16);
   for (int i = 0; i < (1 << 16); ++i) halves[i] = static_cast<uint16_t>(i);
   for (ElementType type : {ElementType::kF16, ElementType::kBF16}) {
-    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
+    for (Isa isa :
+         {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
       if (!IsaAvailable(isa)) continue;
       const int64_t n = 1 << 16;
       std::vector<float> master(n, 0.0f), mu(n, 0.0f), nu(n, 0.0f);
@@ -371,12 +377,7 @@ void TestConversionsExhaustively() {
       config.learning_rate = 0.0f;
       config.b1 = 0.0f;
       config.one_minus_b1 = 1.0f;
-      AdamBuffers b;
-      b.size = n;
-      b.master_in = b.master_out = master.data();
-      b.mu_in = b.mu_out = mu.data();
-      b.nu_in = b.nu_out = nu.data();
-      b.grad = halves.data();
+      AdamBuffers b = InPlace(master, mu, nu, halves);
       b.grad_type = type;
       AdamStepRange(MakeAdamConstants(config), b, 0, n, isa);
       bool ok = true;
@@ -390,14 +391,17 @@ void TestConversionsExhaustively() {
       Check(ok, "16-bit gradients widen exactly", IsaName(isa));
     }
   }
-  // Narrowing: random and edge-case floats through the low-precision copy.
+}
+
+// Narrowing: random and edge-case floats through the low-precision copy.
+void TestNarrowing() {
   uint64_t rng = 99;
   std::vector<float> values;
-  for (uint32_t b : {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u,
-                     0x477fe000u, 0x477ff000u, 0x477fefffu, 0x38800000u,
-                     0x387fffffu, 0x33800000u, 0x33000000u, 0x33000001u,
-                     0x7f7fffffu, 0xff7fffffu, 0x00000001u, 0x3f808000u,
-                     0x3f818000u, 0x3f80ffffu}) {
+  for (uint32_t b :
+       {0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u, 0x477fe000u,
+        0x477ff000u, 0x477fefffu, 0x38800000u, 0x387fffffu, 0x33800000u,
+        0x33000000u, 0x33000001u, 0x7f7fffffu, 0xff7fffffu, 0x00000001u,
+        0x3f808000u, 0x3f818000u, 0x3f80ffffu}) {
     values.push_back(FromBits(b));
   }
   for (int i = 0; i < 200000; ++i) {
@@ -405,18 +409,15 @@ void TestConversionsExhaustively() {
   }
   const int64_t n = static_cast<int64_t>(values.size());
   for (ElementType type : {ElementType::kF16, ElementType::kBF16}) {
-    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
+    for (Isa isa :
+         {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
       if (!IsaAvailable(isa)) continue;
-      std::vector<float> master = values, mu(n, 0.0f), nu(n, 0.0f), grad(n, 0.0f);
+      std::vector<float> master = values, mu(n, 0.0f), nu(n, 0.0f),
+                         grad(n, 0.0f);
       std::vector<uint16_t> out(n);
       AdamConfig config;
       config.learning_rate = 0.0f;  // The master passes through unchanged...
-      AdamBuffers b;
-      b.size = n;
-      b.master_in = b.master_out = master.data();
-      b.mu_in = b.mu_out = mu.data();
-      b.nu_in = b.nu_out = nu.data();
-      b.grad = grad.data();
+      AdamBuffers b = InPlace(master, mu, nu, grad);
       b.lowp_type = type;
       b.lowp_out = out.data();
       AdamStepRange(MakeAdamConstants(config), b, 0, n, isa);
@@ -433,16 +434,23 @@ void TestConversionsExhaustively() {
                                                      : ReferenceBf16(x));
         }
       }
-      Check(ok, type == ElementType::kF16 ? "f16 copy rounds to nearest even"
-                                          : "bf16 copy rounds to nearest even",
+      Check(ok,
+            type == ElementType::kF16 ? "f16 copy rounds to nearest even"
+                                      : "bf16 copy rounds to nearest even",
             IsaName(isa));
     }
   }
 }
 
+void TestConversionsExhaustively() {
+  TestWideningExhaustively();
+  TestNarrowing();
+}
+
 void TestNonFiniteGradients() {
   const int64_t n = 1000;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
+  for (Isa isa :
+       {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
     if (!IsaAvailable(isa)) continue;
     std::vector<float> clean_p(n, 0.5f), clean_m(n, 0.0f), clean_v(n, 0.0f);
     std::vector<float> p(n, 0.5f), m(n, 0.0f), v(n, 0.0f), g(n, 0.25f);
@@ -455,12 +463,7 @@ void TestNonFiniteGradients() {
                    std::vector<float>& vv, const std::vector<float>& gg) {
       AdamConfig config;
       config.weight_decay = 0.01f;
-      AdamBuffers b;
-      b.size = n;
-      b.master_in = b.master_out = pp.data();
-      b.mu_in = b.mu_out = mm.data();
-      b.nu_in = b.nu_out = vv.data();
-      b.grad = gg.data();
+      AdamBuffers b = InPlace(pp, mm, vv, gg);
       AdamStepRange(MakeAdamConstants(config), b, 0, n, isa);
     };
     run(p, m, v, g);
@@ -482,12 +485,7 @@ void TestNonFiniteGradients() {
     AdamConfig config;
     config.weight_decay = 0.01f;
     config.keep_nonfinite = true;
-    AdamBuffers b;
-    b.size = n;
-    b.master_in = b.master_out = kp.data();
-    b.mu_in = b.mu_out = km.data();
-    b.nu_in = b.nu_out = kv.data();
-    b.grad = g.data();
+    AdamBuffers b = InPlace(kp, km, kv, g);
     AdamStepRange(MakeAdamConstants(config), b, 0, n, isa);
     bool kept = true;
     for (int64_t i = 0; i < n; ++i) {
@@ -589,9 +587,10 @@ PlainStep PlainStepFrom(const AdamConstants& constants, const float* master,
 // Speculation-then-validation on double-buffered state: the speculative
 // step leaves the current row untouched, writes the other and keeps the
 // gradient (with streaming stores when the rows and the kept gradient share
-// their alignment, plain ones when not); the redo of a clipped step, from that row, is within a few
-// ulps of a float64 step with the clipped gradient, and bit for bit the
-// plain kernel's step with that scale, at clip ratios from 0.5 to 1e4.
+// their alignment, plain ones when not); the redo of a clipped step, from that
+// row, is within a few ulps of a float64 step with the clipped gradient, and
+// bit for bit the plain kernel's step with that scale, at clip ratios from 0.5
+// to 1e4.
 void TestSpeculateThenRedo() {
   const int64_t n = 3001;
   for (ElementType grad_type : {ElementType::kF32, ElementType::kBF16}) {
@@ -627,7 +626,7 @@ void TestSpeculateThenRedo() {
           // Gradients scaled so that their norm is `ratio` times the clip 1.
           const float scale = static_cast<float>(ratio / std::sqrt(sumsq));
           const std::vector<float> before_master(master.data(),
-                                                master.data() + 2 * n);
+                                                 master.data() + 2 * n);
           const std::vector<float> before_mu(mu.data(), mu.data() + 2 * n);
           const std::vector<float> before_nu(nu.data(), nu.data() + 2 * n);
           AdamConfig config;
@@ -672,8 +671,7 @@ void TestSpeculateThenRedo() {
                         TypeName(grad_type), nesterov, from, ratio, aligned);
           Check(untouched, "speculation leaves the current row untouched",
                 context);
-          Check(streams == aligned, "rows aligned alike are streamed",
-                context);
+          Check(streams == aligned, "rows aligned alike are streamed", context);
           Check(kept_exact, "speculation keeps the gradient exactly", context);
           {  // The speculative row, bit for bit the plain step's.
             const PlainStep s = PlainStepFrom(
@@ -707,8 +705,8 @@ void TestSpeculateThenRedo() {
           const std::vector<float>& pmu = plain.mu;
           const std::vector<float>& pnu = plain.nu;
           const std::vector<uint16_t>& plowp = plain.lowp;
-          const Hyper h{1e-2, 0.9f, 0.999f, 1e-8f, 0.0, 1e-4f, clipped,
-                        nesterov};
+          const Hyper h{1e-2, 0.9f,  0.999f,  1e-8f,
+                        0.0,  1e-4f, clipped, nesterov};
           bool same = true;
           double worst_master = 0, worst_mu = 0, worst_nu = 0;
           const int64_t out = (1 - from) * n;
@@ -719,17 +717,19 @@ void TestSpeculateThenRedo() {
             const StepResult r = ReferenceElement(
                 h, 7, grad[i], before_master[from * n + i],
                 before_mu[from * n + i], before_nu[from * n + i]);
-            worst_master = std::max(
-                worst_master, UlpsAt(master[out + i] - r.master, r.master_scale));
-            worst_mu = std::max(worst_mu, UlpsAt(mu[out + i] - r.mu, r.mu_scale));
+            worst_master =
+                std::max(worst_master,
+                         UlpsAt(master[out + i] - r.master, r.master_scale));
+            worst_mu =
+                std::max(worst_mu, UlpsAt(mu[out + i] - r.mu, r.mu_scale));
             worst_nu = std::max(worst_nu, UlpsAt(nu[out + i] - r.nu, r.nu));
           }
           Check(same, "redo equals the plain step with the clipped scale",
                 context);
           // The clipped scale is not a power of two: g = grad * scale is
           // one more rounding, doubled in nu by the square (3 ulps, not 2).
-          const bool close = worst_master <= 4.0 && worst_mu <= 2.0 &&
-                             worst_nu <= 3.0;
+          const bool close =
+              worst_master <= 4.0 && worst_mu <= 2.0 && worst_nu <= 3.0;
           Check(close, "redo within a few ulps of float64", context);
           if (!close) {
             std::printf("  ulps: master %.2f mu %.2f nu %.2f\n", worst_master,
@@ -758,8 +758,8 @@ double ReferenceSumSquares(const std::vector<float>& grad, float scale) {
 void TestSumSquares(bool quick) {
   const std::vector<Isa> isas = [] {
     std::vector<Isa> out;
-    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon,
-                    Isa::kSve}) {
+    for (Isa isa :
+         {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
       if (IsaAvailable(isa)) out.push_back(isa);
     }
     return out;
@@ -774,9 +774,9 @@ void TestSumSquares(bool quick) {
     int64_t n;
     bool all_configs;
   };
-  for (const Shape shape : {Shape{0, false}, Shape{1, false}, Shape{7, false},
-                            Shape{100, false}, Shape{1000, true},
-                            Shape{4099, false}, Shape{70001, false}}) {
+  for (const Shape shape :
+       {Shape{0, false}, Shape{1, false}, Shape{7, false}, Shape{100, false},
+        Shape{1000, true}, Shape{4099, false}, Shape{70001, false}}) {
     const int64_t n = shape.n;
     if (quick && n > 4099) continue;
     for (Isa isa : isas) {
@@ -846,15 +846,14 @@ void TestSumSquares(bool quick) {
                 AdamStepSumSquaresRange(k, summing, 0, split, isa) +
                 AdamStepSumSquaresRange(k, summing, split, n, isa);
             for (int64_t i = 0; i < n; ++i) {
-              same_state &= Bits(master[i]) == Bits(master2[i]) &&
-                            Bits(mu[i]) == Bits(mu2[i]) &&
-                            Bits(nu[i]) == Bits(nu2[i]) &&
-                            lowp[i] == lowp2[i] &&
-                            Bits(lowp32[i]) == Bits(lowp32_2[i]);
+              same_state &=
+                  Bits(master[i]) == Bits(master2[i]) &&
+                  Bits(mu[i]) == Bits(mu2[i]) && Bits(nu[i]) == Bits(nu2[i]) &&
+                  lowp[i] == lowp2[i] && Bits(lowp32[i]) == Bits(lowp32_2[i]);
             }
             const double want = ReferenceSumSquares(grad, config.grad_scale);
-            const double error = want == 0.0 ? std::fabs(sum)
-                                             : std::fabs(sum - want) / want;
+            const double error =
+                want == 0.0 ? std::fabs(sum) : std::fabs(sum - want) / want;
             worst = std::max(worst, error);
             within &= error <= tolerance;
             // The same call again (state restored) gives the same bits.
@@ -903,16 +902,11 @@ void TestSumSquares(bool quick) {
           g[where] = poison.value;
           AdamConfig config;
           config.keep_nonfinite = keep;
-          AdamBuffers b;
-          b.size = n;
-          b.master_in = b.master_out = p.data();
-          b.mu_in = b.mu_out = m.data();
-          b.nu_in = b.nu_out = v.data();
-          b.grad = g.data();
+          AdamBuffers b = InPlace(p, m, v, g);
           const double sum =
               AdamStepSumSquaresRange(MakeAdamConstants(config), b, 0, n, isa);
-          const bool ok = poison.nan ? std::isnan(sum)
-                                     : std::isinf(sum) && sum > 0;
+          const bool ok =
+              poison.nan ? std::isnan(sum) : std::isinf(sum) && sum > 0;
           char context[64];
           std::snprintf(context, sizeof(context), "%s keep=%d g=%g at %lld",
                         IsaName(isa), keep, poison.value,
@@ -941,8 +935,8 @@ void TestPrefetchPolicies() {
   Check(!ParsePrefetch("T0", &parsed) && !ParsePrefetch("t1", &parsed),
         "unknown prefetch names are refused", "T0, t1");
   const int64_t n = 4099;  // Not a whole number of lines or vectors.
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon,
-                  Isa::kSve}) {
+  for (Isa isa :
+       {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
     if (!IsaAvailable(isa)) continue;
     std::vector<uint32_t> first;
     bool same = true;
@@ -958,12 +952,7 @@ void TestPrefetchPolicies() {
       }
       AdamConfig config;
       config.weight_decay = 0.01f;
-      AdamBuffers b;
-      b.size = n;
-      b.master_in = b.master_out = p.data();
-      b.mu_in = b.mu_out = m.data();
-      b.nu_in = b.nu_out = v.data();
-      b.grad = g.data();
+      AdamBuffers b = InPlace(p, m, v, g);
       b.lowp_type = ElementType::kBF16;
       b.lowp_out = lowp.data();
       b.prefetch = policy;
@@ -987,7 +976,6 @@ void TestPrefetchPolicies() {
     Check(same, "every prefetch policy computes the same bits", IsaName(isa));
   }
 }
-
 
 // --- Review of the streamed speculative step (review_stream). ---
 
@@ -1049,17 +1037,17 @@ void TestStreamedSpeculationAttack() {
     int64_t master, mu, nu, kept;  // Bytes past a 64-byte boundary.
   };
   const Offsets kOffsets[] = {
-      {0, 0, 0, 0},   {4, 4, 4, 4},     {60, 60, 60, 60}, {32, 32, 32, 32},
-      {0, 0, 0, 4},   {0, 8, 0, 0},     {0, 0, 32, 0},    {4, 8, 12, 16},
+      {0, 0, 0, 0},  {4, 4, 4, 4}, {60, 60, 60, 60}, {32, 32, 32, 32},
+      {0, 0, 0, 4},  {0, 8, 0, 0}, {0, 0, 32, 0},    {4, 8, 12, 16},
       {0, 0, 0, -1},  // -1: no kept gradient (kept_grad null).
   };
-  const int64_t kSizes[] = {0,   1,   2,   15,  16,   17,   31,   33,  63,
-                            64,  65,  127, 129, 1000, 1031, 2053, 4099};
+  const int64_t kSizes[] = {0,  1,  2,   15,  16,   17,   31,   33,  63,
+                            64, 65, 127, 129, 1000, 1031, 2053, 4099};
   const ElementType kGradTypes[] = {ElementType::kF32, ElementType::kBF16,
                                     ElementType::kF16};
   int64_t streamed_cases = 0;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon,
-                  Isa::kSve}) {
+  for (Isa isa :
+       {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
     if (!IsaAvailable(isa)) continue;
     bool bits_ok = true, kept_ok = true, row_ok = true, guards_ok = true;
     bool sum_ok = true, again_ok = true, decision_ok = true;
@@ -1116,19 +1104,17 @@ void TestStreamedSpeculationAttack() {
                     float value;
                     uint16_t half;
                   } specials[] = {
-                      {0, nan, 0x7e00},
-                      {n - 1, inf, 0x7c00},
-                      {n / 2, -inf, 0xfc00},
-                      {n / 3, -0.0f, 0x8000},
+                      {0, nan, 0x7e00},        {n - 1, inf, 0x7c00},
+                      {n / 2, -inf, 0xfc00},   {n / 3, -0.0f, 0x8000},
                       {n / 4, 1e-40f, 0x0001},  // Subnormal in fp32 / f16.
                   };
                   if (n >= 8) {
                     for (const auto& s : specials) {
                       g32[s.at] = s.value;
-                      g16[s.at] = grad_type == ElementType::kF16
-                                      ? s.half
-                                      : static_cast<uint16_t>(Bits(s.value) >>
-                                                              16);
+                      g16[s.at] =
+                          grad_type == ElementType::kF16
+                              ? s.half
+                              : static_cast<uint16_t>(Bits(s.value) >> 16);
                     }
                   }
                   const void* grad = grad_type == ElementType::kF32
@@ -1180,9 +1166,8 @@ void TestStreamedSpeculationAttack() {
                       fail(decision_ok, "StreamableHead decision", context);
                     }
                     if (head >= 0 && e > b) {
-                      const int64_t want =
-                          std::min<int64_t>(e - b, (64 - ph(probe.master_out)) %
-                                                       64 / 4);
+                      const int64_t want = std::min<int64_t>(
+                          e - b, (64 - ph(probe.master_out)) % 64 / 4);
                       if (head != want) {
                         fail(decision_ok, "StreamableHead head", context);
                       }
@@ -1228,14 +1213,12 @@ void TestStreamedSpeculationAttack() {
                       fail(row_ok, "current row touched", context);
                     }
                     if (with_kept) {
-                      const float want =
-                          grad_type == ElementType::kF32
-                              ? g32[i]
-                              : Decode16(g16[i], grad_type);
-                      const bool same =
-                          std::isnan(want)
-                              ? std::isnan(kept[i])
-                              : Bits(kept[i]) == Bits(want);
+                      const float want = grad_type == ElementType::kF32
+                                             ? g32[i]
+                                             : Decode16(g16[i], grad_type);
+                      const bool same = std::isnan(want)
+                                            ? std::isnan(kept[i])
+                                            : Bits(kept[i]) == Bits(want);
                       if (!same) fail(kept_ok, "kept gradient", context);
                     }
                   }
@@ -1281,104 +1264,124 @@ void TestStreamedSpeculationAttack() {
         context);
 }
 
+// Double-buffered state (both rows) and bf16 gradients, at random.
+void FillPairs(uint64_t& rng, GuardedFloats& master, GuardedFloats& mu,
+               GuardedFloats& nu, std::vector<uint16_t>& g16) {
+  const int64_t n = static_cast<int64_t>(g16.size());
+  for (int64_t i = 0; i < 2 * n; ++i) {
+    master[i] = static_cast<float>(Uniform(rng));
+    mu[i] = static_cast<float>(Uniform(rng) * 0.01);
+    nu[i] = static_cast<float>((Uniform(rng) + 1.0) * 1e-4);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    g16[i] =
+        static_cast<uint16_t>(Bits(static_cast<float>(Uniform(rng))) >> 16);
+  }
+}
+
+// The speculative step of the bucket `segs` (laid end to end from
+// `starts`) in fixed chunks of `chunk` elements, as the handler splits it;
+// returns the pieces it took and how many of them could stream.
+std::pair<int64_t, int64_t> StepInChunks(const AdamConstants& k,
+                                         std::vector<PairBuffers>& segs,
+                                         const std::vector<int64_t>& starts,
+                                         int64_t chunk, int from, Isa isa) {
+  const int64_t n = starts.back();
+  int64_t pieces = 0, streamed = 0;
+  for (int64_t b = 0; b < n; b += chunk) {
+    const int64_t e = std::min(n, b + chunk);
+    for (size_t j = 0; j < segs.size(); ++j) {
+      const int64_t lo = std::max(b, starts[j]);
+      const int64_t hi = std::min(e, starts[j + 1]);
+      if (hi <= lo) continue;
+      const AdamBuffers probe =
+          RowStep(segs[j], from, segs[j].grad, ElementType::kBF16);
+      ++pieces;
+      streamed += StreamableHead(probe, lo - starts[j], hi - starts[j]) >= 0;
+      SpeculativeStepRange(k, segs[j], from, lo - starts[j], hi - starts[j],
+                           isa);
+    }
+  }
+  return {pieces, streamed};
+}
+
 // A bucket of odd leaves over more than one kChunkElements chunk, split as
 // the FFI handler splits it (chunks, then leaves), buffers 64-aligned: the
 // rows stream in every piece (the kept gradient where it shares their
 // alignment), and every element is the scalar step's, the kept gradient
 // exact.
+// One bucket of speculative steps from row `from` over chunks of `chunk`.
+void CheckBucketOverChunks(Isa isa, int from, int64_t chunk) {
+  std::vector<int64_t> sizes = {1, 15, 17, 3 * chunk / 2 + 7, 33, chunk / 2 + 1,
+                                5};
+  int64_t n = 0;
+  for (int64_t s : sizes) n += s;
+  std::vector<int64_t> starts = {0};
+  for (int64_t s : sizes) starts.push_back(starts.back() + s);
+  GuardedFloats master(2 * n, 0), mu(2 * n, 0), nu(2 * n, 0);
+  GuardedFloats kept(n, 0);
+  std::vector<uint16_t> g16(n);
+  uint64_t rng = 99 + from;
+  FillPairs(rng, master, mu, nu, g16);
+  const std::vector<float> before(master.data(), master.data() + 2 * n);
+  const std::vector<float> before_mu(mu.data(), mu.data() + 2 * n);
+  const std::vector<float> before_nu(nu.data(), nu.data() + 2 * n);
+  for (int64_t i = 0; i < n; ++i) kept[i] = -7.0f;
+  AdamConfig config;
+  config.learning_rate = 1e-3f;
+  const AdamConstants k = MakeAdamConstants(config);
+  std::vector<PairBuffers> segs(sizes.size());
+  for (size_t j = 0; j < sizes.size(); ++j) {
+    segs[j] = PairBuffers{sizes[j],
+                          n,
+                          master.data() + starts[j],
+                          mu.data() + starts[j],
+                          nu.data() + starts[j],
+                          g16.data() + starts[j],
+                          ElementType::kBF16,
+                          kept.data() + starts[j]};
+  }
+  const auto [pieces, streamed] =
+      StepInChunks(k, segs, starts, chunk, from, isa);
+  std::vector<float> rm(n), rmu(n), rnu(n);
+  AdamBuffers ref{n,
+                  before.data() + from * n,
+                  g16.data(),
+                  before_mu.data() + from * n,
+                  before_nu.data() + from * n,
+                  rm.data(),
+                  rmu.data(),
+                  rnu.data()};
+  ref.grad_type = ElementType::kBF16;
+  AdamStepRange(k, ref, 0, n, Isa::kScalar);
+  bool same = true, kept_exact = true;
+  const int64_t out = (1 - from) * n;
+  for (int64_t i = 0; i < n; ++i) {
+    same &= Bits(master[out + i]) == Bits(rm[i]) &&
+            Bits(mu[out + i]) == Bits(rmu[i]) &&
+            Bits(nu[out + i]) == Bits(rnu[i]);
+    kept_exact &= Bits(kept[i]) == (static_cast<uint32_t>(g16[i]) << 16);
+  }
+  char context[96];
+  std::snprintf(context, sizeof(context),
+                "isa=%s from=%d n=%lld %lld/%lld pieces streamed", IsaName(isa),
+                from, static_cast<long long>(n),
+                static_cast<long long>(streamed),
+                static_cast<long long>(pieces));
+  Check(same, "chunked bucket: rows are the scalar step's", context);
+  Check(kept_exact, "chunked bucket: kept gradient exact", context);
+  Check(master.GuardsIntact() && mu.GuardsIntact() && nu.GuardsIntact() &&
+            kept.GuardsIntact(),
+        "chunked bucket: no write outside", context);
+  // Each piece's three rows share their phase: all stream.
+  Check(streamed == pieces, "chunked bucket: every piece streams", context);
+}
+
 void TestStreamedBucketOverChunks(bool quick) {
   const int64_t chunk = quick ? 4099 : kChunkElements;
   for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kScalar}) {
     if (!IsaAvailable(isa)) continue;
-    for (int from : {0, 1}) {
-      std::vector<int64_t> sizes = {1, 15, 17, 3 * chunk / 2 + 7, 33,
-                                    chunk / 2 + 1, 5};
-      int64_t n = 0;
-      for (int64_t s : sizes) n += s;
-      std::vector<int64_t> starts = {0};
-      for (int64_t s : sizes) starts.push_back(starts.back() + s);
-      GuardedFloats master(2 * n, 0), mu(2 * n, 0), nu(2 * n, 0);
-      GuardedFloats kept(n, 0);
-      std::vector<uint16_t> g16(n);
-      uint64_t rng = 99 + from;
-      for (int64_t i = 0; i < 2 * n; ++i) {
-        master[i] = static_cast<float>(Uniform(rng));
-        mu[i] = static_cast<float>(Uniform(rng) * 0.01);
-        nu[i] = static_cast<float>((Uniform(rng) + 1.0) * 1e-4);
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        g16[i] = static_cast<uint16_t>(
-            Bits(static_cast<float>(Uniform(rng))) >> 16);
-      }
-      const std::vector<float> before(master.data(), master.data() + 2 * n);
-      const std::vector<float> before_mu(mu.data(), mu.data() + 2 * n);
-      const std::vector<float> before_nu(nu.data(), nu.data() + 2 * n);
-      for (int64_t i = 0; i < n; ++i) kept[i] = -7.0f;
-      AdamConfig config;
-      config.learning_rate = 1e-3f;
-      const AdamConstants k = MakeAdamConstants(config);
-      std::vector<PairBuffers> segs(sizes.size());
-      for (size_t j = 0; j < sizes.size(); ++j) {
-        PairBuffers& p = segs[j];
-        p.size = sizes[j];
-        p.row_stride = n;
-        p.master = master.data() + starts[j];
-        p.mu = mu.data() + starts[j];
-        p.nu = nu.data() + starts[j];
-        p.grad = g16.data() + starts[j];
-        p.grad_type = ElementType::kBF16;
-        p.kept_grad = kept.data() + starts[j];
-      }
-      int64_t pieces = 0, streamed = 0;
-      for (int64_t b = 0; b < n; b += chunk) {
-        const int64_t e = std::min(n, b + chunk);
-        for (size_t j = 0; j < sizes.size(); ++j) {
-          const int64_t lo = std::max(b, starts[j]);
-          const int64_t hi = std::min(e, starts[j + 1]);
-          if (hi <= lo) continue;
-          const AdamBuffers probe =
-              RowStep(segs[j], from, segs[j].grad, ElementType::kBF16);
-          ++pieces;
-          streamed += StreamableHead(probe, lo - starts[j], hi - starts[j]) >= 0;
-          SpeculativeStepRange(k, segs[j], from, lo - starts[j],
-                               hi - starts[j], isa);
-        }
-      }
-      std::vector<float> rm(n), rmu(n), rnu(n);
-      AdamBuffers ref;
-      ref.size = n;
-      ref.master_in = before.data() + from * n;
-      ref.mu_in = before_mu.data() + from * n;
-      ref.nu_in = before_nu.data() + from * n;
-      ref.master_out = rm.data();
-      ref.mu_out = rmu.data();
-      ref.nu_out = rnu.data();
-      ref.grad = g16.data();
-      ref.grad_type = ElementType::kBF16;
-      AdamStepRange(k, ref, 0, n, Isa::kScalar);
-      bool same = true, kept_exact = true;
-      const int64_t out = (1 - from) * n;
-      for (int64_t i = 0; i < n; ++i) {
-        same &= Bits(master[out + i]) == Bits(rm[i]) &&
-                Bits(mu[out + i]) == Bits(rmu[i]) &&
-                Bits(nu[out + i]) == Bits(rnu[i]);
-        kept_exact &= Bits(kept[i]) == (static_cast<uint32_t>(g16[i]) << 16);
-      }
-      char context[96];
-      std::snprintf(context, sizeof(context),
-                    "isa=%s from=%d n=%lld %lld/%lld pieces streamed",
-                    IsaName(isa), from, static_cast<long long>(n),
-                    static_cast<long long>(streamed),
-                    static_cast<long long>(pieces));
-      Check(same, "chunked bucket: rows are the scalar step's", context);
-      Check(kept_exact, "chunked bucket: kept gradient exact", context);
-      Check(master.GuardsIntact() && mu.GuardsIntact() && nu.GuardsIntact() &&
-                kept.GuardsIntact(),
-            "chunked bucket: no write outside", context);
-      // Each piece's three rows share their phase: all stream.
-      Check(streamed == pieces, "chunked bucket: every piece streams",
-            context);
-    }
+    for (int from : {0, 1}) CheckBucketOverChunks(isa, from, chunk);
   }
 }
 
@@ -1417,8 +1420,8 @@ void TestReseedBf16() {
     // Mostly ordinary weights, some of any bit pattern.
     if (i % 3 != 0) bits = (bits & 0x807fffffu) | (0x3c000000u + (i % 8 << 23));
     std::memcpy(&master[i], &bits, sizeof(bits));
-    const uint16_t near = std::isfinite(master[i]) ? NearestBf16(master[i])
-                                                   : bits >> 16;
+    const uint16_t near =
+        std::isfinite(master[i]) ? NearestBf16(master[i]) : bits >> 16;
     const int offset = static_cast<int>(SplitMix(rng) % 7) - 3;
     params[i] = i % 5 == 0 ? static_cast<uint16_t>(SplitMix(rng))
                            : static_cast<uint16_t>(near + offset);
@@ -1486,9 +1489,15 @@ int main(int argc, char** argv) {
     }
   }
   const int64_t big = quick ? (1 << 12) + 3 : (1 << 18) + 3;
-  RunCase(big, Case{ElementType::kF32, ElementType::kBF16, false, 0.1f, 0.0f, 1.0f}, 30);
-  RunCase(big, Case{ElementType::kBF16, ElementType::kNone, true, 0.0f, 0.0f, 0.25f}, 30);
-  RunCase(big, Case{ElementType::kF16, ElementType::kF16, false, 0.01f, 1e-10f, 1.0f}, 30);
-  std::printf("%d passed, %d failed\n", g_passed, g_failed);
-  return g_failed == 0 ? 0 : 1;
+  RunCase(big,
+          Case{ElementType::kF32, ElementType::kBF16, false, 0.1f, 0.0f, 1.0f},
+          30);
+  RunCase(big,
+          Case{ElementType::kBF16, ElementType::kNone, true, 0.0f, 0.0f, 0.25f},
+          30);
+  RunCase(
+      big,
+      Case{ElementType::kF16, ElementType::kF16, false, 0.01f, 1e-10f, 1.0f},
+      30);
+  return Report();
 }

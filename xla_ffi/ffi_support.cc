@@ -21,21 +21,6 @@
 namespace jax_superoffload {
 namespace {
 
-// Layout of the f32 scalars buffer's last dimension.
-enum ScalarIndex : int64_t {
-  kLearningRate = 0,
-  kB1,
-  kOneMinusB1,
-  kB2,
-  kOneMinusB2,
-  kEps,
-  kEpsRoot,
-  kWeightDecay,
-  kGradScale,
-  kNumScalars,
-};
-static_assert(kNumScalars == kNumScalarsPerSet, "see ffi_support.h");
-
 // Whether two 16-bit floats are equal or adjacent. A low-precision update
 // cannot always land exactly on the rounded master (a weight that crosses
 // zero or more than halves), so a parameter one unit in the last place away
@@ -55,21 +40,6 @@ ffi::Error InvalidArgument(const std::string& message) {
 
 namespace {
 
-constexpr char kHostThreadsVariable[] = "JAX_SUPEROFFLOAD_HOST_THREADS";
-
-// The thread count `value` (JAX_SUPEROFFLOAD_HOST_THREADS) asks for: 0 when
-// unset or empty, -1 unless it is only the digits of a number from 1 to
-// 4096.
-int64_t ParseThreads(const char* value) {
-  if (value == nullptr || *value == '\0') return 0;
-  int64_t n = 0;
-  for (const char* c = value; *c != '\0'; ++c) {
-    if (*c < '0' || *c > '9' || n > 4096) return -1;
-    n = 10 * n + (*c - '0');
-  }
-  return (n >= 1 && n <= 4096) ? n : -1;
-}
-
 // The CPUs the calling thread may run on (its affinity mask, which the
 // helpers it starts inherit), at least 1.
 int64_t AllowedCpus() {
@@ -84,94 +54,37 @@ int64_t AllowedCpus() {
 
 }  // namespace
 
-int64_t OwnHelperThreads(int64_t pool_threads) {
-  const int64_t requested = ParseThreads(std::getenv(kHostThreadsVariable));
+int64_t ParseThreads(const char* value) {
+  if (value == nullptr || *value == '\0') return 0;
+  int64_t n = 0;
+  for (const char* c = value; *c != '\0'; ++c) {
+    if (*c < '0' || *c > '9' || n > 4096) return -1;
+    n = 10 * n + (*c - '0');
+  }
+  return (n >= 1 && n <= 4096) ? n : -1;
+}
+
+int64_t OwnHelperThreads(int64_t requested, int64_t pool_threads) {
   if (requested > 0) return requested - 1;
   if (pool_threads > 1) return -1;
   return AllowedCpus() - 1;
 }
 
-ffi::Error ReadEnvironment(Prefetch* out) {
-  const char* threads = std::getenv(kHostThreadsVariable);
-  if (ParseThreads(threads) < 0) {
-    return InvalidArgument(std::string(kHostThreadsVariable) +
-                           " must be a whole number from 1 to 4096 or "
-                           "unset, not '" +
-                           threads + "'");
+ffi::Error ReadPrefetch(std::string_view name, Prefetch* out) {
+  if (ParsePrefetch(std::string(name).c_str(), out)) {
+    return ffi::Error::Success();
   }
-  const char* name = std::getenv("JAX_SUPEROFFLOAD_PREFETCH");
-  if (ParsePrefetch(name, out)) return ffi::Error::Success();
-  return InvalidArgument(std::string("JAX_SUPEROFFLOAD_PREFETCH must be t0, "
-                                     "nta, none or unset, not '") +
-                         name + "'");
+  return InvalidArgument("prefetch must be t0, nta or none, not '" +
+                         std::string(name) + "'");
 }
 
 bool ToElementType(ffi::DataType dtype, ElementType* out) {
-  switch (dtype) {
-    case ffi::DataType::F32:
-      *out = ElementType::kF32;
-      return true;
-    case ffi::DataType::BF16:
-      *out = ElementType::kBF16;
-      return true;
-    case ffi::DataType::F16:
-      *out = ElementType::kF16;
-      return true;
-    default:
-      return false;
-  }
-}
-
-namespace {
-
-// Scalar set s of `count` and `scalars` (in ScalarIndex order) as constants.
-void ConfigFromScalars(const int32_t* count, const float* scalars,
-                       bool nesterov, bool keep_nonfinite, int64_t s,
-                       AdamConstants* out) {
-  const float* x = scalars + s * kNumScalars;
-  AdamConfig config;
-  config.learning_rate = x[kLearningRate];
-  config.b1 = x[kB1];
-  config.one_minus_b1 = x[kOneMinusB1];
-  config.b2 = x[kB2];
-  config.one_minus_b2 = x[kOneMinusB2];
-  config.eps = x[kEps];
-  config.eps_root = x[kEpsRoot];
-  config.weight_decay = x[kWeightDecay];
-  config.grad_scale = x[kGradScale];
-  config.nesterov = nesterov;
-  config.keep_nonfinite = keep_nonfinite;
-  config.count = count[s];
-  *out = MakeAdamConstants(config);
-}
-
-}  // namespace
-
-// Checks the scalars and splits the arrays into one block per scalar set.
-ffi::Error ReadScalarSets(ffi::Buffer<ffi::S32> count,
-                          ffi::Buffer<ffi::F32> scalars, bool nesterov,
-                          int64_t size, std::vector<AdamConstants>* sets,
-                          int64_t* block, bool keep_nonfinite) {
-  const int64_t num_sets = static_cast<int64_t>(count.element_count());
-  if (num_sets < 1 ||
-      static_cast<int64_t>(scalars.element_count()) != num_sets * kNumScalars) {
-    return InvalidArgument("expected " + std::to_string(kNumScalars) +
-                           " scalars per count, got " +
-                           std::to_string(scalars.element_count()) + " for " +
-                           std::to_string(num_sets) + " counts");
-  }
-  if (size % num_sets != 0) {
-    return InvalidArgument("array size " + std::to_string(size) +
-                           " is not a multiple of the scalar sets " +
-                           std::to_string(num_sets));
-  }
-  *block = size / num_sets;
-  sets->resize(num_sets);
-  for (int64_t s = 0; s < num_sets; ++s) {
-    ConfigFromScalars(count.typed_data(), scalars.typed_data(), nesterov,
-                      keep_nonfinite, s, &(*sets)[s]);
-  }
-  return ffi::Error::Success();
+  static constexpr std::pair<ffi::DataType, ElementType> kTypes[] = {
+      {ffi::DataType::F32, ElementType::kF32},
+      {ffi::DataType::BF16, ElementType::kBF16},
+      {ffi::DataType::F16, ElementType::kF16},
+  };
+  return LookUp(kTypes, dtype, out);
 }
 
 ffi::Error LeafError(size_t j, const std::string& message) {
@@ -198,9 +111,7 @@ ffi::Error GetTyped(ffi::RemainingArgs& args, int64_t k, int64_t run, size_t j,
                     int64_t n, const char* what, const void** data,
                     ElementType* type) {
   ffi::AnyBuffer buffer(nullptr);
-  if (ffi::Error e = GetArg(args, k, run, j, n, &buffer); e.failure()) {
-    return e;
-  }
+  JSO_RETURN_IF_ERROR(GetArg(args, k, run, j, n, &buffer));
   if (!ToElementType(buffer.element_type(), type)) {
     return LeafError(j, std::string(what) + " dtype must be f32, bf16 or f16");
   }
@@ -300,41 +211,74 @@ std::vector<int64_t> Starts(const std::vector<int64_t>& sizes) {
   return starts;
 }
 
-AdamConstants ScalarSet::Read() const {
-  AdamConstants constants;
-  ConfigFromScalars(count, scalars, nesterov, keep_nonfinite, 0, &constants);
-  return constants;
+AdamConstants ScalarSet::Read(int64_t s) const {
+  AdamConfig config;
+  const float* x = scalars + s * kNumScalarsPerSet;
+  for (int64_t i = 0; i < kNumScalarsPerSet; ++i) {
+    config.*kPackedScalars[i].field = x[i];
+  }
+  config.nesterov = nesterov;
+  config.keep_nonfinite = keep_nonfinite;
+  config.count = count[s];
+  return MakeAdamConstants(config);
 }
 
-ffi::Error CheckOneScalarSet(ffi::Buffer<ffi::S32> count,
-                             ffi::Buffer<ffi::F32> scalars, bool nesterov,
-                             bool keep_nonfinite, ScalarSet* out) {
-  if (count.element_count() != 1 ||
-      static_cast<int64_t>(scalars.element_count()) != kNumScalars) {
-    return InvalidArgument("expected one count and " +
-                           std::to_string(kNumScalars) + " scalars, got " +
-                           std::to_string(count.element_count()) + " and " +
-                           std::to_string(scalars.element_count()) +
-                           " (leaves cannot be batched)");
+std::vector<AdamConstants> ScalarSet::ReadAll() const {
+  std::vector<AdamConstants> sets(num_sets);
+  for (int64_t s = 0; s < num_sets; ++s) sets[s] = Read(s);
+  return sets;
+}
+
+namespace {
+
+ffi::Error CheckBatchedSets(int64_t num_sets, int64_t num_scalars,
+                            int64_t size) {
+  if (num_sets < 1 || num_scalars != num_sets * kNumScalarsPerSet) {
+    return InvalidArgument("expected " + std::to_string(kNumScalarsPerSet) +
+                           " scalars per count, got " +
+                           std::to_string(num_scalars) + " for " +
+                           std::to_string(num_sets) + " counts");
   }
-  out->count = count.typed_data();
-  out->scalars = scalars.typed_data();
-  out->nesterov = nesterov;
-  out->keep_nonfinite = keep_nonfinite;
+  if (size % num_sets != 0) {
+    return InvalidArgument("array size " + std::to_string(size) +
+                           " is not a multiple of the scalar sets " +
+                           std::to_string(num_sets));
+  }
   return ffi::Error::Success();
 }
 
-ffi::Error BucketSetup(ffi::Buffer<ffi::S32> count,
-                       ffi::Buffer<ffi::F32> scalars, bool nesterov,
-                       bool keep_nonfinite, const std::vector<int64_t>& starts,
-                       ffi::ResultBuffer<ffi::F32>& sumsq, ScalarSet* set,
-                       int64_t* num_chunks) {
-  if (ffi::Error error =
-          CheckOneScalarSet(count, scalars, nesterov, keep_nonfinite, set);
-      error.failure()) {
-    return error;
+}  // namespace
+
+ffi::Error CheckScalarSets(Counts count, Scalars scalars,
+                           const BucketAttrs& attrs, int64_t batched_size,
+                           ScalarSet* out) {
+  const int64_t num_sets = static_cast<int64_t>(count.element_count());
+  const int64_t num_scalars = static_cast<int64_t>(scalars.element_count());
+  if (batched_size >= 0) {
+    JSO_RETURN_IF_ERROR(CheckBatchedSets(num_sets, num_scalars, batched_size));
+  } else if (num_sets != 1 || num_scalars != kNumScalarsPerSet) {
+    return InvalidArgument(
+        "expected one count and " + std::to_string(kNumScalarsPerSet) +
+        " scalars, got " + std::to_string(num_sets) + " and " +
+        std::to_string(num_scalars) + " (leaves cannot be batched)");
   }
-  if (sumsq->element_count() != 1) return InvalidArgument("sumsq is a scalar");
+  out->count = count.typed_data();
+  out->scalars = scalars.typed_data();
+  out->num_sets = num_sets;
+  out->nesterov = attrs.nesterov;
+  out->keep_nonfinite = attrs.keep_nonfinite;
+  return ffi::Error::Success();
+}
+
+ffi::Error BucketSetup(Counts count, Scalars scalars, const BucketAttrs& attrs,
+                       const std::vector<int64_t>& starts, SumSq* sumsq,
+                       bool batched, ScalarSet* set, int64_t* num_chunks) {
+  JSO_RETURN_IF_ERROR(CheckScalarSets(count, scalars, attrs,
+                                      batched ? starts.back() : -1, set));
+  // A batched call's sum of squares is batched too: one per set.
+  if (static_cast<int64_t>((*sumsq)->element_count()) != set->num_sets) {
+    return InvalidArgument("sumsq must have one element per scalar set");
+  }
   *num_chunks = (starts.back() + kChunkElements - 1) / kChunkElements;
   return ffi::Error::Success();
 }

@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -22,19 +23,70 @@
 #include "xla_ffi/adam_kernel.h"
 #include "xla_ffi/host_pool.h"
 
+// Returns the ffi::Error of `expr` from the enclosing function if it failed.
+#define JSO_RETURN_IF_ERROR(expr)                                    \
+  do {                                                               \
+    if (::xla::ffi::Error jso_error = (expr); jso_error.failure()) { \
+      return jso_error;                                              \
+    }                                                                \
+  } while (0)
+
 namespace jax_superoffload {
 
 namespace ffi = xla::ffi;
 
+// The operands of the bucket handlers, by their job: the step counts
+// (s32, one per scalar set), f32 scalars (kPackedScalars per set), an s32
+// flag (a row, skip, ...), and the f32 sum of squares they return.
+using Counts = ffi::Buffer<ffi::S32>;
+using Scalars = ffi::Buffer<ffi::F32>;
+using Flag = ffi::Buffer<ffi::S32>;
+using SumSq = ffi::ResultBuffer<ffi::F32>;
+
+// The attributes of every bucket handler, fixed when the call is traced
+// (grace_adam.py passes them all to each). A handler ignores those it has
+// no use for.
+struct BucketAttrs {
+  bool nesterov;
+  bool keep_nonfinite;
+  bool compute_sumsq;
+  int64_t num_leaves;
+  bool reseed;
+  bool quantized;
+  // The kernel's software prefetch: t0, nta or none (PrefetchName).
+  std::string_view prefetch;
+  // Threads in all a step asks for (0: the default; see OwnHelperThreads).
+  int64_t host_threads;
+};
+
+}  // namespace jax_superoffload
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::jax_superoffload::BucketAttrs, ::xla::ffi::StructMember<bool>("nesterov"),
+    ::xla::ffi::StructMember<bool>("keep_nonfinite"),
+    ::xla::ffi::StructMember<bool>("compute_sumsq"),
+    ::xla::ffi::StructMember<int64_t>("num_leaves"),
+    ::xla::ffi::StructMember<bool>("reseed"),
+    ::xla::ffi::StructMember<bool>("quantized"),
+    ::xla::ffi::StructMember<std::string_view>("prefetch"),
+    ::xla::ffi::StructMember<int64_t>("host_threads"));
+
+namespace jax_superoffload {
+
 // How many helper threads a step takes from the process's HostPool beside
-// the caller, or -1 when it uses XLA's intra-op pool. JAX_SUPEROFFLOAD_HOST_
-// THREADS=N asks for N threads in all. Otherwise XLA's pool, when it has
-// more than one thread (XLA:CPU); where XLA hands the kernel a one-thread
-// pool (the GPU plugin's host compute ran it at about one core's speed on
-// an H200 machine), or none (a step ordered on a GPU stream, pool_threads
-// 0), up to the CPUs the calling thread may run on. A malformed value counts
-// as unset here; ReadEnvironment reports it.
-int64_t OwnHelperThreads(int64_t pool_threads);
+// the caller, or -1 when it uses XLA's intra-op pool. `requested` (the
+// host_threads attribute, which JAX_SUPEROFFLOAD_HOST_THREADS sets) > 0
+// asks for that many threads in all. Otherwise XLA's pool, when it has more
+// than one thread (XLA:CPU); where XLA hands the kernel a one-thread pool
+// (the GPU plugin's host compute ran it at about one core's speed on an
+// H200 machine), or none (a step ordered on a GPU stream, pool_threads 0),
+// up to the CPUs the calling thread may run on.
+int64_t OwnHelperThreads(int64_t requested, int64_t pool_threads);
+
+// The thread count `value` (JAX_SUPEROFFLOAD_HOST_THREADS) asks for: 0 when
+// unset or empty, -1 unless it is only the digits of a number from 1 to
+// 4096.
+int64_t ParseThreads(const char* value);
 
 // Runs fn(chunk) for chunk in [0, num_chunks) on the calling thread and up
 // to `helpers` tasks handed to `schedule`. The caller takes chunks too, so
@@ -75,15 +127,15 @@ void RunChunks(const Schedule& schedule, int64_t helpers, int64_t num_chunks,
   shared->all_done.wait(lock, [&] { return shared->done == num_chunks; });
 }
 
-// RunChunks on the process's pool, with OwnHelperThreads(pool_threads)
-// helpers (pool_threads: the threads of XLA's pool, 0 where there is none).
+// RunChunks on the process's pool, with OwnHelperThreads helpers (pool_threads:
+// the threads of XLA's pool, 0 where there is none).
 template <class Fn>
-void RunChunksOnHostPool(int64_t pool_threads, int64_t num_chunks,
-                         const Fn& fn) {
+void RunChunksOnHostPool(int64_t requested, int64_t pool_threads,
+                         int64_t num_chunks, const Fn& fn) {
   HostPool& host = HostPool::Process();
-  const int64_t want =
-      std::min<int64_t>(std::max<int64_t>(OwnHelperThreads(pool_threads), 0),
-                        num_chunks - 1);
+  const int64_t want = std::min<int64_t>(
+      std::max<int64_t>(OwnHelperThreads(requested, pool_threads), 0),
+      num_chunks - 1);
   const int64_t helpers = want > 0 ? std::min(want, host.Reserve(want)) : 0;
   RunChunks([&host](auto task) { host.Schedule(std::move(task)); }, helpers,
             num_chunks, fn);
@@ -93,6 +145,7 @@ void RunChunksOnHostPool(int64_t pool_threads, int64_t num_chunks,
 // handlers) or only the process's pool (a step run from a GPU stream).
 struct Workers {
   ffi::ThreadPool* xla = nullptr;
+  int64_t host_threads = 0;  // The call's host_threads attribute.
 };
 
 // RunChunks on XLA's pool where it has more than one thread and nothing
@@ -105,8 +158,8 @@ void ParallelChunks(Workers workers, int64_t num_chunks, const Fn& fn) {
   }
   const int64_t pool_threads =
       workers.xla == nullptr ? 0 : workers.xla->num_threads();
-  if (OwnHelperThreads(pool_threads) >= 0) {
-    RunChunksOnHostPool(pool_threads, num_chunks, fn);
+  if (OwnHelperThreads(workers.host_threads, pool_threads) >= 0) {
+    RunChunksOnHostPool(workers.host_threads, pool_threads, num_chunks, fn);
     return;
   }
   ffi::ThreadPool& pool = *workers.xla;
@@ -114,24 +167,24 @@ void ParallelChunks(Workers workers, int64_t num_chunks, const Fn& fn) {
             pool_threads - 1, num_chunks, fn);
 }
 
-template <class Fn>
-void ParallelChunks(ffi::ThreadPool& pool, int64_t num_chunks, const Fn& fn) {
-  ParallelChunks(Workers{&pool}, num_chunks, fn);
-}
-
 ffi::Error InvalidArgument(const std::string& message);
 
-// The kernel's prefetch policy, or the one JAX_SUPEROFFLOAD_PREFETCH names
-// (t0, nta or none), for experiments; and an error for a malformed
-// JAX_SUPEROFFLOAD_HOST_THREADS (see OwnHelperThreads). Read on every call:
-// the environment is the only state, and a getenv costs nothing beside a
-// step.
-ffi::Error ReadEnvironment(Prefetch* out);
+// The prefetch policy an attribute names (t0, nta or none), or an error.
+ffi::Error ReadPrefetch(std::string_view name, Prefetch* out);
+
+// The value `table` pairs with `key`, into `out`; false where none does.
+template <class Key, class Value, size_t kSize>
+bool LookUp(const std::pair<Key, Value> (&table)[kSize], Key key, Value* out) {
+  for (const auto& [k, v] : table) {
+    if (k == key) {
+      *out = v;
+      return true;
+    }
+  }
+  return false;
+}
 
 bool ToElementType(ffi::DataType dtype, ElementType* out);
-
-// Scalars per set in the f32 scalars operand (ScalarIndex in the .cc).
-inline constexpr int64_t kNumScalarsPerSet = 9;
 
 // Bytes of `n` elements of `type` (0 for kNone).
 inline int64_t ElementBytes(ElementType type, int64_t n) {
@@ -146,12 +199,6 @@ inline int64_t ElementBytes(ElementType type, int64_t n) {
   }
 }
 
-// Checks the scalars and splits the arrays into one block per scalar set.
-ffi::Error ReadScalarSets(ffi::Buffer<ffi::S32> count,
-                          ffi::Buffer<ffi::F32> scalars, bool nesterov,
-                          int64_t size, std::vector<AdamConstants>* sets,
-                          int64_t* block, bool keep_nonfinite = false);
-
 // The per-leaf buffers of a bucket arrive as runs of `num_leaves` buffers
 // each in the variadic operands and results (all masters, then all mu, ...),
 // so the state of every leaf is its own array, shaped like its parameter,
@@ -164,11 +211,11 @@ class LeafRuns {
   // Checks that there are `args` runs of operands and `rets` of results.
   ffi::Error Expect(int64_t args, int64_t rets) const {
     if (k_ < 0 || num_args_ != args * k_ || num_rets_ != rets * k_) {
-      return InvalidArgument(
-          "expected " + std::to_string(args) + " and " + std::to_string(rets) +
-          " runs of " + std::to_string(k_) + " leaves, got " +
-          std::to_string(num_args_) + " operands and " +
-          std::to_string(num_rets_) + " results");
+      return InvalidArgument("expected " + std::to_string(args) + " and " +
+                             std::to_string(rets) + " runs of " +
+                             std::to_string(k_) + " leaves, got " +
+                             std::to_string(num_args_) + " operands and " +
+                             std::to_string(num_rets_) + " results");
     }
     return ffi::Error::Success();
   }
@@ -206,6 +253,16 @@ void TotalInChunkOrder(const std::vector<double>& partial, float* sumsq);
 ffi::Error GetRet(ffi::RemainingRets& rets, int64_t k, int64_t run, size_t j,
                   int64_t n, void** data, ElementType* type = nullptr);
 
+// GetRet's data as a `T*`.
+template <class T>
+ffi::Error GetRetAs(ffi::RemainingRets& rets, int64_t k, int64_t run, size_t j,
+                    int64_t n, T** data) {
+  void* out = nullptr;
+  JSO_RETURN_IF_ERROR(GetRet(rets, k, run, j, n, &out));
+  *data = static_cast<T*>(out);
+  return ffi::Error::Success();
+}
+
 ffi::Error F32(const ffi::AnyBuffer& buffer, size_t j, const char* what);
 
 // How far a 16-bit parameter may be from the master and still be the one
@@ -235,15 +292,14 @@ void ReseedRange(const float* master, const void* params, ElementType type,
 // still in L1/L2: the parameters' read is then the only traffic re-seeding
 // adds. Returns the sum of what the steps return.
 template <class Step>
-double ReseedThenStep(const float* master, const void* params,
-                      ElementType type, const AdamConstants& constants,
-                      float* out, int64_t begin, int64_t end, Isa isa,
-                      const Step& step) {
+double ReseedThenStep(const float* master, const void* params, ElementType type,
+                      const AdamConstants& constants, float* out, int64_t begin,
+                      int64_t end, Isa isa, const Step& step) {
   double total = 0.0;
   for (int64_t from = begin; from < end; from += kReseedBlock) {
     const int64_t to = std::min(end, from + kReseedBlock);
-    ReseedRange(master, params, type, ReseedTolerance(constants), out, from,
-                to, isa);
+    ReseedRange(master, params, type, ReseedTolerance(constants), out, from, to,
+                isa);
     total += step(from, to);
   }
   return total;
@@ -271,29 +327,34 @@ void ForEachPiece(Pool&& pool, const std::vector<int64_t>& starts,
 
 std::vector<int64_t> Starts(const std::vector<int64_t>& sizes);
 
-// One scalar set, checked for its sizes while decoding and read (`Read`)
-// when the step runs: on a GPU stream its values are written by copies
-// that have not run yet when the handler is called.
+// The scalar sets of a call, checked for their sizes while decoding and
+// read (`Read`) when the step runs: on a GPU stream their values are
+// written by copies that have not run yet when the handler is called.
 struct ScalarSet {
   const int32_t* count = nullptr;
   const float* scalars = nullptr;
+  int64_t num_sets = 1;
   bool nesterov = false;
   bool keep_nonfinite = false;
 
-  AdamConstants Read() const;
+  // Set s as constants (its count and kPackedScalars).
+  AdamConstants Read(int64_t s) const;
+  std::vector<AdamConstants> ReadAll() const;
 };
 
-ffi::Error CheckOneScalarSet(ffi::Buffer<ffi::S32> count,
-                             ffi::Buffer<ffi::F32> scalars, bool nesterov,
-                             bool keep_nonfinite, ScalarSet* out);
+// Checks count (s32[S]) and scalars (f32[S * kNumScalarsPerSet]). S is 1
+// unless `batched_size` >= 0: the elements of a batched (vmapped) leaf,
+// whose S equal blocks take one set each.
+ffi::Error CheckScalarSets(Counts count, Scalars scalars,
+                           const BucketAttrs& attrs, int64_t batched_size,
+                           ScalarSet* out);
 
-// A bucket's scalar set and its f32[1] sum of squares checked, and the
-// number of fixed work chunks over its `starts.back()` elements.
-ffi::Error BucketSetup(ffi::Buffer<ffi::S32> count,
-                       ffi::Buffer<ffi::F32> scalars, bool nesterov,
-                       bool keep_nonfinite, const std::vector<int64_t>& starts,
-                       ffi::ResultBuffer<ffi::F32>& sumsq, ScalarSet* set,
-                       int64_t* num_chunks);
+// A bucket's scalar sets (several only where `batched`: one leaf) and its
+// sum of squares (f32, one per set) checked, and the number of fixed work
+// chunks over its `starts.back()` elements.
+ffi::Error BucketSetup(Counts count, Scalars scalars, const BucketAttrs& attrs,
+                       const std::vector<int64_t>& starts, SumSq* sumsq,
+                       bool batched, ScalarSet* set, int64_t* num_chunks);
 
 }  // namespace jax_superoffload
 

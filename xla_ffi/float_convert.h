@@ -49,7 +49,8 @@ inline float F16BitsToFloat(uint16_t h) {
     return BitsToFloat(sign | 0x7f800000u | quiet | (mantissa << 13));
   }
   if (exponent == 0) {  // Zero or subnormal: mantissa * 2^-24 is exact.
-    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    const float magnitude =
+        static_cast<float>(mantissa) * 5.9604644775390625e-8f;
     return BitsToFloat(sign | FloatBits(magnitude));
   }
   return BitsToFloat(sign | ((exponent + 112u) << 23) | (mantissa << 13));

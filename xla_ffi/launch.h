@@ -54,6 +54,23 @@ class Launch {
   virtual ffi::Error Run(Work work) = 0;
 };
 
+// The count and scalars of `set`, for a launch to place.
+inline std::vector<Touched> TouchScalars(ScalarSet& set) {
+  return {Touch(set.count, 4 * set.num_sets, Touched::Role::kInput),
+          Touch(set.scalars, 4 * kNumScalarsPerSet * set.num_sets,
+                Touched::Role::kInput)};
+}
+
+// Runs `work` through `launch` with the helper threads the call's
+// attributes ask for.
+inline ffi::Error RunWith(Launch& launch, const BucketAttrs& attrs, Work work) {
+  return launch.Run(
+      [threads = attrs.host_threads, work = std::move(work)](Workers workers) {
+        workers.host_threads = threads;
+        return work(workers);
+      });
+}
+
 class RunNow final : public Launch {
  public:
   explicit RunNow(ffi::ThreadPool* pool) : pool_(pool) {}
@@ -65,6 +82,39 @@ class RunNow final : public Launch {
  private:
   ffi::ThreadPool* pool_;
 };
+
+// `binding | BindArg<T>{}` is `binding.Arg<T>()`, so that a fold can append
+// a pack of operands (a Binding cannot be copied or moved from outside).
+template <class T>
+struct BindArg {};
+
+template <class Binding, class T>
+auto operator|(Binding&& binding, BindArg<T>) {
+  return std::move(binding).template Arg<T>();
+}
+
+// The binding of a bucket handler on `Context` (XLA:CPU's ffi::ThreadPool
+// or a CUDA stream's ffi::PlatformStream<void*>): the count and scalars,
+// the typed operands `Flags` it takes before its leaves, the leaves'
+// operands, an f32[1] sum of squares where `kSumsq`, the leaves' results,
+// and BucketAttrs.
+template <class Context, bool kSumsq, class... Flags>
+auto BucketBinding() {
+  auto args = (ffi::Ffi::Bind()
+                   .Ctx<Context>()
+                   .template Arg<Counts>()
+                   .template Arg<Scalars>() |
+               ... | BindArg<Flags>{})
+                  .RemainingArgs();
+  if constexpr (kSumsq) {
+    return std::move(args)
+        .template Ret<ffi::Buffer<ffi::F32>>()  // SumSq.
+        .RemainingRets()
+        .template Attrs<BucketAttrs>();
+  } else {
+    return std::move(args).RemainingRets().template Attrs<BucketAttrs>();
+  }
+}
 
 }  // namespace jax_superoffload
 

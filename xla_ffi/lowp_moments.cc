@@ -7,15 +7,8 @@
 namespace jax_superoffload {
 
 const char* MomentFormatName(MomentFormat format) {
-  switch (format) {
-    case MomentFormat::kF32:
-      return "f32";
-    case MomentFormat::kBF16:
-      return "bf16";
-    case MomentFormat::kQ8:
-      return "q8";
-  }
-  return "?";
+  static constexpr const char* kNames[] = {"f32", "bf16", "q8"};
+  return internal::EnumName(kNames, format, "?");
 }
 
 bool LowpFormatsSupported(MomentFormat mu, MomentFormat nu) {
@@ -30,9 +23,9 @@ const char* ValidateLowpMomentBuffers(const LowpMomentBuffers& b) {
     return "moment formats must be (bf16, f32), (bf16, bf16) or (q8, q8)";
   }
   if (b.size == 0) return nullptr;
-  if (b.master_in == nullptr || b.master_out == nullptr ||
-      b.grad == nullptr || b.mu_in == nullptr || b.mu_out == nullptr ||
-      b.nu_in == nullptr || b.nu_out == nullptr) {
+  if (b.master_in == nullptr || b.master_out == nullptr || b.grad == nullptr ||
+      b.mu_in == nullptr || b.mu_out == nullptr || b.nu_in == nullptr ||
+      b.nu_out == nullptr) {
     return "master, grad, mu and nu buffers must be set";
   }
   if (b.mu_format == MomentFormat::kQ8 &&
@@ -52,20 +45,8 @@ double LowpAdamStepRange(const AdamConstants& constants,
                          int64_t end, Isa isa, bool sum_squares) {
   if (begin >= end) return 0.0;
   if (!IsaAvailable(isa)) isa = Isa::kScalar;
-  switch (isa) {
-    case Isa::kAvx2:
-      return internal::LowpStepRangeAvx2(constants, buffers, begin, end,
-                                         sum_squares);
-    case Isa::kAvx512:
-      return internal::LowpStepRangeAvx512(constants, buffers, begin, end,
-                                           sum_squares);
-    case Isa::kNeon:
-      return internal::LowpStepRangeNeon(constants, buffers, begin, end,
-                                         sum_squares);
-    default:  // Scalar, and SVE (no low-precision loop of its own).
-      return internal::LowpStepRangeScalar(constants, buffers, begin, end,
-                                           sum_squares);
-  }
+  return internal::Entries(isa).lowp_step(constants, buffers, begin, end,
+                                          sum_squares);
 }
 
 }  // namespace jax_superoffload

@@ -212,9 +212,9 @@ double LowpBlockMath(const AdamConstants& k, const LowpMomentBuffers& b,
     for (int64_t lane = 0; lane < kLanes; ++lane) total += lanes[lane];
   }
   if constexpr (kLanes > 1) {
-    total += LowpBlockMath<ScalarOps, kGrad, kLowp, kNesterov, kDecay,
-                           kSumSquares>(k, b, start + i, n - i, mu + i,
-                                        nu + i);
+    total +=
+        LowpBlockMath<ScalarOps, kGrad, kLowp, kNesterov, kDecay, kSumSquares>(
+            k, b, start + i, n - i, mu + i, nu + i);
   }
   return total;
 }
@@ -232,8 +232,7 @@ JSO_INLINE void PrefetchBlock(const LowpMomentBuffers& b, int64_t start) {
 template <class Ops, ElementType kGrad, ElementType kLowp, bool kNesterov,
           bool kDecay, class MuCodec, class NuCodec, bool kSumSquares>
 double LowpLoop(const AdamConstants& constants,
-                const LowpMomentBuffers& buffers, int64_t begin,
-                int64_t end) {
+                const LowpMomentBuffers& buffers, int64_t begin, int64_t end) {
   const AdamConstants k = constants;  // Local copies, as in AdamLoop.
   const LowpMomentBuffers b = buffers;
   if constexpr (MuCodec::kElementwise && NuCodec::kElementwise) {
@@ -248,8 +247,8 @@ double LowpLoop(const AdamConstants& constants,
       const int64_t n = std::min(kQuantBlock, end - start);
       MuCodec::Decode(b.mu_in, b.mu_scale_in, start, n, mu);
       NuCodec::Decode(b.nu_in, b.nu_scale_in, start, n, nu);
-      total += LowpBlockMath<Ops, kGrad, kLowp, kNesterov, kDecay,
-                             kSumSquares>(k, b, start, n, mu, nu);
+      total += LowpBlockMath<Ops, kGrad, kLowp, kNesterov, kDecay, kSumSquares>(
+          k, b, start, n, mu, nu);
       MuCodec::Encode(mu, n, b.mu_out, b.mu_scale_out, start);
       NuCodec::Encode(nu, n, b.nu_out, b.nu_scale_out, start);
     }
@@ -266,8 +265,8 @@ double LowpDispatchFormats(const AdamConstants& k, const LowpMomentBuffers& b,
                     Q8Codec<false>, kSumSquares>(k, b, begin, end);
   }
   if (b.nu_format == MomentFormat::kBF16) {
-    return LowpLoop<Ops, kGrad, kLowp, kNesterov, kDecay, Bf16Codec,
-                    Bf16Codec, kSumSquares>(k, b, begin, end);
+    return LowpLoop<Ops, kGrad, kLowp, kNesterov, kDecay, Bf16Codec, Bf16Codec,
+                    kSumSquares>(k, b, begin, end);
   }
   return LowpLoop<Ops, kGrad, kLowp, kNesterov, kDecay, Bf16Codec, F32Codec,
                   kSumSquares>(k, b, begin, end);
@@ -343,21 +342,21 @@ double LowpDispatch(const AdamConstants& k, const LowpMomentBuffers& b,
 }  // namespace jax_superoffload
 
 // Defines the entry point of lowp_moments.h for a fixed-width Ops.
-#define JSO_DEFINE_LOWP_ISA(Name, Ops)                                      \
-  namespace jax_superoffload::internal {                                    \
-  double LowpStepRange##Name(const AdamConstants& k,                        \
-                             const LowpMomentBuffers& b, int64_t begin,     \
-                             int64_t end, bool sum_squares) {               \
-    return LowpDispatch<Ops>(k, b, begin, end, sum_squares);                \
-  }                                                                         \
+#define JSO_DEFINE_LOWP_ISA(Name, Ops)                                  \
+  namespace jax_superoffload::internal {                                \
+  double LowpStepRange##Name(const AdamConstants& k,                    \
+                             const LowpMomentBuffers& b, int64_t begin, \
+                             int64_t end, bool sum_squares) {           \
+    return LowpDispatch<Ops>(k, b, begin, end, sum_squares);            \
+  }                                                                     \
   }  // namespace jax_superoffload::internal
 
-#define JSO_DEFINE_MISSING_LOWP_ISA(Name)                                   \
-  namespace jax_superoffload::internal {                                    \
-  double LowpStepRange##Name(const AdamConstants&, const LowpMomentBuffers&,\
-                             int64_t, int64_t, bool) {                      \
-    return 0.0;                                                             \
-  }                                                                         \
+#define JSO_DEFINE_MISSING_LOWP_ISA(Name)                                    \
+  namespace jax_superoffload::internal {                                     \
+  double LowpStepRange##Name(const AdamConstants&, const LowpMomentBuffers&, \
+                             int64_t, int64_t, bool) {                       \
+    return 0.0;                                                              \
+  }                                                                          \
   }  // namespace jax_superoffload::internal
 
 #endif  // JAX_SUPEROFFLOAD_XLA_FFI_LOWP_MOMENTS_IMPL_H_

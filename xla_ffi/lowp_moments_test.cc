@@ -4,6 +4,8 @@
 //
 //   lowp_moments_test [--quick]
 
+#include "xla_ffi/lowp_moments.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -12,34 +14,11 @@
 
 #include "xla_ffi/adam_kernel.h"
 #include "xla_ffi/float_convert.h"
-#include "xla_ffi/lowp_moments.h"
 #include "xla_ffi/moment_codec.h"
+#include "xla_ffi/test_util.h"
 
 namespace jax_superoffload {
 namespace {
-
-int g_passed = 0;
-int g_failed = 0;
-
-void Check(bool ok, const char* what, const char* context) {
-  if (ok) {
-    ++g_passed;
-  } else {
-    ++g_failed;
-    std::printf("FAILED: %s [%s]\n", what, context);
-  }
-}
-
-uint64_t SplitMix(uint64_t& state) {
-  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-double Unit(uint64_t& state) {  // In [0, 1).
-  return static_cast<double>(SplitMix(state) >> 11) * 0x1.0p-53;
-}
 
 // The values of a 3-mantissa-bit magnitude code with exponent bias `bias`,
 // from the definition (moment_codec.h), for codes 0 .. count - 1.
@@ -72,8 +51,8 @@ void TestCodeMaps(bool quick) {
   bool exact = true;
   for (int c = 0; c < 128; ++c) {
     exact &= DecodeMu(static_cast<uint8_t>(c)) == static_cast<float>(mu[c]);
-    exact &= DecodeMu(static_cast<uint8_t>(c | 0x80)) ==
-             -static_cast<float>(mu[c]);
+    exact &=
+        DecodeMu(static_cast<uint8_t>(c | 0x80)) == -static_cast<float>(mu[c]);
   }
   for (int c = 0; c < 256; ++c) {
     exact &= DecodeNu(static_cast<uint8_t>(c)) == static_cast<float>(nu[c]);
@@ -84,7 +63,8 @@ void TestCodeMaps(bool quick) {
   bool mu_ok = true, nu_ok = true;
   for (int i = 0; i < n; ++i) {
     // Uniform exponents down to 2^-40, and every fifth a midpoint.
-    float y = static_cast<float>(std::ldexp(1.0 + Unit(rng), -1 - static_cast<int>(Unit(rng) * 40)));
+    float y = static_cast<float>(
+        std::ldexp(1.0 + Unit(rng), -1 - static_cast<int>(Unit(rng) * 40)));
     if (i % 5 == 0) {
       const int c = static_cast<int>(Unit(rng) * 247);
       y = static_cast<float>((nu[c] + nu[c + 1]) / 2);
@@ -98,8 +78,8 @@ void TestCodeMaps(bool quick) {
   Check(mu_ok, "mu codes are the nearest value, ties to even", "");
   Check(nu_ok, "nu codes are the nearest value, ties to even", "");
   Check(EncodeMu(1.0f) == 120u && EncodeNu(1.0f) == 248u, "1.0 codes", "");
-  Check(EncodeNu(std::nanf("")) == 0u &&
-            EncodeMu(std::nanf("")) == 0u && EncodeMu(-std::nanf("")) == 0u,
+  Check(EncodeNu(std::nanf("")) == 0u && EncodeMu(std::nanf("")) == 0u &&
+            EncodeMu(-std::nanf("")) == 0u,
         "NaN of either sign encodes as 0", "");
 }
 
@@ -114,7 +94,9 @@ struct Moment {
   std::vector<float> scales;
   Moment(MomentFormat f, int64_t n)
       : format(f),
-        bytes(n * (f == MomentFormat::kF32 ? 4 : f == MomentFormat::kBF16 ? 2 : 1)),
+        bytes(n * (f == MomentFormat::kF32    ? 4
+                   : f == MomentFormat::kBF16 ? 2
+                                              : 1)),
         scales((n + kQuantBlock - 1) / kQuantBlock, 0.0f) {}
   // Element i, dequantized (as the kernel reads it).
   float Get(int64_t i, bool is_mu) const {
@@ -180,21 +162,22 @@ Ref ReferenceStep(const AdamConfig& c, double g, double master, double mu,
   r.mu = b1 * mu + (1 - b1) * g;
   r.nu = b2 * nu + (1 - b2) * g * g;
   const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
-  const double mu_hat = c.nesterov
-                            ? b1 * r.mu / (1 - std::pow(b1, t + 1)) +
-                                  (1 - b1) * g / bc1
-                            : r.mu / bc1;
+  const double mu_hat =
+      c.nesterov ? b1 * r.mu / (1 - std::pow(b1, t + 1)) + (1 - b1) * g / bc1
+                 : r.mu / bc1;
   const double den = std::sqrt(r.nu / bc2) + c.eps;
-  r.master = master - c.learning_rate * (mu_hat / den + c.weight_decay * master);
+  r.master =
+      master - c.learning_rate * (mu_hat / den + c.weight_decay * master);
   // fp32 rounding of the kernel's few operations, relative to the terms.
   const double u = 0x1.0p-24;
   r.mu_tol = 4 * u * (std::fabs(b1 * mu) + std::fabs((1 - b1) * g));
   r.nu_tol = 4 * u * (b2 * nu + (1 - b2) * g * g);
-  const double mu_hat_mag =
-      (std::fabs(b1 * mu) + std::fabs((1 - b1) * g)) / bc1 * (c.nesterov ? 2 : 1);
-  r.master_tol = 8 * u * (std::fabs(master) +
-                          c.learning_rate * (mu_hat_mag / den +
-                                             std::fabs(c.weight_decay * master)));
+  const double mu_hat_mag = (std::fabs(b1 * mu) + std::fabs((1 - b1) * g)) /
+                            bc1 * (c.nesterov ? 2 : 1);
+  r.master_tol = 8 * u *
+                 (std::fabs(master) +
+                  c.learning_rate *
+                      (mu_hat_mag / den + std::fabs(c.weight_decay * master)));
   return r;
 }
 
@@ -251,13 +234,14 @@ void TestSteps(bool quick) {
           char context[96];
           std::snprintf(context, sizeof(context),
                         "mu=%s nu=%s n=%lld grad=%d nesterov=%d",
-                        MomentFormatName(format.mu), MomentFormatName(format.nu),
-                        static_cast<long long>(n), static_cast<int>(grad_type),
-                        nesterov);
+                        MomentFormatName(format.mu),
+                        MomentFormatName(format.nu), static_cast<long long>(n),
+                        static_cast<int>(grad_type), nesterov);
           uint64_t rng = 17 + n;
           State s{std::vector<float>(n), Moment(format.mu, n),
                   Moment(format.nu, n), std::vector<uint16_t>(n)};
-          for (int64_t i = 0; i < n; ++i) s.master[i] = static_cast<float>(Unit(rng) - 0.5);
+          for (int64_t i = 0; i < n; ++i)
+            s.master[i] = static_cast<float>(Unit(rng) - 0.5);
           // The other instruction sets' states, stepped alongside.
           std::vector<Isa> isas;
           for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
@@ -271,8 +255,9 @@ void TestSteps(bool quick) {
             std::vector<uint16_t> g16(n);
             const double octave = std::ldexp(1.0, -3 * step);  // Shrinking.
             for (int64_t i = 0; i < n; ++i) {
-              const double g = (Unit(rng) - 0.5) * octave *
-                               std::ldexp(1.0, static_cast<int>(Unit(rng) * 10) - 5);
+              const double g =
+                  (Unit(rng) - 0.5) * octave *
+                  std::ldexp(1.0, static_cast<int>(Unit(rng) * 10) - 5);
               g32[i] = static_cast<float>(g);
               g16[i] = FloatToBf16Bits(g32[i]);
             }
@@ -288,7 +273,8 @@ void TestSteps(bool quick) {
             std::vector<Ref> refs(n);
             for (int64_t i = 0; i < n; ++i) {
               const double g = grad_type == ElementType::kF32
-                                   ? g32[i] : Bf16BitsToFloat(g16[i]);
+                                   ? g32[i]
+                                   : Bf16BitsToFloat(g16[i]);
               refs[i] = ReferenceStep(config, g, s.master[i], s.mu.Get(i, true),
                                       s.nu.Get(i, false));
             }
@@ -309,7 +295,8 @@ void TestSteps(bool quick) {
                    return all;
                  }()) {
               identical &= o->master == s.master && o->lowp == s.lowp &&
-                           o->mu.bytes == s.mu.bytes && o->nu.bytes == s.nu.bytes &&
+                           o->mu.bytes == s.mu.bytes &&
+                           o->nu.bytes == s.nu.bytes &&
                            std::memcmp(o->mu.scales.data(), s.mu.scales.data(),
                                        4 * s.mu.scales.size()) == 0 &&
                            std::memcmp(o->nu.scales.data(), s.nu.scales.data(),
@@ -319,13 +306,15 @@ void TestSteps(bool quick) {
               const int64_t e = std::min(n, b + kQuantBlock);
               double mu_scale = 0, nu_scale = 0, mu_stol = 0, nu_stol = 0;
               for (int64_t i = b; i < e; ++i) {
-                if (std::fabs(refs[i].mu) > mu_scale) mu_scale = std::fabs(refs[i].mu);
+                if (std::fabs(refs[i].mu) > mu_scale)
+                  mu_scale = std::fabs(refs[i].mu);
                 if (refs[i].nu > nu_scale) nu_scale = refs[i].nu;
                 mu_stol = std::max(mu_stol, refs[i].mu_tol);
                 nu_stol = std::max(nu_stol, refs[i].nu_tol);
               }
               for (int64_t i = b; i < e; ++i) {
-                close &= std::fabs(s.master[i] - refs[i].master) <= refs[i].master_tol;
+                close &= std::fabs(s.master[i] - refs[i].master) <=
+                         refs[i].master_tol;
                 close &= StoredMatches(format.mu, true, s.mu, i, refs[i].mu,
                                        refs[i].mu_tol, mu_scale, mu_stol);
                 close &= StoredMatches(format.nu, false, s.nu, i, refs[i].nu,
@@ -344,8 +333,11 @@ void TestSteps(bool quick) {
 // A NaN gradient poisons its own 8-bit block only (scale NaN, codes 0).
 void TestNonFiniteBlock() {
   const int64_t n = 3 * kQuantBlock;
-  const Setup setup{n, {MomentFormat::kQ8, MomentFormat::kQ8},
-                    ElementType::kF32, false, 0.0f};
+  const Setup setup{n,
+                    {MomentFormat::kQ8, MomentFormat::kQ8},
+                    ElementType::kF32,
+                    false,
+                    0.0f};
   State s{std::vector<float>(n, 0.5f), Moment(MomentFormat::kQ8, n),
           Moment(MomentFormat::kQ8, n), std::vector<uint16_t>(n)};
   std::vector<float> g(n, 1e-3f);
@@ -372,6 +364,5 @@ int main(int argc, char** argv) {
   TestCodeMaps(quick);
   TestSteps(quick);
   TestNonFiniteBlock();
-  std::printf("%d passed, %d failed\n", g_passed, g_failed);
-  return g_failed == 0 ? 0 : 1;
+  return Report();
 }

@@ -60,8 +60,7 @@ inline uint32_t EncodeMagnitude(float y) {
   const uint32_t subnormal = FloatBits(y + magic) - FloatBits(magic);
   // Normal codes: the exponent rebiased, the mantissa rounded to 3 bits.
   const uint32_t rebiased = bits - ((127u - kBias) << 23);
-  const uint32_t normal =
-      (rebiased + 0x7ffffu + ((rebiased >> 20) & 1u)) >> 20;
+  const uint32_t normal = (rebiased + 0x7ffffu + ((rebiased >> 20) & 1u)) >> 20;
   const uint32_t code = bits < ((128u - kBias) << 23) ? subnormal : normal;
   return y >= 0.0f ? code : 0u;  // NaN: 0.
 }
@@ -70,8 +69,8 @@ template <uint32_t kBias>
 inline float DecodeMagnitude(uint32_t code) {
   const float subnormal = static_cast<float>(static_cast<int32_t>(code)) *
                           BitsToFloat((125u - kBias) << 23);
-  const uint32_t normal = (((code >> 3) + 127u - kBias) << 23) |
-                          ((code & 7u) << 20);
+  const uint32_t normal =
+      (((code >> 3) + 127u - kBias) << 23) | ((code & 7u) << 20);
   // Selected by a mask, not a branch or `?:` on floats, which GCC does
   // not vectorise here.
   const uint32_t is_subnormal = 0u - static_cast<uint32_t>(code < 8);
@@ -147,8 +146,8 @@ JSO_CODEC_INLINE void Narrow16(const Bits16& x, uint8_t* p) {
   std::memcpy(halves, &x, sizeof(halves));
   // Packs work within 128-bit lanes: words come out as lo0-3, hi0-3,
   // lo4-7, hi4-7, which the permutation puts in order.
-  const __m256i words = _mm256_permute4x64_epi64(
-      _mm256_packus_epi32(halves[0], halves[1]), 0xd8);
+  const __m256i words =
+      _mm256_permute4x64_epi64(_mm256_packus_epi32(halves[0], halves[1]), 0xd8);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm_packus_epi16(_mm256_castsi256_si128(words),
                                     _mm256_extracti128_si256(words, 1)));
@@ -163,8 +162,8 @@ JSO_CODEC_INLINE Floats16 DecodeMagnitude16(const Bits16& code) {
   const Floats16 subnormal =
       __builtin_convertvector(reinterpret_cast<Ints16>(code), Floats16) *
       BitsToFloat((125u - kBias) << 23);
-  const Bits16 normal = (((code >> 3) + (127u - kBias)) << 23) |
-                        ((code & 7u) << 20);
+  const Bits16 normal =
+      (((code >> 3) + (127u - kBias)) << 23) | ((code & 7u) << 20);
   const Bits16 is_subnormal = reinterpret_cast<Bits16>(code < 8u);
   return reinterpret_cast<Floats16>(
       (reinterpret_cast<Bits16>(subnormal) & is_subnormal) |
@@ -207,8 +206,8 @@ JSO_CODEC_INLINE void Encode16(const Floats16& y, uint8_t* code) {
   if constexpr (kSigned) {
     const Floats16 magnitude = reinterpret_cast<Floats16>(bits & 0x7fffffffu);
     const Bits16 not_nan = reinterpret_cast<Bits16>(y == y);
-    out = (((bits >> 31) & not_nan) << 7) |
-          EncodeMagnitude16<kMuBias>(magnitude);
+    out =
+        (((bits >> 31) & not_nan) << 7) | EncodeMagnitude16<kMuBias>(magnitude);
   } else {
     out = EncodeMagnitude16<kNuBias>(y);
   }

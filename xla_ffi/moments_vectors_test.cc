@@ -251,7 +251,6 @@ int Run(const char* path) {
 }  // namespace jax_superoffload
 
 int main(int argc, char** argv) {
-  return jax_superoffload::Run(argc > 1 && argv[1][0] != '-'
-                                   ? argv[1]
-                                   : JSO_MOMENTS_VECTORS);
+  return jax_superoffload::Run(
+      argc > 1 && argv[1][0] != '-' ? argv[1] : JSO_MOMENTS_VECTORS);
 }

@@ -15,6 +15,7 @@
 #include "xla_ffi/stream_launch.h"
 
 namespace nb = nanobind;
+using jax_superoffload::FfiHandler;
 
 namespace {
 
@@ -23,29 +24,81 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+// The environment's settings, read when Python asks (as it traces a call),
+// never by a handler: a malformed value is a ValueError naming it.
+std::string PrefetchPolicy() {
+  jax_superoffload::Prefetch prefetch;
+  const char* name = std::getenv("JAX_SUPEROFFLOAD_PREFETCH");
+  if (!jax_superoffload::ParsePrefetch(name, &prefetch)) {
+    throw nb::value_error(("JAX_SUPEROFFLOAD_PREFETCH must be t0, nta, none "
+                           "or unset, not '" +
+                           std::string(name) + "'")
+                              .c_str());
+  }
+  return jax_superoffload::PrefetchName(prefetch);
+}
+
+int64_t HostThreads() {
+  const char* value = std::getenv("JAX_SUPEROFFLOAD_HOST_THREADS");
+  const int64_t threads = jax_superoffload::ParseThreads(value);
+  if (threads < 0) {
+    throw nb::value_error(("JAX_SUPEROFFLOAD_HOST_THREADS must be a whole "
+                           "number from 1 to 4096 or unset, not '" +
+                           std::string(value) + "'")
+                              .c_str());
+  }
+  return threads;
+}
+
+// The handler of each target by name: `stream` picks the stream-ordered
+// ones (only the bucket targets have one).
+nb::dict Registrations(bool stream) {
+  nb::dict handlers;
+  for (const jax_superoffload::FfiTarget& target :
+       jax_superoffload::kFfiTargets) {
+    FfiHandler* handler = stream ? target.stream_handler : target.handler;
+    if (handler != nullptr) {
+      handlers[target.name] = EncapsulateFfiHandler(handler);
+    }
+  }
+  return handlers;
+}
+
+nb::tuple PackedScalars() {
+  nb::list names;
+  for (const jax_superoffload::PackedScalar& scalar :
+       jax_superoffload::kPackedScalars) {
+    names.append(scalar.name);
+  }
+  return nb::tuple(names);
+}
+
+// The environment's settings, and what they make of the threads.
+void DefineSettings(nb::module_& m) {
+  m.def("prefetch_policy", &PrefetchPolicy,
+        "The software prefetch JAX_SUPEROFFLOAD_PREFETCH asks for: t0 (the "
+        "default), nta or none.");
+  m.def("host_threads", &HostThreads,
+        "The threads in all JAX_SUPEROFFLOAD_HOST_THREADS asks for, 0 when "
+        "it is unset.");
+  m.def(
+      "own_helper_threads",
+      [](int64_t pool_threads) {
+        return jax_superoffload::OwnHelperThreads(HostThreads(), pool_threads);
+      },
+      nb::arg("pool_threads"),
+      "Threads a step would start beside the caller given an intra-op "
+      "pool of `pool_threads` (-1: it uses the pool), as the environment "
+      "now says.");
+}
+
 }  // namespace
 
 NB_MODULE(_grace_adam, m) {
   m.doc() = "Grace Adam: XLA FFI handlers of the fused CPU Adam kernel.";
-  m.def("registrations", []() {
-    nb::dict handlers;
-    for (const jax_superoffload::FfiTarget& target :
-         jax_superoffload::kFfiTargets) {
-      handlers[target.name] = EncapsulateFfiHandler(target.handler);
-    }
-    return handlers;
-  });
+  m.def("registrations", []() { return Registrations(false); });
   m.def(
-      "stream_registrations",
-      []() {
-        nb::dict handlers;
-        for (const jax_superoffload::FfiTarget& target :
-             jax_superoffload::kFfiTargets) {
-          if (target.stream_handler == nullptr) continue;
-          handlers[target.name] = EncapsulateFfiHandler(target.stream_handler);
-        }
-        return handlers;
-      },
+      "stream_registrations", []() { return Registrations(true); },
       "The handlers ordered on a CUDA stream, by target name.");
   m.def(
       "cuda_driver",
@@ -63,24 +116,10 @@ NB_MODULE(_grace_adam, m) {
        jax_superoffload::kFfiTargets) {
     m.attr(target.attr) = target.name;
   }
-  m.def("instruction_set",
-        []() { return jax_superoffload::IsaName(jax_superoffload::BestIsa()); },
-        "The instruction set the kernel dispatches to on this CPU.");
+  m.attr("PACKED_SCALARS") = PackedScalars();
   m.def(
-      "prefetch_policy",
-      []() {
-        jax_superoffload::Prefetch prefetch;
-        const char* name = std::getenv("JAX_SUPEROFFLOAD_PREFETCH");
-        if (!jax_superoffload::ParsePrefetch(name, &prefetch)) {
-          throw nb::value_error(
-              "JAX_SUPEROFFLOAD_PREFETCH must be t0, nta, none or unset");
-        }
-        return jax_superoffload::PrefetchName(prefetch);
-      },
-      "The software prefetch the kernel's handlers use now: t0, nta or none.");
-  m.def("own_helper_threads", &jax_superoffload::OwnHelperThreads,
-        nb::arg("pool_threads"),
-        "Threads a step would start beside the caller given an intra-op "
-        "pool of `pool_threads` (-1: it uses the pool), as the environment "
-        "now says.");
+      "instruction_set",
+      []() { return jax_superoffload::IsaName(jax_superoffload::BestIsa()); },
+      "The instruction set the kernel dispatches to on this CPU.");
+  DefineSettings(m);
 }

@@ -27,7 +27,8 @@ DeferredError& Deferred() {
 }
 
 void KeepDeferredError(const std::string& message) {
-  std::fprintf(stderr, "jax_superoffload: a step on the GPU stream failed: %s\n",
+  std::fprintf(stderr,
+               "jax_superoffload: a step on the GPU stream failed: %s\n",
                message.c_str());
   DeferredError& d = Deferred();
   std::lock_guard<std::mutex> lock(d.mutex);
@@ -42,8 +43,7 @@ void KeepDeferredError(const std::string& message) {
 class StagingBlocks {
  public:
   // `bytes` of the stream's block (grown if needed), or null with `error`.
-  void* Get(const CudaDriver& driver, void* stream, size_t bytes,
-            int* error) {
+  void* Get(const CudaDriver& driver, void* stream, size_t bytes, int* error) {
     std::lock_guard<std::mutex> lock(mutex_);
     Block& block = blocks_[stream];
     if (block.bytes < bytes) {
@@ -84,8 +84,7 @@ void RunPending(void* data) {
   if (error.failure()) KeepDeferredError(error.message());
 }
 
-std::string DriverError(const CudaDriver& driver, const char* what,
-                        int code) {
+std::string DriverError(const CudaDriver& driver, const char* what, int code) {
   const char* text = nullptr;
   std::string message = std::string("jax_superoffload: ") + what + " failed: ";
   if (driver.get_error_string != nullptr &&
@@ -95,10 +94,8 @@ std::string DriverError(const CudaDriver& driver, const char* what,
   return message + "CUDA error " + std::to_string(code);
 }
 
-ffi::Error DriverFailure(const CudaDriver& driver, const char* what,
-                         int code) {
-  return ffi::Error(ffi::ErrorCode::kInternal,
-                    DriverError(driver, what, code));
+ffi::Error DriverFailure(const CudaDriver& driver, const char* what, int code) {
+  return ffi::Error(ffi::ErrorCode::kInternal, DriverError(driver, what, code));
 }
 
 template <class F>
@@ -150,11 +147,12 @@ ffi::Error TakeDeferredError() {
   message.swap(d.message);
   return ffi::Error(ffi::ErrorCode::kInternal,
                     "jax_superoffload: an earlier step on the GPU stream "
-                    "failed: " + message);
+                    "failed: " +
+                        message);
 }
 
 ffi::Error OnStream::Place(std::vector<Touched>& touched) {
-  if (ffi::Error error = TakeDeferredError(); error.failure()) return error;
+  JSO_RETURN_IF_ERROR(TakeDeferredError());
   if (driver_ == nullptr) {
     return ffi::Error(ffi::ErrorCode::kUnavailable,
                       "jax_superoffload: no CUDA driver for a stream step");
@@ -186,8 +184,8 @@ ffi::Error OnStream::Place(std::vector<Touched>& touched) {
     return ffi::Error::Success();
   }
   int code = 0;
-  auto* block = static_cast<char*>(
-      Staging().Get(*driver_, stream_, total, &code));
+  auto* block =
+      static_cast<char*>(Staging().Get(*driver_, stream_, total, &code));
   if (block == nullptr) return DriverFailure(*driver_, "cuMemHostAlloc", code);
   size_t offset = 0;
   for (size_t i : staged) {
@@ -220,7 +218,8 @@ ffi::Error OnStream::Run(Work work) {
   if (code != 0) return DriverFailure(*driver_, "cuLaunchHostFunc", code);
   pending.release();  // RunPending owns it now.
   for (const Copy& c : out_) {
-    if (int code = driver_->copy_to_device(c.device, c.host, c.bytes, stream_)) {
+    if (int code =
+            driver_->copy_to_device(c.device, c.host, c.bytes, stream_)) {
       return DriverFailure(*driver_, "cuMemcpyHtoDAsync", code);
     }
   }

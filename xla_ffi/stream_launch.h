@@ -82,6 +82,19 @@ constexpr auto kOnStream = [](void* stream, auto... operands) {
   return Body(launch, operands...);
 };
 
+// Defines the handler symbols `Cpu` (XLA:CPU, and the CUDA plugin's host
+// compute) and `Stream` (ordered on a CUDA stream) of the bucket handler
+// body `Body`, bound as BucketBinding<..., kSumsq, flags...> says.
+#define JSO_DEFINE_BUCKET_HANDLERS(Cpu, Stream, Body, ...)                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                            \
+      Cpu, ::jax_superoffload::kOnCpu<Body>,                                \
+      (::jax_superoffload::BucketBinding<::xla::ffi::ThreadPool,            \
+                                         __VA_ARGS__>()));                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                            \
+      Stream, ::jax_superoffload::kOnStream<Body>,                          \
+      (::jax_superoffload::BucketBinding<::xla::ffi::PlatformStream<void*>, \
+                                         __VA_ARGS__>()))
+
 // A step that ran from a stream cannot fail its call, which has returned:
 // its error is printed, kept, and returned by the next stream launch in the
 // process (which then clears it). Returns and clears it.

@@ -5,6 +5,8 @@
 // launch; and the process's host pool runs chunked work to the same result
 // with any number of workers.
 
+#include "xla_ffi/stream_launch.h"
+
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -16,7 +18,6 @@
 #include "xla_ffi/ffi_support.h"
 #include "xla_ffi/host_pool.h"
 #include "xla_ffi/launch.h"
-#include "xla_ffi/stream_launch.h"
 
 namespace jax_superoffload {
 namespace {
@@ -60,18 +61,16 @@ int FakeAttribute(void* data, int attribute, uint64_t pointer) {
 
 int FakeToHost(void* host, uint64_t device, size_t bytes, void* stream) {
   if (stream != fake) return 999;
-  fake->queued.push_back([=] {
-    std::memcpy(host, reinterpret_cast<const void*>(device), bytes);
-  });
+  fake->queued.push_back(
+      [=] { std::memcpy(host, reinterpret_cast<const void*>(device), bytes); });
   return 0;
 }
 
 int FakeToDevice(uint64_t device, const void* host, size_t bytes,
                  void* stream) {
   if (stream != fake) return 999;
-  fake->queued.push_back([=] {
-    std::memcpy(reinterpret_cast<void*>(device), host, bytes);
-  });
+  fake->queued.push_back(
+      [=] { std::memcpy(reinterpret_cast<void*>(device), host, bytes); });
   return 0;
 }
 
@@ -81,8 +80,8 @@ int FakeAlloc(void** pointer, size_t bytes, unsigned) {
   return *pointer == nullptr ? 2 : 0;
 }
 
-const CudaDriver kFake{&FakeLaunch,  &FakeAttribute, &FakeToHost,
-                       &FakeToDevice, &FakeAlloc,    nullptr};
+const CudaDriver kFake{&FakeLaunch,   &FakeAttribute, &FakeToHost,
+                       &FakeToDevice, &FakeAlloc,     nullptr};
 
 void Drain() {
   auto queued = std::move(fake->queued);
@@ -117,7 +116,7 @@ ffi::Error Launch(OnStream& launch, Doubling& d) {
   std::vector<Touched> touched = {Touch(d.in, 4 * d.n, Role::kInput),
                                   Touch(d.out, 4 * d.n, Role::kOutput),
                                   Touch(d.sum, 4, Role::kOutput)};
-  if (ffi::Error e = launch.Place(touched); e.failure()) return e;
+  JSO_RETURN_IF_ERROR(launch.Place(touched));
   return launch.Run(DoublingWork(d));
 }
 
@@ -152,9 +151,9 @@ void TestDeviceBuffersAreStagedInStreamOrder() {
   Check(stream.allocations == 1, "one pinned block");
   Check(d.in != in.data() && d.out != out.data() && d.sum != &sum,
         "the step reads and writes stand-ins");
-  Check(stream.queued.size() == 1 + 1 + 2,
-        "copy in, step, copy out twice: " +
-            std::to_string(stream.queued.size()));
+  Check(
+      stream.queued.size() == 1 + 1 + 2,
+      "copy in, step, copy out twice: " + std::to_string(stream.queued.size()));
   in[0] = 7.0f;  // Written (on the stream) before the copy in runs.
   Drain();
   Check(out[0] == 14.0f && out[999] == 1998.0f,
@@ -175,9 +174,8 @@ void TestRefusesStateInDeviceMemory() {
   float* state = &on_device;
   stream.device.push_back(&on_device);
   const float* input = &host;
-  std::vector<Touched> touched = {
-      Touch(input, 4, Touched::Role::kInput),
-      Touch(state, 4, Touched::Role::kState)};
+  std::vector<Touched> touched = {Touch(input, 4, Touched::Role::kInput),
+                                  Touch(state, 4, Touched::Role::kState)};
   ffi::Error e = launch.Place(touched);
   Check(e.failure(), "device state is refused");
   Check(e.message().find("buffer 1") != std::string::npos &&
@@ -234,7 +232,8 @@ void TestHostPoolResultsDoNotDependOnWorkers() {
     const int64_t workers = pool.Reserve(helpers);
     std::vector<double> partial(97, 0.0);
     RunChunks([&pool](auto task) { pool.Schedule(std::move(task)); }, workers,
-              97, [&](int64_t c) {
+              97,
+              [&](int64_t c) {
                 for (size_t i = c; i < data.size(); i += 97) {
                   partial[c] += data[i];
                 }

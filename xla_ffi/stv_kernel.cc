@@ -26,7 +26,8 @@ void KeepGradient(const PairBuffers& p, int64_t begin, int64_t end) {
       break;
     }
     default:
-      std::memcpy(p.kept_grad + begin, static_cast<const float*>(p.grad) + begin,
+      std::memcpy(p.kept_grad + begin,
+                  static_cast<const float*>(p.grad) + begin,
                   static_cast<size_t>(end - begin) * sizeof(float));
   }
 }
@@ -34,8 +35,7 @@ void KeepGradient(const PairBuffers& p, int64_t begin, int64_t end) {
 // The speculative step over [begin, end) of `b`, the gradient kept block
 // by block with plain stores (when `b` does not stream it itself).
 double StepThenKeep(const AdamConstants& constants, const PairBuffers& pair,
-                    const AdamBuffers& b, int64_t begin, int64_t end,
-                    Isa isa) {
+                    const AdamBuffers& b, int64_t begin, int64_t end, Isa isa) {
   if (pair.kept_grad == nullptr || b.grad_copy != nullptr) {
     return AdamStepSumSquaresRange(constants, b, begin, end, isa);
   }
@@ -79,8 +79,8 @@ double SpeculativeStepRange(const AdamConstants& constants,
   // The elements before the rows' 64-byte boundary one by one (plain
   // stores; the scalar path computes the same bits), then the rest
   // streamed, the kept gradient too where it shares their alignment.
-  double sum = StepThenKeep(constants, pair, b, begin, begin + head,
-                            Isa::kScalar);
+  double sum =
+      StepThenKeep(constants, pair, b, begin, begin + head, Isa::kScalar);
   b.stream_state = true;
   b.grad_copy = pair.kept_grad;
   if (StreamableHead(b, begin + head, end) != 0) b.grad_copy = nullptr;
@@ -89,8 +89,9 @@ double SpeculativeStepRange(const AdamConstants& constants,
 
 void RedoStepRange(const AdamConstants& constants, const PairBuffers& pair,
                    int from, int64_t begin, int64_t end, Isa isa) {
-  AdamStepRange(constants, RowStep(pair, from, pair.kept_grad, ElementType::kF32),
-                begin, end, isa);
+  AdamStepRange(constants,
+                RowStep(pair, from, pair.kept_grad, ElementType::kF32), begin,
+                end, isa);
 }
 
 }  // namespace jax_superoffload

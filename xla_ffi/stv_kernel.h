@@ -33,8 +33,8 @@ namespace jax_superoffload {
 
 // One segment (a leaf, or a whole bucket) of a double-buffered bucket.
 struct PairBuffers {
-  int64_t size = 0;        // Elements of this segment.
-  int64_t row_stride = 0;  // Elements from row 0 to row 1 of the state.
+  int64_t size = 0;         // Elements of this segment.
+  int64_t row_stride = 0;   // Elements from row 0 to row 1 of the state.
   float* master = nullptr;  // Row 0 of the segment; row 1 is + row_stride.
   float* mu = nullptr;
   float* nu = nullptr;

@@ -68,9 +68,9 @@ def _state(n: int, seed: int) -> tuple[np.ndarray, ...]:
   return params, grads
 
 
-def _hyper(count) -> superoffload.Hyperparams:
+def _hyper(count) -> superoffload.kernels.Hyperparams:
   """The benchmarks' step: AdamW with optax's defaults."""
-  return superoffload.Hyperparams(
+  return superoffload.kernels.Hyperparams(
     count=count, learning_rate=LR, weight_decay=WEIGHT_DECAY
   )
 
@@ -169,7 +169,7 @@ def moment_bytes(name: str) -> tuple[float, float]:
   """
   mu, nu, blockwise = MOMENT_FORMATS[name]
   state = jnp.dtype(mu).itemsize + jnp.dtype(nu).itemsize
-  scales = 2 * 4 / superoffload.MOMENT_BLOCK if blockwise else 0.0
+  scales = 2 * 4 / superoffload.kernels.MOMENT_BLOCK if blockwise else 0.0
   return 12 + 2 * state + 2 * scales, 8 + state + scales
 
 
@@ -180,14 +180,14 @@ def grace_adam_moments(n: int, name: str) -> Callable[[], None]:
   box = [jnp.asarray(params), jnp.zeros(n, mu_t), jnp.zeros(n, nu_t)]
   if blockwise:
     box += [
-      jnp.zeros(-(-n // superoffload.MOMENT_BLOCK), jnp.float32)
+      jnp.zeros(-(-n // superoffload.kernels.MOMENT_BLOCK), jnp.float32)
       for _ in range(2)
     ]
   grad = jnp.asarray(grads)
 
   def step(state, grad, count):
     master, mu, nu, *scales = state
-    m, a, v, s, _, _ = superoffload.adam_step_lowp_segments(
+    m, a, v, s, _, _ = superoffload.kernels.adam_step_lowp_segments(
       [master],
       [mu],
       [nu],
@@ -244,7 +244,7 @@ def grace_adam_stv(n: int) -> Callable[[], None]:
   grad = jnp.asarray(grads)
 
   def step(master, mu, nu, kept, row, grad, count):
-    master, mu, nu, kept, total, _ = superoffload.adam_step_speculative(
+    master, mu, nu, kept, total, _ = superoffload.kernels.adam_step_speculative(
       [master],
       [mu],
       [nu],
@@ -319,7 +319,7 @@ def grace_adam_mixed(n: int, reseed: bool) -> Callable[[], None]:
   grad = [jnp.asarray(grads, jnp.bfloat16)]
 
   def step(master, mu, nu, weights, grad, count):
-    master, mu, nu, weights, _ = superoffload.adam_step_segments(
+    master, mu, nu, weights, _ = superoffload.kernels.adam_step_segments(
       master,
       mu,
       nu,

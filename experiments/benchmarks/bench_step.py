@@ -35,7 +35,6 @@ import jax
 import numpy as np
 import optax
 
-import jax_superoffload as superoffload
 from experiments.benchmarks import machine
 from experiments.sweeps.report import fmt
 from experiments.sweeps.report import markdown_table

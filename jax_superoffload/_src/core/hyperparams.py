@@ -20,18 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Order of the scalars the FFI handler reads (see xla_ffi/ffi_support.h).
-PACKED_NAMES = (
-  'learning_rate',
-  'b1',
-  'one_minus_b1',
-  'b2',
-  'one_minus_b2',
-  'eps',
-  'eps_root',
-  'weight_decay',
-  'grad_scale',
-)
+from jax_superoffload import _grace_adam
+
+# Order of the scalars the FFI handlers read, declared once in C++
+# (kPackedScalars, xla_ffi/adam_kernel.h).
+PACKED_NAMES: tuple[str, ...] = tuple(_grace_adam.PACKED_SCALARS)
 _FIELDS = (
   'count',
   'learning_rate',
@@ -96,21 +89,16 @@ class Hyperparams:
         f'count must be an integer, got {jnp.result_type(self.count)}'
       )
 
+  def scalar(self, name: str) -> Any:
+    """One of PACKED_NAMES: a field, or 1 - b1 or 1 - b2 (see one_minus)."""
+    if name.startswith('one_minus_'):
+      return one_minus(getattr(self, name.removeprefix('one_minus_')))
+    return getattr(self, name)
+
   def packed(self) -> jax.Array:
     """The f32[9] scalars buffer the kernel's handlers read."""
-    values = {
-      'learning_rate': self.learning_rate,
-      'b1': self.b1,
-      'one_minus_b1': one_minus(self.b1),
-      'b2': self.b2,
-      'one_minus_b2': one_minus(self.b2),
-      'eps': self.eps,
-      'eps_root': self.eps_root,
-      'weight_decay': self.weight_decay,
-      'grad_scale': self.grad_scale,
-    }
     return jnp.stack(
-      [jnp.asarray(values[name], jnp.float32) for name in PACKED_NAMES]
+      [jnp.asarray(self.scalar(name), jnp.float32) for name in PACKED_NAMES]
     )
 
 

@@ -16,7 +16,6 @@ import numpy as np
 from jax_superoffload._src.core import adam_args
 from jax_superoffload._src.core.hyperparams import PACKED_NAMES
 from jax_superoffload._src.core.hyperparams import Hyperparams
-from jax_superoffload._src.core.hyperparams import one_minus
 
 
 def inverse_bias_correction(decay, t):
@@ -84,23 +83,16 @@ def adam_step_reference(
   return out if lowp is None else (*out, out[0].astype(lowp))
 
 
-def _scalars(hyper: Hyperparams, dtype) -> list[jax.Array]:
-  """The packed scalars in `dtype` (Python floats stay double for f64)."""
+def _scalars(hyper: Hyperparams, dtype) -> dict[str, jax.Array]:
+  """The packed scalars by name, in `dtype`.
+
+  Python floats stay double for f64; otherwise they are rounded to f32
+  first, as the kernel receives them.
+  """
   if dtype == jnp.float64:
-    values = (
-      hyper.learning_rate,
-      hyper.b1,
-      one_minus(hyper.b1),
-      hyper.b2,
-      one_minus(hyper.b2),
-      hyper.eps,
-      hyper.eps_root,
-      hyper.weight_decay,
-      hyper.grad_scale,
-    )
-    return [jnp.asarray(v, dtype) for v in values]
+    return {n: jnp.asarray(hyper.scalar(n), dtype) for n in PACKED_NAMES}
   packed = hyper.packed()
-  return [packed[i].astype(dtype) for i in range(len(PACKED_NAMES))]
+  return {n: packed[i].astype(dtype) for i, n in enumerate(PACKED_NAMES)}
 
 
 def reference_step(
@@ -114,7 +106,10 @@ def reference_step(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The new (master, mu, nu), in the master's dtype (arguments unchecked)."""
   dtype = master.dtype
-  lr, b1_, omb1, b2_, omb2, eps_, eps_root_, wd, scale = _scalars(hyper, dtype)
+  s = _scalars(hyper, dtype)
+  lr, b1_, omb1 = s['learning_rate'], s['b1'], s['one_minus_b1']
+  b2_, omb2, eps_ = s['b2'], s['one_minus_b2'], s['eps']
+  eps_root_, wd, scale = s['eps_root'], s['weight_decay'], s['grad_scale']
   count, nesterov = hyper.count, hyper.nesterov
   t = jnp.asarray(count, jnp.int32).astype(dtype) + 1
   c1 = inverse_bias_correction(b1_, t)

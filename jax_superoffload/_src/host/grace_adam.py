@@ -14,14 +14,16 @@ from jax_superoffload._src.core import adam_args
 from jax_superoffload._src.core.hyperparams import Hyperparams
 
 # The target names are declared once, in xla_ffi/adam_ffi.h.
-ADAM_STEP_TARGET = _grace_adam.ADAM_STEP_TARGET
-ADAM_STEP_LOWP_TARGET = _grace_adam.ADAM_STEP_LOWP_TARGET
-ADAM_STEP_LOWP_INTO_TARGET = _grace_adam.ADAM_STEP_LOWP_INTO_TARGET
 STREAM_ROOFLINE_TARGET = _grace_adam.STREAM_ROOFLINE_TARGET
 ADAM_STEP_SEGMENTS_TARGET = _grace_adam.ADAM_STEP_SEGMENTS_TARGET
 ADAM_STEP_LOWP_SEGMENTS_TARGET = _grace_adam.ADAM_STEP_LOWP_SEGMENTS_TARGET
 ADAM_STEP_SPECULATIVE_TARGET = _grace_adam.ADAM_STEP_SPECULATIVE_TARGET
 ADAM_STEP_VALIDATED_TARGET = _grace_adam.ADAM_STEP_VALIDATED_TARGET
+# `adam_step` is a Segments call of one leaf, with or without a weights copy
+# and its donated destination.
+ADAM_STEP_TARGET = ADAM_STEP_SEGMENTS_TARGET
+ADAM_STEP_LOWP_TARGET = ADAM_STEP_SEGMENTS_TARGET
+ADAM_STEP_LOWP_INTO_TARGET = ADAM_STEP_SEGMENTS_TARGET
 
 for _name, _capsule in _grace_adam.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform='cpu')
@@ -60,10 +62,46 @@ def prefetch_policy() -> str:
   """Returns the kernel's software prefetch now: 't0', 'nta' or 'none'.
 
   The kernel's default unless the environment variable
-  `JAX_SUPEROFFLOAD_PREFETCH` names another (read on every kernel call, for
-  experiments). Raises ValueError when that variable holds anything else.
+  `JAX_SUPEROFFLOAD_PREFETCH` names another (for experiments; read when a
+  kernel call is traced). Raises ValueError when that variable holds
+  anything else.
   """
   return _grace_adam.prefetch_policy()
+
+
+def settings() -> dict[str, str | np.int64]:
+  """The kernel's settings as FFI attributes, fixed at trace time.
+
+  `prefetch` (see `prefetch_policy`) and `host_threads`, the threads in all
+  a step asks for (`JAX_SUPEROFFLOAD_HOST_THREADS`; 0: XLA's pool where it
+  has several threads, else the CPUs this process may run on). Raises
+  ValueError, naming the variable, for a malformed value.
+  """
+  return {
+    'prefetch': _grace_adam.prefetch_policy(),
+    'host_threads': np.int64(_grace_adam.host_threads()),
+  }
+
+
+def _bucket_attrs(
+  hyper: Hyperparams,
+  num_leaves: int,
+  *,
+  keep_nonfinite: bool = False,
+  compute_sumsq: bool = False,
+  reseed: bool = False,
+  quantized: bool = False,
+) -> dict:
+  """Every bucket handler's attributes (BucketAttrs, xla_ffi/ffi_support.h)."""
+  return {
+    'nesterov': bool(hyper.nesterov),
+    'keep_nonfinite': bool(keep_nonfinite),
+    'compute_sumsq': bool(compute_sumsq),
+    'num_leaves': np.int64(num_leaves),
+    'reseed': bool(reseed),
+    'quantized': bool(quantized),
+    **settings(),
+  }
 
 
 def adam_step(
@@ -112,39 +150,36 @@ def adam_step(
     master_dtypes=(np.dtype(np.float32),),
   )
   state_type = jax.ShapeDtypeStruct(master.shape, jnp.float32)
-  out_types = [state_type, state_type, state_type]
-  target = ADAM_STEP_TARGET
+  out_types = [jax.ShapeDtypeStruct((1,), jnp.float32), *[state_type] * 3]
   # master, mu and nu are updated in place when the caller donates them.
-  aliases = {0: 0, 2: 1, 3: 2}
+  aliases = _aliases(2, 1, 3)
   extra = []
   if lowp is not None:
     out_types.append(jax.ShapeDtypeStruct(master.shape, lowp))
-    target = ADAM_STEP_LOWP_TARGET
   if lowp_out is not None:
     _check_lowp_out(lowp_out, master.shape, lowp)
-    target = ADAM_STEP_LOWP_INTO_TARGET
-    aliases[6] = 3
+    aliases[6] = 4
     extra.append(lowp_out)
   call = jax.ffi.ffi_call(
-    target,
+    ADAM_STEP_SEGMENTS_TARGET,
     out_types,
     # Elementwise, with per-batch scalars handled by the handler: every
     # operand gains the same leading batch dimensions.
     vmap_method='broadcast_all',
     input_output_aliases=aliases,
   )
-  return tuple(
-    call(
-      master,
-      grad,
-      mu,
-      nu,
-      jnp.asarray(count, jnp.int32),
-      hyper.packed(),
-      *extra,
-      nesterov=hyper.nesterov,
-    )
+  count = jnp.asarray(count, jnp.int32)
+  out = call(
+    count,
+    hyper.packed(),
+    master,
+    mu,
+    nu,
+    grad,
+    *extra,
+    **_bucket_attrs(hyper, 1),
   )
+  return tuple(out[1:])
 
 
 def _check_lowp_out(
@@ -185,7 +220,7 @@ def stream_roofline(
     vmap_method='broadcast_all',
     input_output_aliases={0: 0, 2: 1, 3: 2},
   )
-  return tuple(call(master, grad, mu, nu))
+  return tuple(call(master, grad, mu, nu, **settings()))
 
 
 # Prepares an operand that is not state for a handler: as it is for host
@@ -303,11 +338,7 @@ def _bucket_call(
     input_output_aliases=_aliases(2 + len(flags), 1, len(state) * k),
   )
   out = call(
-    *operands,
-    nesterov=hyper.nesterov,
-    num_leaves=np.int64(k),
-    reseed=params is not None,
-    **attrs,
+    *operands, **_bucket_attrs(hyper, k, reseed=params is not None, **attrs)
   )
   n = len(state)
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(n)]
@@ -416,10 +447,9 @@ def adam_step_speculative(
   )
   out = call(
     *operands,
-    nesterov=hyper.nesterov,
-    keep_nonfinite=bool(keep_nonfinite),
-    num_leaves=np.int64(k),
-    reseed=params is not None,
+    **_bucket_attrs(
+      hyper, k, keep_nonfinite=keep_nonfinite, reseed=params is not None
+    ),
   )
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(4)]
   if place is not _as_is:
@@ -475,8 +505,7 @@ def adam_step_validated(
     *nu,
     *kept,
     *weights,
-    nesterov=hyper.nesterov,
-    num_leaves=np.int64(k),
+    **_bucket_attrs(hyper, k),
   )
   runs = [list(out[r * k : (r + 1) * k]) for r in range(3)]
   if place is not _as_is:
