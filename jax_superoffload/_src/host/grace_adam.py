@@ -245,6 +245,28 @@ def _in_host_memory(xs: list[jax.Array]) -> list[jax.Array]:
   return [jax.device_put(x, jax.memory.Space.Host) for x in xs]
 
 
+def _bucket_out_types(runs, grads, weight_dtypes) -> list:
+  """A bucket call's result types.
+
+  The f32[1] sum of squares, the state runs (each like its operands) and
+  the weights in `weight_dtypes`, if any.
+  """
+  out_types = [jax.ShapeDtypeStruct((1,), jnp.float32)]
+  for run in runs:
+    out_types += _like(run)
+  if weight_dtypes is not None:
+    out_types += [
+      jax.ShapeDtypeStruct(g.shape, d)
+      for g, d in zip(grads, weight_dtypes, strict=True)
+    ]
+  return out_types
+
+
+def _scalar_operands(hyper: Hyperparams, place: Place) -> list[jax.Array]:
+  """The count and the packed scalars every bucket handler takes first."""
+  return [place(jnp.asarray(hyper.count, jnp.int32)), place(hyper.packed())]
+
+
 def _like(xs: list[jax.Array], dtype=None) -> list[jax.ShapeDtypeStruct]:
   return [jax.ShapeDtypeStruct(x.shape, dtype or x.dtype) for x in xs]
 
@@ -315,17 +337,9 @@ def _bucket_call(
   grads = [place(g) for g in grads]
   params = None if params is None else [place(p) for p in params]
   k = len(grads)
-  out_types = [jax.ShapeDtypeStruct((1,), jnp.float32)]
-  for run in state:
-    out_types += _like(run)
-  if weight_dtypes is not None:
-    out_types += [
-      jax.ShapeDtypeStruct(g.shape, d)
-      for g, d in zip(grads, weight_dtypes, strict=True)
-    ]
+  out_types = _bucket_out_types(state, grads, weight_dtypes)
   operands = [
-    place(jnp.asarray(hyper.count, jnp.int32)),
-    place(hyper.packed()),
+    *_scalar_operands(hyper, place),
     *(place(f) for f in flags),
     *(x for run in state for x in run),
     *grads,
@@ -421,16 +435,9 @@ def adam_step_speculative(
   grads = [place(g) for g in grads]
   params = None if params is None else [place(p) for p in params]
   k = len(master)
-  out_types = [jax.ShapeDtypeStruct((1,), jnp.float32)]
-  out_types += _like(master) + _like(mu) + _like(nu) + _like(kept)
-  if weight_dtypes is not None:
-    out_types += [
-      jax.ShapeDtypeStruct(g.shape, d)
-      for g, d in zip(grads, weight_dtypes, strict=True)
-    ]
+  out_types = _bucket_out_types((master, mu, nu, kept), grads, weight_dtypes)
   operands = [
-    place(jnp.asarray(hyper.count, jnp.int32)),
-    place(hyper.packed()),
+    *_scalar_operands(hyper, place),
     place(jnp.asarray(row, jnp.int32).reshape(1)),
     *master,
     *mu,
@@ -495,8 +502,7 @@ def adam_step_validated(
   place = place or _as_is
   flags = jnp.stack([redo, skip]).astype(jnp.int32)
   out = call(
-    place(jnp.asarray(hyper.count, jnp.int32)),
-    place(hyper.packed()),
+    *_scalar_operands(hyper, place),
     place(jnp.asarray(row, jnp.int32).reshape(1)),
     place(flags),
     place(jnp.asarray(redo_scale, jnp.float32).reshape(1)),

@@ -276,18 +276,13 @@ H100_PCIE = HardwareProfile(
 )
 """An H100 PCIe card in a one-socket DDR5 x86 server."""
 
-H200_PCIE = HardwareProfile(
+# The same server and link as H100_PCIE; only the card differs.
+H200_PCIE = dataclasses.replace(
+  H100_PCIE,
   name='H200 NVL 141 GB (PCIe Gen5 x16, x86 host)',
   device_memory_gb=141.0,
   device_peak_tflops=836.0,
-  device_mfu=0.6,
   device_bandwidth_gbs=4800.0,
-  link_gbs=63.0,
-  link_efficiency=0.8,
-  host_memory_gb=512.0,
-  host_bandwidth_gbs=307.0,
-  host_adam_efficiency=0.66,
-  host_cast_gbs=20.0,
 )
 """An H200 NVL (PCIe) card in a one-socket DDR5 x86 server."""
 
