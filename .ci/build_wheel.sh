@@ -39,6 +39,7 @@ make_venv() {  # The build venv: pyproject's build requirements, jaxlib 0.10.
   fi
   rm -rf "$venv"
   "$WHEEL_PYTHON" -m venv "$venv"
+  "$py" -m pip install -q --upgrade pip  # Debian's pip 23.0 lacks -C.
   local requires
   mapfile -t requires < <("$py" -c 'import tomllib
 print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]))')
