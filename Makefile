@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine: `make demo` trains the demo model with
 # superoffload.adamw, `make test` runs the test suite. Both build a virtual
-# environment in .venv first (jax, optax, flax, the C++ extension).
+# environment in .venv first (jax, optax, flax, the C++ extension). `make
+# wheel` builds the wheels (x86-64 and aarch64) into dist/.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,9 +10,16 @@ VENV ?= .venv
 # can install.
 CONSTRAINTS ?=
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+# A built wheel (make wheel) to install in the venv instead of building the
+# extension in place, as CI does: one build, tested on every JAX line. The
+# venv then imports jax_superoffload from the wheel and only experiments/
+# (and the tests) from the checkout.
+WHEEL ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SOURCES := pyproject.toml CMakeLists.txt $(CONSTRAINTS) $(wildcard xla_ffi/*.cc xla_ffi/*.h xla_ffi/CMakeLists.txt)
+PURELIB = $$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+CHECKOUT_PTH = $(PURELIB)/jax_superoffload_checkout.pth
 
 # The CUDA PJRT plugin of the venv's jaxlib, unpacked aside (--target), where
 # JAX does not discover it: tests/test_plugin_ffi.py registers Grace Adam in
@@ -20,19 +28,36 @@ SOURCES := pyproject.toml CMakeLists.txt $(CONSTRAINTS) $(wildcard xla_ffi/*.cc 
 PLUGIN_DIR := $(VENV)/cuda-plugin
 PLUGIN_SO := $(PLUGIN_DIR)/jax_plugins/xla_cuda13/xla_cuda_plugin.so
 
-.PHONY: demo test lint bench clean cuda-plugin
+.PHONY: demo test lint bench clean cuda-plugin wheel
 
+ifeq ($(WHEEL),)
 $(STAMP): $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Build tools first: the extension builds without isolation, against
 	# the jaxlib it will run with (whose XLA FFI headers it compiles with).
-	$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0" cmake ninja "jax>=0.10.1,<0.13" "jaxlib>=0.10.1,<0.13" $(PIP_C)
+	$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=3.1" cmake ninja "jax>=0.10.1,<0.13" "jaxlib>=0.10.1,<0.13" $(PIP_C)
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,experiments]" $(PIP_C)
+	rm -f $(CHECKOUT_PTH)
 	touch $(STAMP)
+else
+# The checkout goes on sys.path after site-packages (a .pth file), so that
+# experiments/ imports from it and jax_superoffload from the wheel.
+$(STAMP): $(WHEEL) pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(abspath $(WHEEL))[test,experiments]" $(PIP_C)
+	echo "$(CURDIR)" > $(CHECKOUT_PTH)
+	touch $(STAMP)
+endif
+
+# With a WHEEL, PYTHONSAFEPATH=1 keeps `python -m` (here, in pytest and in
+# the tests' subprocesses) from putting the checkout first on sys.path: its
+# jax_superoffload/ has no built module, and the wheel's is the one to run.
+RUN_ENV := $(if $(WHEEL),PYTHONSAFEPATH=1)
 
 demo: $(STAMP)
-	$(PY) -m experiments.trainer --config configs/demo.py
+	$(RUN_ENV) $(PY) -m experiments.trainer --config configs/demo.py
 
 $(PLUGIN_SO): $(STAMP)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(PLUGIN_DIR) \
@@ -48,7 +73,7 @@ cuda-plugin: $(PLUGIN_SO)
 TEST_WORKERS ?= auto
 test: $(STAMP)
 	if [ -f $(PLUGIN_SO) ]; then export JAX_SUPEROFFLOAD_CUDA_PLUGIN=$(abspath $(PLUGIN_SO)); fi; \
-	  $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	  $(RUN_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -58,8 +83,17 @@ bench: $(STAMP)
 	$(PY) -m experiments.benchmarks.bench_adam
 	$(PY) -m experiments.benchmarks.bench_step
 
+# One cp311-abi3 wheel per architecture (every CPython from 3.11 on), built
+# against the oldest supported jaxlib's FFI headers, repaired and checked
+# with auditwheel; aarch64 is cross-compiled. See .ci/build_wheel.sh.
+# WHEEL_PYTHON: the Python (>= 3.11) of the build venv, build/wheel-venv.
+WHEEL_PYTHON ?= $(PYTHON)
+WHEEL_ARCHS ?= x86_64 aarch64
+wheel:
+	WHEEL_PYTHON=$(WHEEL_PYTHON) bash .ci/build_wheel.sh $(WHEEL_ARCHS)
+
 clean:
-	rm -rf $(VENV) build
+	rm -rf $(VENV) build dist
 
 # The documentation into build/docs (Sphinx, warnings as errors), and its
 # examples run: .ci/docs.sh, which installs the `docs` extra into the venv.

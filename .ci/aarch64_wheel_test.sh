@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Checks the aarch64 wheel that .ci/build_wheel.sh cross-built. There is no
+# aarch64 Python here to import it, so this checks what can be checked:
+# - the wheel: `auditwheel show` (tag, external symbol versions), and that
+#   its module is an aarch64 ELF (readelf -h) exporting PyInit__grace_adam
+#   and byte-identical to the one in the build tree;
+# - the kernel: the C++ tests of that build tree (same cross compiler, same
+#   flags, linked against the same kernel archive as the wheel's module) run
+#   under qemu-user with --quick, on a CPU without SVE (the NEON path) and
+#   with 128-bit SVE (Grace's vector length; the SVE path, chosen at run
+#   time as on the real machine).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEEL_DIR="${WHEEL_DIR:-dist}"
+tree=build/wheel-aarch64
+if ! command -v qemu-aarch64 >/dev/null; then
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q qemu-user
+fi
+wheel="$(ls "$WHEEL_DIR"/jax_superoffload-*_aarch64.whl)"
+echo "== $wheel ($(stat -c %s "$wheel") bytes)"
+build/wheel-venv/bin/auditwheel show "$wheel"
+
+unpacked=build/wheel-aarch64-unpacked
+rm -rf "$unpacked"
+build/wheel-venv/bin/python -m zipfile -e "$wheel" "$unpacked"
+module="$(ls "$unpacked"/jax_superoffload/_grace_adam*.so)"
+readelf -h "$module" | grep -E 'Class|Machine'
+readelf -h "$module" | grep -q 'Machine: *AArch64'
+readelf -d "$module" | grep NEEDED
+readelf --dyn-syms -W "$module" | grep -w PyInit__grace_adam >/dev/null
+cmp "$module" "$tree/$(basename "$module")"
+echo "wheel module == $tree/$(basename "$module")"
+
+for cpu in max,sve=off max,sve128=on; do
+  for test in adam_kernel_test lowp_moments_test moments_vectors_test; do
+    echo "== $test on qemu -cpu $cpu"
+    log="$tree/$test-${cpu//[,=]/_}.log" status=0 start=$SECONDS
+    qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu "$cpu" \
+      "$tree/xla_ffi/$test" --quick >"$log" 2>&1 || status=$?
+    echo "   $((SECONDS - start)) s"
+    head -n 1 "$log"
+    grep FAILED "$log" | head -n 20 || true
+    tail -n 1 "$log"
+    [ "$status" -eq 0 ] || exit "$status"
+  done
+done
