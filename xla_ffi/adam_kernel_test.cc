@@ -193,6 +193,207 @@ double UlpsAt(double diff, double scale) {
   return std::fabs(diff) / ulp;
 }
 
+// The instruction sets this CPU runs, the scalar path first.
+std::vector<Isa> AvailableIsas() {
+  std::vector<Isa> out;
+  for (Isa isa :
+       {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
+    if (IsaAvailable(isa)) out.push_back(isa);
+  }
+  return out;
+}
+
+// The same sums, bit for bit.
+bool SameBits(double x, double y) {
+  return std::memcmp(&x, &y, sizeof(double)) == 0;
+}
+
+// The fp32 state (both rows, where double-buffered) before a step.
+struct Rows {
+  std::vector<float> master, mu, nu;
+};
+
+// A copy of both rows (2n elements) of double-buffered state.
+template <class Floats>
+Rows BothRows(Floats& master, Floats& mu, Floats& nu, int64_t n) {
+  return Rows{{master.data(), master.data() + 2 * n},
+              {mu.data(), mu.data() + 2 * n},
+              {nu.data(), nu.data() + 2 * n}};
+}
+
+// One copy of the fp32 state per instruction set, each misaligned
+// differently from its neighbours and from 16/32/64-byte boundaries.
+struct IsaStates {
+  std::vector<Misaligned<float>> master, mu, nu;
+  std::vector<Misaligned<uint16_t>> lowp;
+  std::vector<Misaligned<float>> lowp32;
+  IsaStates(int64_t n, int num_isas) {
+    for (int k = 0; k < num_isas; ++k) {
+      lowp32.emplace_back(n, 6 + k);
+      master.emplace_back(n, 1 + k);
+      mu.emplace_back(n, 2 + k);
+      nu.emplace_back(n, 3 + k);
+      lowp.emplace_back(n, 5 + k);
+    }
+  }
+};
+
+// Random weights, the same in every copy and in the float64 reference.
+RefState InitialState(int64_t n, uint64_t& rng, IsaStates& s) {
+  RefState ref{std::vector<double>(n), std::vector<double>(n, 0.0),
+               std::vector<double>(n, 0.0), std::vector<double>(n, 0.0),
+               std::vector<double>(n, 0.0)};
+  for (int64_t i = 0; i < n; ++i) {
+    const float w = static_cast<float>(Uniform(rng));
+    ref.master[i] = w;
+    for (size_t k = 0; k < s.master.size(); ++k) {
+      s.master[k].data[i] = w;
+      s.mu[k].data[i] = 0.0f;
+      s.nu[k].data[i] = 0.0f;
+    }
+  }
+  return ref;
+}
+
+// Gradients spanning several decades, so moments are not all alike, stored
+// as `grad_type`; returns their values.
+std::vector<double> FillGradients(int64_t n, ElementType grad_type,
+                                  uint64_t& rng, Misaligned<float>& grad32,
+                                  Misaligned<uint16_t>& grad16) {
+  std::vector<double> grad(n);
+  for (int64_t i = 0; i < n; ++i) {
+    double g = Uniform(rng) * std::pow(10.0, Uniform(rng) * 3.0);
+    if (grad_type == ElementType::kF32) {
+      grad32.data[i] = static_cast<float>(g);
+      g = grad32.data[i];
+    } else {
+      grad16.data[i] = EncodeGrad(g, grad_type);
+      g = DecodeGrad(grad16.data[i], grad_type);
+    }
+    grad[i] = g;
+  }
+  return grad;
+}
+
+// One step of every instruction set's copy, split at an odd point so a
+// chunk boundary falls mid-vector.
+void StepEveryIsa(const AdamConstants& constants, const Case& c, int64_t n,
+                  const std::vector<Isa>& isas, IsaStates& s,
+                  const Misaligned<float>& grad32,
+                  const Misaligned<uint16_t>& grad16, const char* context) {
+  for (size_t k = 0; k < isas.size(); ++k) {
+    AdamBuffers b;
+    b.size = n;
+    b.master_in = b.master_out = s.master[k].data;
+    b.mu_in = b.mu_out = s.mu[k].data;
+    b.nu_in = b.nu_out = s.nu[k].data;
+    b.grad = c.grad_type == ElementType::kF32
+                 ? static_cast<const void*>(grad32.data)
+                 : static_cast<const void*>(grad16.data);
+    b.grad_type = c.grad_type;
+    b.lowp_type = c.lowp_type;
+    b.lowp_out = c.lowp_type == ElementType::kF32
+                     ? static_cast<void*>(s.lowp32[k].data)
+                     : static_cast<void*>(s.lowp[k].data);
+    Check(ValidateAdamBuffers(b) == nullptr, "buffers valid", context);
+    const int64_t split = n / 3 + (n > 2 ? 1 : 0);
+    AdamStepRange(constants, b, 0, split, isas[k]);
+    AdamStepRange(constants, b, split, n, isas[k]);
+  }
+}
+
+// Worst errors in ulps: of one step taken from the kernel's own state, and
+// of the whole trajectory against the float64 one; and the bit checks.
+struct CaseErrors {
+  double worst_master = 0, worst_mu = 0, worst_nu = 0;
+  double drift_master = 0, drift_mu = 0, drift_nu = 0;
+  bool isas_agree = true, lowp_exact = true;
+};
+
+// Whether copy k's element i (state and low-precision copy) is copy 0's.
+bool SameAsFirst(const IsaStates& s, ElementType lowp_type, int k, int64_t i) {
+  const bool lowp16 =
+      lowp_type == ElementType::kBF16 || lowp_type == ElementType::kF16;
+  return Bits(s.master[k].data[i]) == Bits(s.master[0].data[i]) &&
+         Bits(s.mu[k].data[i]) == Bits(s.mu[0].data[i]) &&
+         Bits(s.nu[k].data[i]) == Bits(s.nu[0].data[i]) &&
+         !(lowp_type == ElementType::kF32 &&
+           Bits(s.lowp32[k].data[i]) != Bits(s.lowp32[0].data[i])) &&
+         !(lowp16 && s.lowp[k].data[i] != s.lowp[0].data[i]);
+}
+
+// Element i of copy 0 (weights `p`, moments `mu` and `nu`) against one
+// float64 step from `before` and against the float64 trajectory `ref`.
+void CompareWithFloat64(const Hyper& h, int step, int64_t i, double grad,
+                        float p, float mu, float nu, const Rows& before,
+                        RefState& ref, CaseErrors& e) {
+  const StepResult one = ReferenceElement(h, step + 1, grad, before.master[i],
+                                          before.mu[i], before.nu[i]);
+  e.worst_master =
+      std::max(e.worst_master, UlpsAt(p - one.master, one.master_scale));
+  e.worst_mu = std::max(e.worst_mu, UlpsAt(mu - one.mu, one.mu_scale));
+  e.worst_nu = std::max(e.worst_nu, UlpsAt(nu - one.nu, one.nu));
+  const StepResult traj =
+      ReferenceElement(h, step + 1, grad, ref.master[i], ref.mu[i], ref.nu[i]);
+  ref.master_scale[i] = std::max(ref.master_scale[i], traj.master_scale);
+  ref.mu_scale[i] = std::max(ref.mu_scale[i] * h.b1, traj.mu_scale);
+  ref.master[i] = traj.master;
+  ref.mu[i] = traj.mu;
+  ref.nu[i] = traj.nu;
+  e.drift_master =
+      std::max(e.drift_master, UlpsAt(p - ref.master[i], ref.master_scale[i]));
+  e.drift_mu = std::max(e.drift_mu, UlpsAt(mu - ref.mu[i], ref.mu_scale[i]));
+  e.drift_nu = std::max(e.drift_nu, UlpsAt(nu - ref.nu[i], ref.nu[i]));
+}
+
+// Every copy against copy 0, copy 0's low-precision copy against its
+// weights, and copy 0 against the float64 references.
+void CompareStep(const Case& c, const Hyper& h, int step,
+                 const std::vector<double>& grad, const IsaStates& s,
+                 const Rows& before, RefState& ref, CaseErrors& e) {
+  for (int64_t i = 0; i < static_cast<int64_t>(grad.size()); ++i) {
+    for (int k = 1; k < static_cast<int>(s.master.size()); ++k) {
+      if (!SameAsFirst(s, c.lowp_type, k, i)) e.isas_agree = false;
+    }
+    const float p = s.master[0].data[i];
+    if (c.lowp_type == ElementType::kF32) {
+      e.lowp_exact &= Bits(s.lowp32[0].data[i]) == Bits(p);
+    } else if (c.lowp_type == ElementType::kBF16) {
+      e.lowp_exact &= s.lowp[0].data[i] == ReferenceBf16(p);
+    } else if (c.lowp_type == ElementType::kF16) {
+      e.lowp_exact &= s.lowp[0].data[i] == ReferenceHalf(p);
+    }
+    CompareWithFloat64(h, step, i, grad[i], p, s.mu[0].data[i], s.nu[0].data[i],
+                       before, ref, e);
+  }
+}
+
+// The checks of one case, over all its steps.
+void ReportCase(const CaseErrors& e, int steps, const char* context) {
+  Check(e.isas_agree, "every instruction set equals scalar bit for bit",
+        context);
+  Check(e.lowp_exact,
+        "low-precision copy is the master rounded to nearest even", context);
+  // One step is a handful of correctly rounded operations: a few ulps.
+  Check(e.worst_master <= 4.0, "each step's master within 4 ulps of float64",
+        context);
+  Check(e.worst_mu <= 2.0, "each step's mu within 2 ulps of float64", context);
+  Check(e.worst_nu <= 2.0, "each step's nu within 2 ulps of float64", context);
+  // Over the trajectory rounding accumulates at most about an ulp a step.
+  const double allowed = 0.5 * steps;
+  Check(e.drift_master <= allowed && e.drift_mu <= allowed &&
+            e.drift_nu <= allowed,
+        "trajectory within half an ulp a step of float64", context);
+  if (e.worst_master > 4.0 || e.worst_mu > 2.0 || e.worst_nu > 2.0 ||
+      e.drift_master > allowed || e.drift_mu > allowed ||
+      e.drift_nu > allowed) {
+    std::printf(
+        "  ulps: step master %.2f mu %.2f nu %.2f; trajectory %.2f %.2f %.2f\n",
+        e.worst_master, e.worst_mu, e.worst_nu, e.drift_master, e.drift_mu,
+        e.drift_nu);
+  }
+}
+
 void RunCase(int64_t n, const Case& c, int steps) {
   char context[160];
   std::snprintf(context, sizeof(context),
@@ -201,67 +402,21 @@ void RunCase(int64_t n, const Case& c, int steps) {
                 TypeName(c.lowp_type), c.nesterov, c.weight_decay, c.eps_root,
                 c.grad_scale);
   uint64_t rng = 1234 + n;
-  const std::vector<Isa> isas = [] {
-    std::vector<Isa> out;
-    for (Isa isa :
-         {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
-      if (IsaAvailable(isa)) out.push_back(isa);
-    }
-    return out;
-  }();
-  const int kNumIsas = static_cast<int>(isas.size());
-
-  // One copy of the fp32 state per instruction set, each misaligned
-  // differently from its neighbours and from 16/32/64-byte boundaries.
-  std::vector<Misaligned<float>> master, mu, nu;
-  std::vector<Misaligned<uint16_t>> lowp;
-  std::vector<Misaligned<float>> lowp32;
-  for (int k = 0; k < kNumIsas; ++k) {
-    lowp32.emplace_back(n, 6 + k);
-    master.emplace_back(n, 1 + k);
-    mu.emplace_back(n, 2 + k);
-    nu.emplace_back(n, 3 + k);
-    lowp.emplace_back(n, 5 + k);
-  }
-  RefState ref{std::vector<double>(n), std::vector<double>(n, 0.0),
-               std::vector<double>(n, 0.0), std::vector<double>(n, 0.0),
-               std::vector<double>(n, 0.0)};
-  for (int64_t i = 0; i < n; ++i) {
-    const float w = static_cast<float>(Uniform(rng));
-    ref.master[i] = w;
-    for (int k = 0; k < kNumIsas; ++k) {
-      master[k].data[i] = w;
-      mu[k].data[i] = 0.0f;
-      nu[k].data[i] = 0.0f;
-    }
-  }
+  const std::vector<Isa> isas = AvailableIsas();
+  IsaStates s(n, static_cast<int>(isas.size()));
+  RefState ref = InitialState(n, rng, s);
   Misaligned<float> grad32(n, 3);
   Misaligned<uint16_t> grad16(n, 1);
-
   const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
-  // Worst errors in ulps: of one step taken from the kernel's own state, and
-  // of the whole trajectory against the float64 one.
-  double worst_master = 0, worst_mu = 0, worst_nu = 0;
-  double drift_master = 0, drift_mu = 0, drift_nu = 0;
-  std::vector<float> before_master(n), before_mu(n), before_nu(n);
-  bool isas_agree = true, lowp_exact = true;
+  CaseErrors errors;
+  Rows before{std::vector<float>(n), std::vector<float>(n),
+              std::vector<float>(n)};
   for (int step = 0; step < steps; ++step) {
     // A warmup-then-decay learning-rate schedule, changing every step.
     const float lr =
         1e-2f * std::min(1.0f, (step + 1) / 5.0f) / (1.0f + 0.1f * step);
-    std::vector<double> grad(n);
-    for (int64_t i = 0; i < n; ++i) {
-      // Gradients spanning several decades, so moments are not all alike.
-      double g = Uniform(rng) * std::pow(10.0, Uniform(rng) * 3.0);
-      if (c.grad_type == ElementType::kF32) {
-        grad32.data[i] = static_cast<float>(g);
-        g = grad32.data[i];
-      } else {
-        grad16.data[i] = EncodeGrad(g, c.grad_type);
-        g = DecodeGrad(grad16.data[i], c.grad_type);
-      }
-      grad[i] = g;
-    }
+    const std::vector<double> grad =
+        FillGradients(n, c.grad_type, rng, grad32, grad16);
     AdamConfig config;
     config.learning_rate = lr;
     config.b1 = b1;
@@ -273,93 +428,16 @@ void RunCase(int64_t n, const Case& c, int steps) {
     config.nesterov = c.nesterov;
     config.count = step;
     const AdamConstants constants = MakeAdamConstants(config);
-    std::copy(master[0].data, master[0].data + n, before_master.begin());
-    std::copy(mu[0].data, mu[0].data + n, before_mu.begin());
-    std::copy(nu[0].data, nu[0].data + n, before_nu.begin());
-    for (int k = 0; k < kNumIsas; ++k) {
-      AdamBuffers b;
-      b.size = n;
-      b.master_in = b.master_out = master[k].data;
-      b.mu_in = b.mu_out = mu[k].data;
-      b.nu_in = b.nu_out = nu[k].data;
-      b.grad = c.grad_type == ElementType::kF32
-                   ? static_cast<const void*>(grad32.data)
-                   : static_cast<const void*>(grad16.data);
-      b.grad_type = c.grad_type;
-      b.lowp_type = c.lowp_type;
-      b.lowp_out = c.lowp_type == ElementType::kF32
-                       ? static_cast<void*>(lowp32[k].data)
-                       : static_cast<void*>(lowp[k].data);
-      Check(ValidateAdamBuffers(b) == nullptr, "buffers valid", context);
-      // Split at an odd point so a chunk boundary falls mid-vector.
-      const int64_t split = n / 3 + (n > 2 ? 1 : 0);
-      AdamStepRange(constants, b, 0, split, isas[k]);
-      AdamStepRange(constants, b, split, n, isas[k]);
-    }
+    std::copy(s.master[0].data, s.master[0].data + n, before.master.begin());
+    std::copy(s.mu[0].data, s.mu[0].data + n, before.mu.begin());
+    std::copy(s.nu[0].data, s.nu[0].data + n, before.nu.begin());
+    StepEveryIsa(constants, c, n, isas, s, grad32, grad16, context);
     // The reference sees the same fp32-rounded hyperparameters.
     const Hyper h{lr,           b1,        b2, eps, c.eps_root, c.weight_decay,
                   c.grad_scale, c.nesterov};
-    for (int64_t i = 0; i < n; ++i) {
-      for (int k = 1; k < kNumIsas; ++k) {
-        if (Bits(master[k].data[i]) != Bits(master[0].data[i]) ||
-            Bits(mu[k].data[i]) != Bits(mu[0].data[i]) ||
-            Bits(nu[k].data[i]) != Bits(nu[0].data[i]) ||
-            (c.lowp_type == ElementType::kF32 &&
-             Bits(lowp32[k].data[i]) != Bits(lowp32[0].data[i])) ||
-            ((c.lowp_type == ElementType::kBF16 ||
-              c.lowp_type == ElementType::kF16) &&
-             lowp[k].data[i] != lowp[0].data[i])) {
-          isas_agree = false;
-        }
-      }
-      const float p = master[0].data[i];
-      if (c.lowp_type == ElementType::kF32) {
-        lowp_exact &= Bits(lowp32[0].data[i]) == Bits(p);
-      } else if (c.lowp_type == ElementType::kBF16) {
-        lowp_exact &= lowp[0].data[i] == ReferenceBf16(p);
-      } else if (c.lowp_type == ElementType::kF16) {
-        lowp_exact &= lowp[0].data[i] == ReferenceHalf(p);
-      }
-      const StepResult one = ReferenceElement(
-          h, step + 1, grad[i], before_master[i], before_mu[i], before_nu[i]);
-      worst_master =
-          std::max(worst_master, UlpsAt(p - one.master, one.master_scale));
-      worst_mu =
-          std::max(worst_mu, UlpsAt(mu[0].data[i] - one.mu, one.mu_scale));
-      worst_nu = std::max(worst_nu, UlpsAt(nu[0].data[i] - one.nu, one.nu));
-      const StepResult traj = ReferenceElement(
-          h, step + 1, grad[i], ref.master[i], ref.mu[i], ref.nu[i]);
-      ref.master_scale[i] = std::max(ref.master_scale[i], traj.master_scale);
-      ref.mu_scale[i] = std::max(ref.mu_scale[i] * h.b1, traj.mu_scale);
-      ref.master[i] = traj.master;
-      ref.mu[i] = traj.mu;
-      ref.nu[i] = traj.nu;
-      drift_master = std::max(drift_master,
-                              UlpsAt(p - ref.master[i], ref.master_scale[i]));
-      drift_mu = std::max(drift_mu,
-                          UlpsAt(mu[0].data[i] - ref.mu[i], ref.mu_scale[i]));
-      drift_nu =
-          std::max(drift_nu, UlpsAt(nu[0].data[i] - ref.nu[i], ref.nu[i]));
-    }
+    CompareStep(c, h, step, grad, s, before, ref, errors);
   }
-  Check(isas_agree, "every instruction set equals scalar bit for bit", context);
-  Check(lowp_exact, "low-precision copy is the master rounded to nearest even",
-        context);
-  // One step is a handful of correctly rounded operations: a few ulps.
-  Check(worst_master <= 4.0, "each step's master within 4 ulps of float64",
-        context);
-  Check(worst_mu <= 2.0, "each step's mu within 2 ulps of float64", context);
-  Check(worst_nu <= 2.0, "each step's nu within 2 ulps of float64", context);
-  // Over the trajectory rounding accumulates at most about an ulp a step.
-  const double allowed = 0.5 * steps;
-  Check(drift_master <= allowed && drift_mu <= allowed && drift_nu <= allowed,
-        "trajectory within half an ulp a step of float64", context);
-  if (worst_master > 4.0 || worst_mu > 2.0 || worst_nu > 2.0 ||
-      drift_master > allowed || drift_mu > allowed || drift_nu > allowed) {
-    std::printf(
-        "  ulps: step master %.2f mu %.2f nu %.2f; trajectory %.2f %.2f %.2f\n",
-        worst_master, worst_mu, worst_nu, drift_master, drift_mu, drift_nu);
-  }
+  ReportCase(errors, steps, context);
 }
 
 void TestWideningExhaustively() {
@@ -584,6 +662,173 @@ PlainStep PlainStepFrom(const AdamConstants& constants, const float* master,
   return out;
 }
 
+// One case of TestSpeculateThenRedo: rows aligned alike (streamed) for
+// ratios 0.5 and 1e2, else not.
+struct RedoCase {
+  ElementType grad_type;
+  bool nesterov;
+  int from;
+  double ratio;  // Of the gradients' norm to the clip, 1.
+  bool aligned() const { return ratio == 0.5 || ratio == 1e2; }
+};
+
+// Double-buffered state, row `from` random and the spare row NaN, the kept
+// gradient, the bf16 weights copy, and the gradients in both types.
+struct RedoInputs {
+  AlignedFloats master, mu, nu, kept;
+  std::vector<float> grad32;
+  std::vector<uint16_t> grad16, lowp;
+  std::vector<double> grad;  // The values the kernel sees, of grad_type.
+  double sumsq = 0.0;
+  RedoInputs(int64_t n, bool aligned)
+      : master(2 * n, 0),
+        mu(2 * n, aligned ? 0 : 1),
+        nu(2 * n, aligned ? 0 : 2),
+        kept(n, aligned ? 0 : 3),
+        grad32(n),
+        grad16(n),
+        lowp(n),
+        grad(n) {}
+};
+
+void FillRedoInputs(const RedoCase& c, int64_t n, RedoInputs& in) {
+  uint64_t rng = 11 + c.from + (c.nesterov ? 2 : 0);
+  for (int64_t i = 0; i < 2 * n; ++i) {  // The spare row: garbage.
+    in.master[i] = in.mu[i] = in.nu[i] =
+        std::numeric_limits<float>::quiet_NaN();
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t at = c.from * n + i;
+    in.master[at] = static_cast<float>(Uniform(rng));
+    in.mu[at] = static_cast<float>(Uniform(rng) * 1e-3);
+    in.nu[at] = static_cast<float>((Uniform(rng) + 1.0) * 1e-6);
+    const double g = Uniform(rng) * std::pow(10.0, Uniform(rng));
+    in.grad32[i] = static_cast<float>(g);
+    in.grad16[i] = EncodeGrad(g, ElementType::kBF16);
+    in.grad[i] = c.grad_type == ElementType::kF32
+                     ? in.grad32[i]
+                     : DecodeGrad(in.grad16[i], ElementType::kBF16);
+    in.sumsq += in.grad[i] * in.grad[i];
+  }
+}
+
+// The speculation left row `from` untouched, streamed as aligned, kept the
+// gradient exactly, wrote the scalar path's bits and summed the squares.
+void CheckSpeculation(const RedoCase& c, int64_t n, const AdamConstants& k,
+                      const PairBuffers& pair, RedoInputs& in,
+                      const Rows& before, bool streams, double sum,
+                      const char* context) {
+  bool untouched = true, kept_exact = true;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t at = c.from * n + i;
+    untouched &= Bits(in.master[at]) == Bits(before.master[at]) &&
+                 Bits(in.mu[at]) == Bits(before.mu[at]) &&
+                 Bits(in.nu[at]) == Bits(before.nu[at]);
+    kept_exact &= static_cast<double>(in.kept[i]) == in.grad[i];
+  }
+  Check(untouched, "speculation leaves the current row untouched", context);
+  Check(streams == c.aligned(), "rows aligned alike are streamed", context);
+  Check(kept_exact, "speculation keeps the gradient exactly", context);
+  const int64_t cur = c.from * n;
+  const PlainStep s = PlainStepFrom(
+      k, before.master.data() + cur, before.mu.data() + cur,
+      before.nu.data() + cur, pair.grad, c.grad_type, n, Isa::kScalar);
+  bool same = true;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t at = (1 - c.from) * n + i;
+    same &= Bits(in.master[at]) == Bits(s.master[i]) &&
+            Bits(in.mu[at]) == Bits(s.mu[i]) &&
+            Bits(in.nu[at]) == Bits(s.nu[i]) && in.lowp[i] == s.lowp[i];
+  }
+  Check(same, "speculation writes the scalar path's bits", context);
+  const double want_sum = c.ratio * c.ratio;  // Of the scaled gradients.
+  Check(std::fabs(sum - want_sum) <= 1e-5 * want_sum,
+        "speculation sums the squared scaled gradients", context);
+}
+
+// The redo of the step with the clipped scale, from row `from`: the plain
+// kernel's bits, and within a few ulps of float64.
+void CheckRedo(const RedoCase& c, int64_t n, const AdamConstants& again,
+               const PairBuffers& pair, RedoInputs& in, const Rows& before,
+               const char* context) {
+  RedoStepRange(again, pair, c.from, 0, n, BestIsa());
+  const int64_t cur = c.from * n, out = (1 - c.from) * n;
+  const PlainStep plain = PlainStepFrom(
+      again, before.master.data() + cur, before.mu.data() + cur,
+      before.nu.data() + cur, pair.grad, c.grad_type, n, BestIsa());
+  const Hyper h{1e-2, 0.9f,  0.999f,           1e-8f,
+                0.0,  1e-4f, again.grad_scale, c.nesterov};
+  bool same = true;
+  double worst_master = 0, worst_mu = 0, worst_nu = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    same &= Bits(in.master[out + i]) == Bits(plain.master[i]) &&
+            Bits(in.mu[out + i]) == Bits(plain.mu[i]) &&
+            Bits(in.nu[out + i]) == Bits(plain.nu[i]) &&
+            in.lowp[i] == plain.lowp[i];
+    const StepResult r =
+        ReferenceElement(h, 7, in.grad[i], before.master[cur + i],
+                         before.mu[cur + i], before.nu[cur + i]);
+    worst_master = std::max(
+        worst_master, UlpsAt(in.master[out + i] - r.master, r.master_scale));
+    worst_mu = std::max(worst_mu, UlpsAt(in.mu[out + i] - r.mu, r.mu_scale));
+    worst_nu = std::max(worst_nu, UlpsAt(in.nu[out + i] - r.nu, r.nu));
+  }
+  Check(same, "redo equals the plain step with the clipped scale", context);
+  // The clipped scale is not a power of two: g = grad * scale is
+  // one more rounding, doubled in nu by the square (3 ulps, not 2).
+  const bool close = worst_master <= 4.0 && worst_mu <= 2.0 && worst_nu <= 3.0;
+  Check(close, "redo within a few ulps of float64", context);
+  if (!close) {
+    std::printf("  ulps: master %.2f mu %.2f nu %.2f\n", worst_master, worst_mu,
+                worst_nu);
+  }
+}
+
+void RunRedoCase(const RedoCase& c) {
+  const int64_t n = 3001;
+  RedoInputs in(n, c.aligned());
+  FillRedoInputs(c, n, in);
+  // Gradients scaled so that their norm is `ratio` times the clip 1.
+  const float scale = static_cast<float>(c.ratio / std::sqrt(in.sumsq));
+  const Rows before = BothRows(in.master, in.mu, in.nu, n);
+  AdamConfig config;
+  config.learning_rate = 1e-2f;
+  config.weight_decay = 1e-4f;
+  config.nesterov = c.nesterov;
+  config.grad_scale = scale;
+  config.count = 6;
+  const AdamConstants speculative = MakeAdamConstants(config);
+  const PairBuffers pair{n,
+                         n,
+                         in.master.data(),
+                         in.mu.data(),
+                         in.nu.data(),
+                         c.grad_type == ElementType::kF32
+                             ? static_cast<const void*>(in.grad32.data())
+                             : static_cast<const void*>(in.grad16.data()),
+                         c.grad_type,
+                         in.kept.data(),
+                         in.lowp.data(),
+                         ElementType::kBF16};
+  const bool streams =
+      StreamableHead(RowStep(pair, c.from, pair.grad, c.grad_type), 0, n) >= 0;
+  // Two sub-ranges, one boundary mid-vector, as chunks split them.
+  const double sum =
+      SpeculativeStepRange(speculative, pair, c.from, 0, n / 3 + 1, BestIsa()) +
+      SpeculativeStepRange(speculative, pair, c.from, n / 3 + 1, n, BestIsa());
+  char context[112];
+  std::snprintf(context, sizeof(context),
+                "grad=%s nesterov=%d from=%d ratio=%g aligned=%d",
+                TypeName(c.grad_type), c.nesterov, c.from, c.ratio,
+                c.aligned());
+  CheckSpeculation(c, n, speculative, pair, in, before, streams, sum, context);
+  // Validation: clip to norm 1, so the redo's scale is scale / ratio.
+  AdamConstants again = speculative;
+  again.grad_scale = static_cast<float>(scale / c.ratio);
+  again.keep_nonfinite = false;
+  CheckRedo(c, n, again, pair, in, before, context);
+}
+
 // Speculation-then-validation on double-buffered state: the speculative
 // step leaves the current row untouched, writes the other and keeps the
 // gradient (with streaming stores when the rows and the kept gradient share
@@ -592,149 +837,11 @@ PlainStep PlainStepFrom(const AdamConstants& constants, const float* master,
 // bit for bit the plain kernel's step with that scale, at clip ratios from 0.5
 // to 1e4.
 void TestSpeculateThenRedo() {
-  const int64_t n = 3001;
   for (ElementType grad_type : {ElementType::kF32, ElementType::kBF16}) {
     for (bool nesterov : {false, true}) {
       for (int from : {0, 1}) {
         for (double ratio : {0.5, 3.0, 1e2, 1e4}) {
-          uint64_t rng = 11 + from + (nesterov ? 2 : 0);
-          // Rows aligned alike (streamed) for ratios 0.5 and 1e2, else not.
-          const bool aligned = ratio == 0.5 || ratio == 1e2;
-          AlignedFloats master(2 * n, 0), mu(2 * n, aligned ? 0 : 1);
-          AlignedFloats nu(2 * n, aligned ? 0 : 2);
-          AlignedFloats kept(n, aligned ? 0 : 3);
-          std::vector<float> grad32(n);
-          std::vector<uint16_t> grad16(n), lowp(n);
-          std::vector<double> grad(n);
-          double sumsq = 0.0;
-          for (int64_t i = 0; i < 2 * n; ++i) {  // The spare row: garbage.
-            master[i] = mu[i] = nu[i] = std::numeric_limits<float>::quiet_NaN();
-          }
-          for (int64_t i = 0; i < n; ++i) {
-            const int64_t at = from * n + i;
-            master[at] = static_cast<float>(Uniform(rng));
-            mu[at] = static_cast<float>(Uniform(rng) * 1e-3);
-            nu[at] = static_cast<float>((Uniform(rng) + 1.0) * 1e-6);
-            const double g = Uniform(rng) * std::pow(10.0, Uniform(rng));
-            grad32[i] = static_cast<float>(g);
-            grad16[i] = EncodeGrad(g, ElementType::kBF16);
-            grad[i] = grad_type == ElementType::kF32
-                          ? grad32[i]
-                          : DecodeGrad(grad16[i], ElementType::kBF16);
-            sumsq += grad[i] * grad[i];
-          }
-          // Gradients scaled so that their norm is `ratio` times the clip 1.
-          const float scale = static_cast<float>(ratio / std::sqrt(sumsq));
-          const std::vector<float> before_master(master.data(),
-                                                 master.data() + 2 * n);
-          const std::vector<float> before_mu(mu.data(), mu.data() + 2 * n);
-          const std::vector<float> before_nu(nu.data(), nu.data() + 2 * n);
-          AdamConfig config;
-          config.learning_rate = 1e-2f;
-          config.weight_decay = 1e-4f;
-          config.nesterov = nesterov;
-          config.grad_scale = scale;
-          config.count = 6;
-          const AdamConstants speculative = MakeAdamConstants(config);
-          PairBuffers pair;
-          pair.size = n;
-          pair.row_stride = n;
-          pair.master = master.data();
-          pair.mu = mu.data();
-          pair.nu = nu.data();
-          pair.grad = grad_type == ElementType::kF32
-                          ? static_cast<const void*>(grad32.data())
-                          : static_cast<const void*>(grad16.data());
-          pair.grad_type = grad_type;
-          pair.kept_grad = kept.data();
-          pair.lowp_out = lowp.data();
-          pair.lowp_type = ElementType::kBF16;
-          const bool streams =
-              StreamableHead(RowStep(pair, from, pair.grad, grad_type), 0, n) >=
-              0;
-          // Two sub-ranges, one boundary mid-vector, as chunks split them.
-          const double sum = SpeculativeStepRange(speculative, pair, from, 0,
-                                                  n / 3 + 1, BestIsa()) +
-                             SpeculativeStepRange(speculative, pair, from,
-                                                  n / 3 + 1, n, BestIsa());
-          bool untouched = true, kept_exact = true;
-          for (int64_t i = 0; i < n; ++i) {
-            const int64_t at = from * n + i;
-            untouched &= Bits(master[at]) == Bits(before_master[at]) &&
-                         Bits(mu[at]) == Bits(before_mu[at]) &&
-                         Bits(nu[at]) == Bits(before_nu[at]);
-            kept_exact &= static_cast<double>(kept[i]) == grad[i];
-          }
-          char context[112];
-          std::snprintf(context, sizeof(context),
-                        "grad=%s nesterov=%d from=%d ratio=%g aligned=%d",
-                        TypeName(grad_type), nesterov, from, ratio, aligned);
-          Check(untouched, "speculation leaves the current row untouched",
-                context);
-          Check(streams == aligned, "rows aligned alike are streamed", context);
-          Check(kept_exact, "speculation keeps the gradient exactly", context);
-          {  // The speculative row, bit for bit the plain step's.
-            const PlainStep s = PlainStepFrom(
-                speculative, before_master.data() + from * n,
-                before_mu.data() + from * n, before_nu.data() + from * n,
-                pair.grad, grad_type, n, Isa::kScalar);
-            bool same = true;
-            for (int64_t i = 0; i < n; ++i) {
-              const int64_t at = (1 - from) * n + i;
-              same &= Bits(master[at]) == Bits(s.master[i]) &&
-                      Bits(mu[at]) == Bits(s.mu[i]) &&
-                      Bits(nu[at]) == Bits(s.nu[i]) && lowp[i] == s.lowp[i];
-            }
-            Check(same, "speculation writes the scalar path's bits", context);
-          }
-          const double want_sum = ratio * ratio;  // Of the scaled gradients.
-          Check(std::fabs(sum - want_sum) <= 1e-5 * want_sum,
-                "speculation sums the squared scaled gradients", context);
-          // Validation: clip to norm 1, so the redo's scale is scale / ratio.
-          const float clipped = static_cast<float>(scale / ratio);
-          AdamConstants again = speculative;
-          again.grad_scale = clipped;
-          again.keep_nonfinite = false;
-          RedoStepRange(again, pair, from, 0, n, BestIsa());
-          // The plain kernel's step from the same row, for bit equality.
-          const PlainStep plain = PlainStepFrom(
-              again, before_master.data() + from * n,
-              before_mu.data() + from * n, before_nu.data() + from * n,
-              pair.grad, grad_type, n, BestIsa());
-          const std::vector<float>& pm = plain.master;
-          const std::vector<float>& pmu = plain.mu;
-          const std::vector<float>& pnu = plain.nu;
-          const std::vector<uint16_t>& plowp = plain.lowp;
-          const Hyper h{1e-2, 0.9f,  0.999f,  1e-8f,
-                        0.0,  1e-4f, clipped, nesterov};
-          bool same = true;
-          double worst_master = 0, worst_mu = 0, worst_nu = 0;
-          const int64_t out = (1 - from) * n;
-          for (int64_t i = 0; i < n; ++i) {
-            same &= Bits(master[out + i]) == Bits(pm[i]) &&
-                    Bits(mu[out + i]) == Bits(pmu[i]) &&
-                    Bits(nu[out + i]) == Bits(pnu[i]) && lowp[i] == plowp[i];
-            const StepResult r = ReferenceElement(
-                h, 7, grad[i], before_master[from * n + i],
-                before_mu[from * n + i], before_nu[from * n + i]);
-            worst_master =
-                std::max(worst_master,
-                         UlpsAt(master[out + i] - r.master, r.master_scale));
-            worst_mu =
-                std::max(worst_mu, UlpsAt(mu[out + i] - r.mu, r.mu_scale));
-            worst_nu = std::max(worst_nu, UlpsAt(nu[out + i] - r.nu, r.nu));
-          }
-          Check(same, "redo equals the plain step with the clipped scale",
-                context);
-          // The clipped scale is not a power of two: g = grad * scale is
-          // one more rounding, doubled in nu by the square (3 ulps, not 2).
-          const bool close =
-              worst_master <= 4.0 && worst_mu <= 2.0 && worst_nu <= 3.0;
-          Check(close, "redo within a few ulps of float64", context);
-          if (!close) {
-            std::printf("  ulps: master %.2f mu %.2f nu %.2f\n", worst_master,
-                        worst_mu, worst_nu);
-          }
+          RunRedoCase({grad_type, nesterov, from, ratio});
         }
       }
     }
@@ -753,17 +860,155 @@ double ReferenceSumSquares(const std::vector<float>& grad, float scale) {
   return sum;
 }
 
+// Random state and gradients of type `grad_type`; `grad` holds the
+// gradients' fp32 values, `grad16` their 16-bit encoding.
+struct SumSquaresInputs {
+  std::vector<float> master, mu, nu, grad;
+  std::vector<uint16_t> grad16;
+};
+
+SumSquaresInputs RandomSumSquaresInputs(int64_t n, ElementType grad_type,
+                                        uint64_t& rng) {
+  SumSquaresInputs in{std::vector<float>(n), std::vector<float>(n),
+                      std::vector<float>(n), std::vector<float>(n),
+                      std::vector<uint16_t>(n)};
+  for (int64_t i = 0; i < n; ++i) {
+    in.master[i] = static_cast<float>(Uniform(rng));
+    in.mu[i] = static_cast<float>(Uniform(rng) * 0.01);
+    in.nu[i] = static_cast<float>((Uniform(rng) + 1.0) * 1e-4);
+    const double g = Uniform(rng) * std::pow(10.0, Uniform(rng) * 3.0);
+    if (grad_type == ElementType::kF32) {
+      in.grad[i] = static_cast<float>(g);
+    } else {
+      in.grad16[i] = EncodeGrad(g, grad_type);
+      in.grad[i] = static_cast<float>(DecodeGrad(in.grad16[i], grad_type));
+    }
+  }
+  return in;
+}
+
+// One copy of the state stepped in place, with both kinds of copy output.
+struct StateCopy {
+  std::vector<float> master, mu, nu;
+  std::vector<uint16_t> lowp;
+  std::vector<float> lowp32;
+};
+
+StateCopy CopyOf(const std::vector<float>& master, const std::vector<float>& mu,
+                 const std::vector<float>& nu) {
+  return StateCopy{master, mu, nu, std::vector<uint16_t>(master.size(), 0),
+                   std::vector<float>(master.size(), 0.0f)};
+}
+
+AdamBuffers CopyBuffers(StateCopy& s, const SumSquaresInputs& in,
+                        ElementType grad_type, ElementType lowp_type) {
+  AdamBuffers b;
+  b.size = static_cast<int64_t>(s.master.size());
+  b.master_in = b.master_out = s.master.data();
+  b.mu_in = b.mu_out = s.mu.data();
+  b.nu_in = b.nu_out = s.nu.data();
+  b.grad = grad_type == ElementType::kF32
+               ? static_cast<const void*>(in.grad.data())
+               : static_cast<const void*>(in.grad16.data());
+  b.grad_type = grad_type;
+  b.lowp_type = lowp_type;
+  b.lowp_out = lowp_type == ElementType::kF32
+                   ? static_cast<void*>(s.lowp32.data())
+                   : static_cast<void*>(s.lowp.data());
+  return b;
+}
+
+// What held over one instruction set's and size's cases.
+struct SumSquaresFlags {
+  bool same_state = true, within = true, repeatable = true;
+  double worst = 0.0;
+};
+
+// One configuration: the summing step equals the plain one, its sum is
+// within `tolerance` of the reference and repeatable.
+void SumSquaresCase(int64_t n, Isa isa, ElementType grad_type,
+                    ElementType lowp_type, int config_bits, double tolerance,
+                    SumSquaresFlags& f) {
+  uint64_t rng = 77 + n + config_bits;
+  const SumSquaresInputs in = RandomSumSquaresInputs(n, grad_type, rng);
+  AdamConfig config;
+  config.learning_rate = 1e-2f;
+  config.nesterov = (config_bits & 1) != 0;
+  config.weight_decay = (config_bits & 2) ? 0.01f : 0.0f;
+  config.keep_nonfinite = (config_bits & 4) != 0;
+  config.grad_scale = 0.75f;
+  config.count = 3;
+  const AdamConstants k = MakeAdamConstants(config);
+  // Two copies of everything: one for each entry point.
+  StateCopy p = CopyOf(in.master, in.mu, in.nu), s = p;
+  const AdamBuffers plain = CopyBuffers(p, in, grad_type, lowp_type);
+  const AdamBuffers summing = CopyBuffers(s, in, grad_type, lowp_type);
+  // A split that falls mid-vector, as a chunk boundary may.
+  const int64_t split = n / 3 + (n > 2 ? 1 : 0);
+  AdamStepRange(k, plain, 0, split, isa);
+  AdamStepRange(k, plain, split, n, isa);
+  const double sum = AdamStepSumSquaresRange(k, summing, 0, split, isa) +
+                     AdamStepSumSquaresRange(k, summing, split, n, isa);
+  for (int64_t i = 0; i < n; ++i) {
+    f.same_state &= Bits(p.master[i]) == Bits(s.master[i]) &&
+                    Bits(p.mu[i]) == Bits(s.mu[i]) &&
+                    Bits(p.nu[i]) == Bits(s.nu[i]) && p.lowp[i] == s.lowp[i] &&
+                    Bits(p.lowp32[i]) == Bits(s.lowp32[i]);
+  }
+  const double want = ReferenceSumSquares(in.grad, config.grad_scale);
+  const double error =
+      want == 0.0 ? std::fabs(sum) : std::fabs(sum - want) / want;
+  f.worst = std::max(f.worst, error);
+  f.within &= error <= tolerance;
+  // The same call again (state restored) gives the same bits.
+  StateCopy r = CopyOf(s.master, s.mu, s.nu);
+  const AdamBuffers again = CopyBuffers(r, in, grad_type, lowp_type);
+  const double first = AdamStepSumSquaresRange(k, again, 0, n, isa);
+  std::copy(s.master.begin(), s.master.end(), r.master.begin());
+  std::copy(s.mu.begin(), s.mu.end(), r.mu.begin());
+  std::copy(s.nu.begin(), s.nu.end(), r.nu.begin());
+  const double second = AdamStepSumSquaresRange(k, again, 0, n, isa);
+  f.repeatable &= SameBits(first, second);
+}
+
+// Non-finite squares make the sum non-finite, guarded or not: NaN, +-Inf,
+// and a finite gradient whose fp32 square overflows.
+void CheckNonFiniteSums(Isa isa) {
+  struct Poison {
+    float value;
+    bool nan;  // Whether the sum must be NaN (else +Inf).
+  };
+  for (bool keep : {false, true}) {
+    for (const Poison poison :
+         {Poison{std::numeric_limits<float>::quiet_NaN(), true},
+          Poison{std::numeric_limits<float>::infinity(), false},
+          Poison{-std::numeric_limits<float>::infinity(), false},
+          Poison{1e20f, false}}) {
+      for (int64_t where : {0, 5, 700, 1036}) {
+        const int64_t n = 1037;
+        std::vector<float> p(n, 0.5f), m(n, 0.0f), v(n, 0.0f), g(n, 0.25f);
+        g[where] = poison.value;
+        AdamConfig config;
+        config.keep_nonfinite = keep;
+        AdamBuffers b = InPlace(p, m, v, g);
+        const double sum =
+            AdamStepSumSquaresRange(MakeAdamConstants(config), b, 0, n, isa);
+        const bool ok =
+            poison.nan ? std::isnan(sum) : std::isinf(sum) && sum > 0;
+        char context[64];
+        std::snprintf(context, sizeof(context), "%s keep=%d g=%g at %lld",
+                      IsaName(isa), keep, poison.value,
+                      static_cast<long long>(where));
+        Check(ok, "a non-finite square makes the sum non-finite", context);
+      }
+    }
+  }
+}
+
 // AdamStepSumSquaresRange steps exactly as AdamStepRange does and returns
 // the sum of the squared scaled gradients within 64 fp32 roundings.
 void TestSumSquares(bool quick) {
-  const std::vector<Isa> isas = [] {
-    std::vector<Isa> out;
-    for (Isa isa :
-         {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
-      if (IsaAvailable(isa)) out.push_back(isa);
-    }
-    return out;
-  }();
+  const std::vector<Isa> isas = AvailableIsas();
   const ElementType kGrads[] = {ElementType::kF32, ElementType::kBF16,
                                 ElementType::kF16};
   const ElementType kLowps[] = {ElementType::kNone, ElementType::kF32,
@@ -780,142 +1025,33 @@ void TestSumSquares(bool quick) {
     const int64_t n = shape.n;
     if (quick && n > 4099) continue;
     for (Isa isa : isas) {
-      bool same_state = true, within = true, repeatable = true;
-      double worst = 0.0;
+      SumSquaresFlags f;
       for (ElementType grad_type : kGrads) {
         for (ElementType lowp_type : kLowps) {
           for (int config_bits = 0; config_bits < 8; ++config_bits) {
-            const bool all = shape.all_configs;
-            if (!all && (lowp_type != ElementType::kBF16 || config_bits != 5)) {
+            if (!shape.all_configs &&
+                (lowp_type != ElementType::kBF16 || config_bits != 5)) {
               continue;
             }
-            uint64_t rng = 77 + n + config_bits;
-            std::vector<float> master(n), mu(n), nu(n), grad(n);
-            std::vector<uint16_t> grad16(n);
-            for (int64_t i = 0; i < n; ++i) {
-              master[i] = static_cast<float>(Uniform(rng));
-              mu[i] = static_cast<float>(Uniform(rng) * 0.01);
-              nu[i] = static_cast<float>((Uniform(rng) + 1.0) * 1e-4);
-              const double g =
-                  Uniform(rng) * std::pow(10.0, Uniform(rng) * 3.0);
-              if (grad_type == ElementType::kF32) {
-                grad[i] = static_cast<float>(g);
-              } else {
-                grad16[i] = EncodeGrad(g, grad_type);
-                grad[i] = static_cast<float>(DecodeGrad(grad16[i], grad_type));
-              }
-            }
-            AdamConfig config;
-            config.learning_rate = 1e-2f;
-            config.nesterov = (config_bits & 1) != 0;
-            config.weight_decay = (config_bits & 2) ? 0.01f : 0.0f;
-            config.keep_nonfinite = (config_bits & 4) != 0;
-            config.grad_scale = 0.75f;
-            config.count = 3;
-            const AdamConstants k = MakeAdamConstants(config);
-            // Two copies of everything: one for each entry point.
-            std::vector<float> master2 = master, mu2 = mu, nu2 = nu;
-            std::vector<uint16_t> lowp(n, 0), lowp2(n, 0);
-            std::vector<float> lowp32(n, 0.0f), lowp32_2(n, 0.0f);
-            auto buffers = [&](std::vector<float>& p, std::vector<float>& m,
-                               std::vector<float>& v, std::vector<uint16_t>& l,
-                               std::vector<float>& l32) {
-              AdamBuffers b;
-              b.size = n;
-              b.master_in = b.master_out = p.data();
-              b.mu_in = b.mu_out = m.data();
-              b.nu_in = b.nu_out = v.data();
-              b.grad = grad_type == ElementType::kF32
-                           ? static_cast<const void*>(grad.data())
-                           : static_cast<const void*>(grad16.data());
-              b.grad_type = grad_type;
-              b.lowp_type = lowp_type;
-              b.lowp_out = lowp_type == ElementType::kF32
-                               ? static_cast<void*>(l32.data())
-                               : static_cast<void*>(l.data());
-              return b;
-            };
-            const AdamBuffers plain = buffers(master, mu, nu, lowp, lowp32);
-            const AdamBuffers summing =
-                buffers(master2, mu2, nu2, lowp2, lowp32_2);
-            // A split that falls mid-vector, as a chunk boundary may.
-            const int64_t split = n / 3 + (n > 2 ? 1 : 0);
-            AdamStepRange(k, plain, 0, split, isa);
-            AdamStepRange(k, plain, split, n, isa);
-            const double sum =
-                AdamStepSumSquaresRange(k, summing, 0, split, isa) +
-                AdamStepSumSquaresRange(k, summing, split, n, isa);
-            for (int64_t i = 0; i < n; ++i) {
-              same_state &=
-                  Bits(master[i]) == Bits(master2[i]) &&
-                  Bits(mu[i]) == Bits(mu2[i]) && Bits(nu[i]) == Bits(nu2[i]) &&
-                  lowp[i] == lowp2[i] && Bits(lowp32[i]) == Bits(lowp32_2[i]);
-            }
-            const double want = ReferenceSumSquares(grad, config.grad_scale);
-            const double error =
-                want == 0.0 ? std::fabs(sum) : std::fabs(sum - want) / want;
-            worst = std::max(worst, error);
-            within &= error <= tolerance;
-            // The same call again (state restored) gives the same bits.
-            std::vector<float> master3 = master2, mu3 = mu2, nu3 = nu2;
-            std::vector<uint16_t> lowp3(n);
-            std::vector<float> lowp32_3(n);
-            const AdamBuffers again =
-                buffers(master3, mu3, nu3, lowp3, lowp32_3);
-            const double first = AdamStepSumSquaresRange(k, again, 0, n, isa);
-            std::copy(master2.begin(), master2.end(), master3.begin());
-            std::copy(mu2.begin(), mu2.end(), mu3.begin());
-            std::copy(nu2.begin(), nu2.end(), nu3.begin());
-            const double second = AdamStepSumSquaresRange(k, again, 0, n, isa);
-            repeatable &= std::memcmp(&first, &second, sizeof(double)) == 0;
+            SumSquaresCase(n, isa, grad_type, lowp_type, config_bits, tolerance,
+                           f);
           }
         }
       }
       char context[64];
       std::snprintf(context, sizeof(context), "%s n=%lld", IsaName(isa),
                     static_cast<long long>(n));
-      Check(same_state, "summing squares leaves the step bit for bit", context);
-      Check(within, "sum of squares within 64 fp32 roundings", context);
-      Check(repeatable, "sum of squares is repeatable", context);
-      if (!within || std::getenv("JSO_VERBOSE")) {
+      Check(f.same_state, "summing squares leaves the step bit for bit",
+            context);
+      Check(f.within, "sum of squares within 64 fp32 roundings", context);
+      Check(f.repeatable, "sum of squares is repeatable", context);
+      if (!f.within || std::getenv("JSO_VERBOSE")) {
         std::printf("  %s: sum of squares relative error %.3g\n", context,
-                    worst);
+                    f.worst);
       }
     }
   }
-  // Non-finite squares make the sum non-finite, guarded or not: NaN, +-Inf,
-  // and a finite gradient whose fp32 square overflows.
-  for (Isa isa : isas) {
-    for (bool keep : {false, true}) {
-      struct Poison {
-        float value;
-        bool nan;  // Whether the sum must be NaN (else +Inf).
-      };
-      for (const Poison poison :
-           {Poison{std::numeric_limits<float>::quiet_NaN(), true},
-            Poison{std::numeric_limits<float>::infinity(), false},
-            Poison{-std::numeric_limits<float>::infinity(), false},
-            Poison{1e20f, false}}) {
-        for (int64_t where : {0, 5, 700, 1036}) {
-          const int64_t n = 1037;
-          std::vector<float> p(n, 0.5f), m(n, 0.0f), v(n, 0.0f), g(n, 0.25f);
-          g[where] = poison.value;
-          AdamConfig config;
-          config.keep_nonfinite = keep;
-          AdamBuffers b = InPlace(p, m, v, g);
-          const double sum =
-              AdamStepSumSquaresRange(MakeAdamConstants(config), b, 0, n, isa);
-          const bool ok =
-              poison.nan ? std::isnan(sum) : std::isinf(sum) && sum > 0;
-          char context[64];
-          std::snprintf(context, sizeof(context), "%s keep=%d g=%g at %lld",
-                        IsaName(isa), keep, poison.value,
-                        static_cast<long long>(where));
-          Check(ok, "a non-finite square makes the sum non-finite", context);
-        }
-      }
-    }
-  }
+  for (Isa isa : isas) CheckNonFiniteSums(isa);
 }
 
 // Every prefetch policy computes the same bits on every instruction set,
@@ -1022,6 +1158,252 @@ float Decode16(uint16_t h, ElementType t) {
   return static_cast<float>(HalfValue(h));
 }
 
+struct AttackOffsets {
+  int64_t master, mu, nu, kept;  // Bytes past a 64-byte boundary.
+};
+
+// One case of TestStreamedSpeculationAttack.
+struct AttackCase {
+  Isa isa;
+  ElementType grad_type;
+  bool guard;
+  ElementType lowp_type;
+  int64_t n;
+  int from;
+  AttackOffsets off;  // off.kept -1: no kept gradient (kept_grad null).
+  int split;
+};
+
+// Which properties held over one instruction set's cases, the first failure
+// described, and how many sub-ranges streamed.
+struct AttackFlags {
+  bool bits_ok = true, kept_ok = true, row_ok = true, guards_ok = true;
+  bool sum_ok = true, again_ok = true, decision_ok = true;
+  char first[200] = "";
+  int64_t streamed_cases = 0;
+  void Fail(bool& flag, const char* what, const char* context) {
+    if (flag && first[0] == '\0') {
+      std::snprintf(first, sizeof(first), "%s: %s", what, context);
+    }
+    flag = false;
+  }
+};
+
+// The double-buffered rows, kept gradient, weights copy and gradients of one
+// case, each at its offset with guard bytes around it.
+struct AttackBuffers {
+  GuardedFloats master, mu, nu, kept;
+  GuardedFloats lowp;  // As uint16_t: 2n bytes used.
+  std::vector<float> g32;
+  std::vector<uint16_t> g16;
+  AttackBuffers(int64_t n, const AttackOffsets& off)
+      : master(2 * n, off.master),
+        mu(2 * n, off.mu),
+        nu(2 * n, off.nu),
+        kept(n, off.kept >= 0 ? off.kept : 0),
+        lowp(n, 2),
+        g32(n),
+        g16(n) {}
+};
+
+// A random current row and gradients, with NaN, +-Inf, -0 and a subnormal
+// at the ends and the middle.
+void FillAttackInputs(uint64_t& rng, const AttackCase& c, AttackBuffers& a) {
+  const int64_t n = c.n, cur = c.from * n;
+  for (int64_t i = 0; i < n; ++i) {
+    a.master[cur + i] = static_cast<float>(Uniform(rng));
+    a.mu[cur + i] = static_cast<float>(Uniform(rng) * 0.01);
+    a.nu[cur + i] = static_cast<float>((Uniform(rng) + 1.0) * 1e-4);
+    const float g = static_cast<float>(Uniform(rng) * 3.0);
+    a.g32[i] = g;
+    a.g16[i] = c.grad_type == ElementType::kF16
+                   ? ReferenceHalf(g)
+                   : static_cast<uint16_t>(Bits(g) >> 16);
+  }
+  if (n < 8) return;
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const struct {
+    int64_t at;
+    float value;
+    uint16_t half;
+  } specials[] =
+      {
+          {0, nan, 0x7e00},        {n - 1, inf, 0x7c00},
+          {n / 2, -inf, 0xfc00},   {n / 3, -0.0f, 0x8000},
+          {n / 4, 1e-40f, 0x0001},  // Subnormal in fp32 / f16.
+      };
+  for (const auto& s : specials) {
+    a.g32[s.at] = s.value;
+    a.g16[s.at] = c.grad_type == ElementType::kF16
+                      ? s.half
+                      : static_cast<uint16_t>(Bits(s.value) >> 16);
+  }
+}
+
+// Sub-ranges: whole; a third; 1, middle, 1 and a cut at 37.
+std::vector<int64_t> AttackCuts(int64_t n, int split) {
+  std::vector<int64_t> cuts = {0, n};
+  if (split == 1) cuts = {0, n / 3 + 1 > n ? n : n / 3 + 1, n};
+  if (split == 2 && n >= 40) cuts = {0, 1, 37, n - 1, n};
+  return cuts;
+}
+
+// The speculative step over the sub-ranges `cuts`, each checked to stream
+// exactly when its four out pointers share their phase; returns the sum.
+double StepAttackRanges(const AdamConstants& k, const PairBuffers& pair,
+                        const AttackCase& c, const std::vector<int64_t>& cuts,
+                        const char* context, AttackFlags& flags) {
+  const bool with_kept = c.off.kept >= 0;
+  double sum = 0.0;
+  for (size_t j = 0; j + 1 < cuts.size(); ++j) {
+    AdamBuffers probe = RowStep(pair, c.from, pair.grad, c.grad_type);
+    probe.grad_copy = pair.kept_grad;
+    const int64_t b = cuts[j], e = cuts[j + 1];
+    const int64_t head = StreamableHead(probe, b, e);
+    // Independent: the four out pointers' phases at b.
+    const auto ph = [b](const float* p) {
+      return reinterpret_cast<uintptr_t>(p + b) % 64;
+    };
+    const bool alike =
+        ph(probe.master_out) == ph(probe.mu_out) &&
+        ph(probe.master_out) == ph(probe.nu_out) &&
+        (!with_kept || ph(probe.master_out) == ph(probe.grad_copy));
+    if (e > b && alike != (head >= 0)) {
+      flags.Fail(flags.decision_ok, "StreamableHead decision", context);
+    }
+    if (head >= 0 && e > b) {
+      const int64_t want =
+          std::min<int64_t>(e - b, (64 - ph(probe.master_out)) % 64 / 4);
+      if (head != want) {
+        flags.Fail(flags.decision_ok, "StreamableHead head", context);
+      }
+      ++flags.streamed_cases;
+    }
+    sum += SpeculativeStepRange(k, pair, c.from, b, e, c.isa);
+  }
+  return sum;
+}
+
+// The reference: a scalar out-of-place step from the current row, and its
+// sum of squares.
+struct ScalarStep {
+  std::vector<float> master, mu, nu;
+  std::vector<uint16_t> lowp;
+  double sum;
+};
+
+ScalarStep ScalarStepFromRow(const AdamConstants& k, const AttackCase& c,
+                             const Rows& before, const void* grad) {
+  const int64_t n = c.n, cur = c.from * n;
+  ScalarStep r{std::vector<float>(n), std::vector<float>(n),
+               std::vector<float>(n), std::vector<uint16_t>(n, 0), 0.0};
+  AdamBuffers ref;
+  ref.size = n;
+  ref.master_in = before.master.data() + cur;
+  ref.mu_in = before.mu.data() + cur;
+  ref.nu_in = before.nu.data() + cur;
+  ref.master_out = r.master.data();
+  ref.mu_out = r.mu.data();
+  ref.nu_out = r.nu.data();
+  ref.grad = grad;
+  ref.grad_type = c.grad_type;
+  ref.lowp_out = r.lowp.data();
+  ref.lowp_type = c.lowp_type;
+  r.sum = AdamStepSumSquaresRange(k, ref, 0, n, Isa::kScalar);
+  return r;
+}
+
+// The spare row and weights copy are the scalar step's bits (NaNs: NaN), the
+// current row is untouched and the kept gradient is the gradient's value.
+void CheckAttackOutputs(const AttackCase& c, AttackBuffers& a,
+                        const Rows& before, const ScalarStep& ref,
+                        const char* context, AttackFlags& flags) {
+  const int64_t n = c.n, cur = c.from * n, out = (1 - c.from) * n;
+  const uint16_t* low = reinterpret_cast<const uint16_t*>(a.lowp.data());
+  for (int64_t i = 0; i < n; ++i) {
+    if (!SameOrBothNan(a.master[out + i], ref.master[i]) ||
+        !SameOrBothNan(a.mu[out + i], ref.mu[i]) ||
+        !SameOrBothNan(a.nu[out + i], ref.nu[i])) {
+      flags.Fail(flags.bits_ok, "spare row differs from scalar step", context);
+    }
+    if (c.lowp_type == ElementType::kBF16 &&
+        !SameOrBothNan(Decode16(low[i], ElementType::kBF16),
+                       Decode16(ref.lowp[i], ElementType::kBF16))) {
+      flags.Fail(flags.bits_ok, "weights copy differs", context);
+    }
+    if (Bits(a.master[cur + i]) != Bits(before.master[cur + i]) ||
+        Bits(a.mu[cur + i]) != Bits(before.mu[cur + i]) ||
+        Bits(a.nu[cur + i]) != Bits(before.nu[cur + i])) {
+      flags.Fail(flags.row_ok, "current row touched", context);
+    }
+    if (c.off.kept >= 0) {
+      const float want = c.grad_type == ElementType::kF32
+                             ? a.g32[i]
+                             : Decode16(a.g16[i], c.grad_type);
+      const bool same = std::isnan(want) ? std::isnan(a.kept[i])
+                                         : Bits(a.kept[i]) == Bits(want);
+      if (!same) flags.Fail(flags.kept_ok, "kept gradient", context);
+    }
+  }
+}
+
+// One case: steps, then checks every property against the scalar step.
+void RunAttackCase(const AttackCase& c, uint64_t& rng, AttackFlags& flags) {
+  const int64_t n = c.n;
+  char context[160];
+  std::snprintf(
+      context, sizeof(context),
+      "isa=%s grad=%s guard=%d lowp=%s n=%lld from=%d "
+      "off=%lld/%lld/%lld/%lld split=%d",
+      IsaName(c.isa), TypeName(c.grad_type), c.guard, TypeName(c.lowp_type),
+      static_cast<long long>(n), c.from, static_cast<long long>(c.off.master),
+      static_cast<long long>(c.off.mu), static_cast<long long>(c.off.nu),
+      static_cast<long long>(c.off.kept), c.split);
+  AttackBuffers a(n, c.off);
+  FillAttackInputs(rng, c, a);
+  const void* grad = c.grad_type == ElementType::kF32
+                         ? static_cast<const void*>(a.g32.data())
+                         : a.g16.data();
+  const Rows before = BothRows(a.master, a.mu, a.nu, n);
+  AdamConfig config;
+  config.learning_rate = 1e-2f;
+  config.weight_decay = 1e-4f;
+  config.count = 5;
+  config.keep_nonfinite = c.guard;
+  const AdamConstants k = MakeAdamConstants(config);
+  const PairBuffers pair{n,
+                         n,
+                         a.master.data(),
+                         a.mu.data(),
+                         a.nu.data(),
+                         grad,
+                         c.grad_type,
+                         c.off.kept >= 0 ? a.kept.data() : nullptr,
+                         a.lowp.data(),
+                         c.lowp_type};
+  const std::vector<int64_t> cuts = AttackCuts(n, c.split);
+  const double sum = StepAttackRanges(k, pair, c, cuts, context, flags);
+  const ScalarStep ref = ScalarStepFromRow(k, c, before, grad);
+  CheckAttackOutputs(c, a, before, ref, context, flags);
+  if (!a.master.GuardsIntact() || !a.mu.GuardsIntact() ||
+      !a.nu.GuardsIntact() || !a.kept.GuardsIntact()) {
+    flags.Fail(flags.guards_ok, "write outside the buffers", context);
+  }
+  const bool sum_close = (std::isnan(sum) && std::isnan(ref.sum)) ||
+                         sum == ref.sum ||
+                         std::fabs(sum - ref.sum) <= 1e-6 * std::fabs(ref.sum);
+  if (!sum_close) flags.Fail(flags.sum_ok, "sum of squares", context);
+  // Again over the same inputs: the same sum, bit for bit.
+  double again = 0.0;
+  for (size_t j = 0; j + 1 < cuts.size(); ++j) {
+    again += SpeculativeStepRange(k, pair, c.from, cuts[j], cuts[j + 1], c.isa);
+  }
+  if (!SameBits(sum, again)) {
+    flags.Fail(flags.again_ok, "sum not repeatable", context);
+  }
+}
+
 // The speculative step at every phase of the four output streams (the two
 // rows, mu, nu and the kept gradient), on every instruction set, for sizes
 // around vectors, lines and sum-of-squares blocks, split into sub-ranges as
@@ -1033,10 +1415,7 @@ float Decode16(uint16_t h, ElementType t) {
 // is the same bits when run again, and StreamableHead streams exactly when
 // the four phases agree.
 void TestStreamedSpeculationAttack() {
-  struct Offsets {
-    int64_t master, mu, nu, kept;  // Bytes past a 64-byte boundary.
-  };
-  const Offsets kOffsets[] = {
+  const AttackOffsets kOffsets[] = {
       {0, 0, 0, 0},  {4, 4, 4, 4}, {60, 60, 60, 60}, {32, 32, 32, 32},
       {0, 0, 0, 4},  {0, 8, 0, 0}, {0, 0, 32, 0},    {4, 8, 12, 16},
       {0, 0, 0, -1},  // -1: no kept gradient (kept_grad null).
@@ -1046,201 +1425,19 @@ void TestStreamedSpeculationAttack() {
   const ElementType kGradTypes[] = {ElementType::kF32, ElementType::kBF16,
                                     ElementType::kF16};
   int64_t streamed_cases = 0;
-  for (Isa isa :
-       {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
-    if (!IsaAvailable(isa)) continue;
-    bool bits_ok = true, kept_ok = true, row_ok = true, guards_ok = true;
-    bool sum_ok = true, again_ok = true, decision_ok = true;
-    char first[200] = "";
-    auto fail = [&](bool& flag, const char* what, const char* context) {
-      if (flag && first[0] == '\0') {
-        std::snprintf(first, sizeof(first), "%s: %s", what, context);
-      }
-      flag = false;
-    };
+  for (Isa isa : AvailableIsas()) {
+    AttackFlags flags;
     uint64_t rng = 1234 + static_cast<int>(isa);
     for (ElementType grad_type : kGradTypes) {
       for (bool guard : {false, true}) {
         for (ElementType lowp_type : {ElementType::kNone, ElementType::kBF16}) {
           for (int64_t n : kSizes) {
             for (int from : {0, 1}) {
-              for (const Offsets& off : kOffsets) {
+              for (const AttackOffsets& off : kOffsets) {
                 for (int split = 0; split < 3; ++split) {
-                  const bool with_kept = off.kept >= 0;
-                  char context[160];
-                  std::snprintf(
-                      context, sizeof(context),
-                      "isa=%s grad=%s guard=%d lowp=%s n=%lld from=%d "
-                      "off=%lld/%lld/%lld/%lld split=%d",
-                      IsaName(isa), TypeName(grad_type), guard,
-                      TypeName(lowp_type), static_cast<long long>(n), from,
-                      static_cast<long long>(off.master),
-                      static_cast<long long>(off.mu),
-                      static_cast<long long>(off.nu),
-                      static_cast<long long>(off.kept), split);
-                  GuardedFloats master(2 * n, off.master), mu(2 * n, off.mu);
-                  GuardedFloats nu(2 * n, off.nu);
-                  GuardedFloats kept(n, with_kept ? off.kept : 0);
-                  GuardedFloats lowp(n, 2);  // As uint16_t: 2n bytes used.
-                  std::vector<float> g32(n);
-                  std::vector<uint16_t> g16(n);
-                  const int64_t cur = from * n;
-                  for (int64_t i = 0; i < n; ++i) {
-                    master[cur + i] = static_cast<float>(Uniform(rng));
-                    mu[cur + i] = static_cast<float>(Uniform(rng) * 0.01);
-                    nu[cur + i] =
-                        static_cast<float>((Uniform(rng) + 1.0) * 1e-4);
-                    const float g = static_cast<float>(Uniform(rng) * 3.0);
-                    g32[i] = g;
-                    g16[i] = grad_type == ElementType::kF16
-                                 ? ReferenceHalf(g)
-                                 : static_cast<uint16_t>(Bits(g) >> 16);
-                  }
-                  // Special values at the ends and the middle.
-                  const float inf = std::numeric_limits<float>::infinity();
-                  const float nan = std::numeric_limits<float>::quiet_NaN();
-                  const struct {
-                    int64_t at;
-                    float value;
-                    uint16_t half;
-                  } specials[] = {
-                      {0, nan, 0x7e00},        {n - 1, inf, 0x7c00},
-                      {n / 2, -inf, 0xfc00},   {n / 3, -0.0f, 0x8000},
-                      {n / 4, 1e-40f, 0x0001},  // Subnormal in fp32 / f16.
-                  };
-                  if (n >= 8) {
-                    for (const auto& s : specials) {
-                      g32[s.at] = s.value;
-                      g16[s.at] =
-                          grad_type == ElementType::kF16
-                              ? s.half
-                              : static_cast<uint16_t>(Bits(s.value) >> 16);
-                    }
-                  }
-                  const void* grad = grad_type == ElementType::kF32
-                                         ? static_cast<const void*>(g32.data())
-                                         : g16.data();
-                  const std::vector<float> before(master.data(),
-                                                  master.data() + 2 * n);
-                  const std::vector<float> before_mu(mu.data(),
-                                                     mu.data() + 2 * n);
-                  const std::vector<float> before_nu(nu.data(),
-                                                     nu.data() + 2 * n);
-                  AdamConfig config;
-                  config.learning_rate = 1e-2f;
-                  config.weight_decay = 1e-4f;
-                  config.count = 5;
-                  config.keep_nonfinite = guard;
-                  const AdamConstants k = MakeAdamConstants(config);
-                  PairBuffers pair;
-                  pair.size = n;
-                  pair.row_stride = n;
-                  pair.master = master.data();
-                  pair.mu = mu.data();
-                  pair.nu = nu.data();
-                  pair.grad = grad;
-                  pair.grad_type = grad_type;
-                  pair.kept_grad = with_kept ? kept.data() : nullptr;
-                  pair.lowp_out = lowp.data();
-                  pair.lowp_type = lowp_type;
-                  // Sub-ranges: whole; a third; 1, middle, 1 and a cut at 37.
-                  std::vector<int64_t> cuts = {0, n};
-                  if (split == 1) cuts = {0, n / 3 + 1 > n ? n : n / 3 + 1, n};
-                  if (split == 2 && n >= 40) cuts = {0, 1, 37, n - 1, n};
-                  double sum = 0.0;
-                  for (size_t c = 0; c + 1 < cuts.size(); ++c) {
-                    AdamBuffers probe = RowStep(pair, from, grad, grad_type);
-                    probe.grad_copy = pair.kept_grad;
-                    const int64_t b = cuts[c], e = cuts[c + 1];
-                    const int64_t head = StreamableHead(probe, b, e);
-                    // Independent: the four out pointers' phases at b.
-                    const auto ph = [b](const float* p) {
-                      return reinterpret_cast<uintptr_t>(p + b) % 64;
-                    };
-                    const bool alike =
-                        ph(probe.master_out) == ph(probe.mu_out) &&
-                        ph(probe.master_out) == ph(probe.nu_out) &&
-                        (!with_kept ||
-                         ph(probe.master_out) == ph(probe.grad_copy));
-                    if (e > b && alike != (head >= 0)) {
-                      fail(decision_ok, "StreamableHead decision", context);
-                    }
-                    if (head >= 0 && e > b) {
-                      const int64_t want = std::min<int64_t>(
-                          e - b, (64 - ph(probe.master_out)) % 64 / 4);
-                      if (head != want) {
-                        fail(decision_ok, "StreamableHead head", context);
-                      }
-                      ++streamed_cases;
-                    }
-                    sum += SpeculativeStepRange(k, pair, from, b, e, isa);
-                  }
-                  // The reference: a scalar out-of-place step.
-                  std::vector<float> rm(n), rmu(n), rnu(n);
-                  std::vector<uint16_t> rlow(n, 0);
-                  AdamBuffers ref;
-                  ref.size = n;
-                  ref.master_in = before.data() + cur;
-                  ref.mu_in = before_mu.data() + cur;
-                  ref.nu_in = before_nu.data() + cur;
-                  ref.master_out = rm.data();
-                  ref.mu_out = rmu.data();
-                  ref.nu_out = rnu.data();
-                  ref.grad = grad;
-                  ref.grad_type = grad_type;
-                  ref.lowp_out = rlow.data();
-                  ref.lowp_type = lowp_type;
-                  const double want_sum =
-                      AdamStepSumSquaresRange(k, ref, 0, n, Isa::kScalar);
-                  const int64_t out = (1 - from) * n;
-                  const uint16_t* low =
-                      reinterpret_cast<const uint16_t*>(lowp.data());
-                  for (int64_t i = 0; i < n; ++i) {
-                    if (!SameOrBothNan(master[out + i], rm[i]) ||
-                        !SameOrBothNan(mu[out + i], rmu[i]) ||
-                        !SameOrBothNan(nu[out + i], rnu[i])) {
-                      fail(bits_ok, "spare row differs from scalar step",
-                           context);
-                    }
-                    if (lowp_type == ElementType::kBF16 &&
-                        !SameOrBothNan(Decode16(low[i], ElementType::kBF16),
-                                       Decode16(rlow[i], ElementType::kBF16))) {
-                      fail(bits_ok, "weights copy differs", context);
-                    }
-                    if (Bits(master[cur + i]) != Bits(before[cur + i]) ||
-                        Bits(mu[cur + i]) != Bits(before_mu[cur + i]) ||
-                        Bits(nu[cur + i]) != Bits(before_nu[cur + i])) {
-                      fail(row_ok, "current row touched", context);
-                    }
-                    if (with_kept) {
-                      const float want = grad_type == ElementType::kF32
-                                             ? g32[i]
-                                             : Decode16(g16[i], grad_type);
-                      const bool same = std::isnan(want)
-                                            ? std::isnan(kept[i])
-                                            : Bits(kept[i]) == Bits(want);
-                      if (!same) fail(kept_ok, "kept gradient", context);
-                    }
-                  }
-                  if (!master.GuardsIntact() || !mu.GuardsIntact() ||
-                      !nu.GuardsIntact() || !kept.GuardsIntact()) {
-                    fail(guards_ok, "write outside the buffers", context);
-                  }
-                  const bool sum_close =
-                      (std::isnan(sum) && std::isnan(want_sum)) ||
-                      sum == want_sum ||
-                      std::fabs(sum - want_sum) <= 1e-6 * std::fabs(want_sum);
-                  if (!sum_close) fail(sum_ok, "sum of squares", context);
-                  // Again over the same inputs: the same sum, bit for bit.
-                  double again = 0.0;
-                  for (size_t c = 0; c + 1 < cuts.size(); ++c) {
-                    again += SpeculativeStepRange(k, pair, from, cuts[c],
-                                                  cuts[c + 1], isa);
-                  }
-                  uint64_t x, y;
-                  std::memcpy(&x, &sum, 8);
-                  std::memcpy(&y, &again, 8);
-                  if (x != y) fail(again_ok, "sum not repeatable", context);
+                  RunAttackCase(
+                      {isa, grad_type, guard, lowp_type, n, from, off, split},
+                      rng, flags);
                 }
               }
             }
@@ -1248,14 +1445,16 @@ void TestStreamedSpeculationAttack() {
         }
       }
     }
-    const char* context = first[0] ? first : IsaName(isa);
-    Check(bits_ok, "streamed speculation: spare row and weights bits", context);
-    Check(kept_ok, "streamed speculation: kept gradient exact", context);
-    Check(row_ok, "streamed speculation: current row untouched", context);
-    Check(guards_ok, "streamed speculation: no write outside", context);
-    Check(sum_ok, "streamed speculation: sum of squares", context);
-    Check(again_ok, "streamed speculation: sum repeatable", context);
-    Check(decision_ok, "streamed speculation: StreamableHead", context);
+    streamed_cases += flags.streamed_cases;
+    const char* context = flags.first[0] ? flags.first : IsaName(isa);
+    Check(flags.bits_ok, "streamed speculation: spare row and weights bits",
+          context);
+    Check(flags.kept_ok, "streamed speculation: kept gradient exact", context);
+    Check(flags.row_ok, "streamed speculation: current row untouched", context);
+    Check(flags.guards_ok, "streamed speculation: no write outside", context);
+    Check(flags.sum_ok, "streamed speculation: sum of squares", context);
+    Check(flags.again_ok, "streamed speculation: sum repeatable", context);
+    Check(flags.decision_ok, "streamed speculation: StreamableHead", context);
   }
   char context[64];
   std::snprintf(context, sizeof(context), "%lld streamed ranges",
@@ -1305,6 +1504,49 @@ std::pair<int64_t, int64_t> StepInChunks(const AdamConstants& k,
   return {pieces, streamed};
 }
 
+// The leaves of one bucket, laid end to end in the double-buffered rows.
+std::vector<PairBuffers> BucketSegments(const std::vector<int64_t>& starts,
+                                        int64_t n, GuardedFloats& master,
+                                        GuardedFloats& mu, GuardedFloats& nu,
+                                        GuardedFloats& kept,
+                                        std::vector<uint16_t>& g16) {
+  std::vector<PairBuffers> segs(starts.size() - 1);
+  for (size_t j = 0; j + 1 < starts.size(); ++j) {
+    segs[j] = PairBuffers{starts[j + 1] - starts[j], n,
+                          master.data() + starts[j], mu.data() + starts[j],
+                          nu.data() + starts[j],     g16.data() + starts[j],
+                          ElementType::kBF16,        kept.data() + starts[j]};
+  }
+  return segs;
+}
+
+// Whether the spare row (of `from`) holds the scalar step from row `from`
+// of `before` (the rows as they were) with the bf16 gradients `g16`.
+bool SpareRowIsScalarStep(const AdamConstants& k, int from, int64_t n,
+                          const Rows& before, const std::vector<uint16_t>& g16,
+                          GuardedFloats& master, GuardedFloats& mu,
+                          GuardedFloats& nu) {
+  std::vector<float> rm(n), rmu(n), rnu(n);
+  AdamBuffers ref{n,
+                  before.master.data() + from * n,
+                  g16.data(),
+                  before.mu.data() + from * n,
+                  before.nu.data() + from * n,
+                  rm.data(),
+                  rmu.data(),
+                  rnu.data()};
+  ref.grad_type = ElementType::kBF16;
+  AdamStepRange(k, ref, 0, n, Isa::kScalar);
+  bool same = true;
+  const int64_t out = (1 - from) * n;
+  for (int64_t i = 0; i < n; ++i) {
+    same &= Bits(master[out + i]) == Bits(rm[i]) &&
+            Bits(mu[out + i]) == Bits(rmu[i]) &&
+            Bits(nu[out + i]) == Bits(rnu[i]);
+  }
+  return same;
+}
+
 // A bucket of odd leaves over more than one kChunkElements chunk, split as
 // the FFI handler splits it (chunks, then leaves), buffers 64-aligned: the
 // rows stream in every piece (the kept gradient where it shares their
@@ -1314,52 +1556,27 @@ std::pair<int64_t, int64_t> StepInChunks(const AdamConstants& k,
 void CheckBucketOverChunks(Isa isa, int from, int64_t chunk) {
   std::vector<int64_t> sizes = {1, 15, 17, 3 * chunk / 2 + 7, 33, chunk / 2 + 1,
                                 5};
-  int64_t n = 0;
-  for (int64_t s : sizes) n += s;
   std::vector<int64_t> starts = {0};
   for (int64_t s : sizes) starts.push_back(starts.back() + s);
+  const int64_t n = starts.back();
   GuardedFloats master(2 * n, 0), mu(2 * n, 0), nu(2 * n, 0);
   GuardedFloats kept(n, 0);
   std::vector<uint16_t> g16(n);
   uint64_t rng = 99 + from;
   FillPairs(rng, master, mu, nu, g16);
-  const std::vector<float> before(master.data(), master.data() + 2 * n);
-  const std::vector<float> before_mu(mu.data(), mu.data() + 2 * n);
-  const std::vector<float> before_nu(nu.data(), nu.data() + 2 * n);
+  const Rows before = BothRows(master, mu, nu, n);
   for (int64_t i = 0; i < n; ++i) kept[i] = -7.0f;
   AdamConfig config;
   config.learning_rate = 1e-3f;
   const AdamConstants k = MakeAdamConstants(config);
-  std::vector<PairBuffers> segs(sizes.size());
-  for (size_t j = 0; j < sizes.size(); ++j) {
-    segs[j] = PairBuffers{sizes[j],
-                          n,
-                          master.data() + starts[j],
-                          mu.data() + starts[j],
-                          nu.data() + starts[j],
-                          g16.data() + starts[j],
-                          ElementType::kBF16,
-                          kept.data() + starts[j]};
-  }
+  std::vector<PairBuffers> segs =
+      BucketSegments(starts, n, master, mu, nu, kept, g16);
   const auto [pieces, streamed] =
       StepInChunks(k, segs, starts, chunk, from, isa);
-  std::vector<float> rm(n), rmu(n), rnu(n);
-  AdamBuffers ref{n,
-                  before.data() + from * n,
-                  g16.data(),
-                  before_mu.data() + from * n,
-                  before_nu.data() + from * n,
-                  rm.data(),
-                  rmu.data(),
-                  rnu.data()};
-  ref.grad_type = ElementType::kBF16;
-  AdamStepRange(k, ref, 0, n, Isa::kScalar);
-  bool same = true, kept_exact = true;
-  const int64_t out = (1 - from) * n;
+  const bool same =
+      SpareRowIsScalarStep(k, from, n, before, g16, master, mu, nu);
+  bool kept_exact = true;
   for (int64_t i = 0; i < n; ++i) {
-    same &= Bits(master[out + i]) == Bits(rm[i]) &&
-            Bits(mu[out + i]) == Bits(rmu[i]) &&
-            Bits(nu[out + i]) == Bits(rnu[i]);
     kept_exact &= Bits(kept[i]) == (static_cast<uint32_t>(g16[i]) << 16);
   }
   char context[96];

@@ -216,6 +216,113 @@ bool StoredMatches(MomentFormat format, bool is_mu, const Moment& m, int64_t i,
   return std::fabs(y - mid) <= slack;
 }
 
+// Gradients of one step, shrinking by 2^-3 a step, as fp32 and as bf16.
+struct StepGrads {
+  std::vector<float> g32;
+  std::vector<uint16_t> g16;
+};
+
+StepGrads RandomGrads(int64_t n, int step, uint64_t& rng) {
+  StepGrads out{std::vector<float>(n), std::vector<uint16_t>(n)};
+  const double octave = std::ldexp(1.0, -3 * step);  // Shrinking.
+  for (int64_t i = 0; i < n; ++i) {
+    const double g = (Unit(rng) - 0.5) * octave *
+                     std::ldexp(1.0, static_cast<int>(Unit(rng) * 10) - 5);
+    out.g32[i] = static_cast<float>(g);
+    out.g16[i] = FloatToBf16Bits(out.g32[i]);
+  }
+  return out;
+}
+
+// Whether `o` holds the same bits as `s`.
+bool SameState(const State& o, const State& s) {
+  return o.master == s.master && o.lowp == s.lowp && o.mu.bytes == s.mu.bytes &&
+         o.nu.bytes == s.nu.bytes &&
+         std::memcmp(o.mu.scales.data(), s.mu.scales.data(),
+                     4 * s.mu.scales.size()) == 0 &&
+         std::memcmp(o.nu.scales.data(), s.nu.scales.data(),
+                     4 * s.nu.scales.size()) == 0;
+}
+
+// Whether the stepped state `s` is the float64 step `refs` as its formats
+// store it, block by block (an 8-bit block's scale from its largest value).
+bool MatchesReference(const Format& format, const State& s,
+                      const std::vector<Ref>& refs) {
+  const int64_t n = static_cast<int64_t>(refs.size());
+  bool close = true;
+  for (int64_t b = 0; b < n; b += kQuantBlock) {
+    const int64_t e = std::min(n, b + kQuantBlock);
+    double mu_scale = 0, nu_scale = 0, mu_stol = 0, nu_stol = 0;
+    for (int64_t i = b; i < e; ++i) {
+      if (std::fabs(refs[i].mu) > mu_scale) mu_scale = std::fabs(refs[i].mu);
+      if (refs[i].nu > nu_scale) nu_scale = refs[i].nu;
+      mu_stol = std::max(mu_stol, refs[i].mu_tol);
+      nu_stol = std::max(nu_stol, refs[i].nu_tol);
+    }
+    for (int64_t i = b; i < e; ++i) {
+      close &= std::fabs(s.master[i] - refs[i].master) <= refs[i].master_tol;
+      close &= StoredMatches(format.mu, true, s.mu, i, refs[i].mu,
+                             refs[i].mu_tol, mu_scale, mu_stol);
+      close &= StoredMatches(format.nu, false, s.nu, i, refs[i].nu,
+                             refs[i].nu_tol, nu_scale, nu_stol);
+    }
+  }
+  return close;
+}
+
+// Six steps of one setup on the scalar path, on every other instruction set
+// and split at a block boundary; checks the scalar state against float64
+// and the others against its bits.
+void RunSteps(const Setup& setup, const char* context) {
+  const int64_t n = setup.n;
+  uint64_t rng = 17 + n;
+  State s{std::vector<float>(n), Moment(setup.format.mu, n),
+          Moment(setup.format.nu, n), std::vector<uint16_t>(n)};
+  for (int64_t i = 0; i < n; ++i)
+    s.master[i] = static_cast<float>(Unit(rng) - 0.5);
+  // The other instruction sets' states, stepped alongside.
+  std::vector<Isa> isas;
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
+    if (IsaAvailable(isa)) isas.push_back(isa);
+  }
+  std::vector<State> others(isas.size(), s);
+  State split = s;
+  bool close = true, identical = true;
+  for (int step = 0; step < 6; ++step) {
+    const StepGrads grads = RandomGrads(n, step, rng);
+    const bool f32 = setup.grad_type == ElementType::kF32;
+    const void* grad = f32 ? static_cast<const void*>(grads.g32.data())
+                           : static_cast<const void*>(grads.g16.data());
+    AdamConfig config;
+    config.learning_rate = 1e-2f;
+    config.nesterov = setup.nesterov;
+    config.weight_decay = setup.weight_decay;
+    config.count = step;
+    const AdamConstants k = MakeAdamConstants(config);
+    std::vector<Ref> refs(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const double g = f32 ? grads.g32[i] : Bf16BitsToFloat(grads.g16[i]);
+      refs[i] = ReferenceStep(config, g, s.master[i], s.mu.Get(i, true),
+                              s.nu.Get(i, false));
+    }
+    LowpAdamStepRange(k, Buffers(s, setup, grad), 0, n, Isa::kScalar, false);
+    for (size_t j = 0; j < isas.size(); ++j) {
+      LowpAdamStepRange(k, Buffers(others[j], setup, grad), 0, n, isas[j],
+                        false);
+    }
+    const int64_t cut = n > kQuantBlock ? kQuantBlock : n;
+    LowpAdamStepRange(k, Buffers(split, setup, grad), 0, cut, Isa::kScalar,
+                      false);
+    LowpAdamStepRange(k, Buffers(split, setup, grad), cut, n, Isa::kScalar,
+                      false);
+    identical &= SameState(split, s);
+    for (const State& o : others) identical &= SameState(o, s);
+    close &= MatchesReference(setup.format, s, refs);
+  }
+  Check(close, "steps match the float64 reference, rounded", context);
+  Check(identical, "same bits from every ISA and range split", context);
+}
+
 // Several steps of every format, gradient type and option, each checked
 // against the float64 step from the kernel's own previous (dequantized)
 // state; and the same bits from every instruction set and range split.
@@ -237,93 +344,7 @@ void TestSteps(bool quick) {
                         MomentFormatName(format.mu),
                         MomentFormatName(format.nu), static_cast<long long>(n),
                         static_cast<int>(grad_type), nesterov);
-          uint64_t rng = 17 + n;
-          State s{std::vector<float>(n), Moment(format.mu, n),
-                  Moment(format.nu, n), std::vector<uint16_t>(n)};
-          for (int64_t i = 0; i < n; ++i)
-            s.master[i] = static_cast<float>(Unit(rng) - 0.5);
-          // The other instruction sets' states, stepped alongside.
-          std::vector<Isa> isas;
-          for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kNeon, Isa::kSve}) {
-            if (IsaAvailable(isa)) isas.push_back(isa);
-          }
-          std::vector<State> others(isas.size(), s);
-          State split = s;
-          bool close = true, identical = true;
-          for (int step = 0; step < 6; ++step) {
-            std::vector<float> g32(n);
-            std::vector<uint16_t> g16(n);
-            const double octave = std::ldexp(1.0, -3 * step);  // Shrinking.
-            for (int64_t i = 0; i < n; ++i) {
-              const double g =
-                  (Unit(rng) - 0.5) * octave *
-                  std::ldexp(1.0, static_cast<int>(Unit(rng) * 10) - 5);
-              g32[i] = static_cast<float>(g);
-              g16[i] = FloatToBf16Bits(g32[i]);
-            }
-            const void* grad = grad_type == ElementType::kF32
-                                   ? static_cast<const void*>(g32.data())
-                                   : static_cast<const void*>(g16.data());
-            AdamConfig config;
-            config.learning_rate = 1e-2f;
-            config.nesterov = nesterov;
-            config.weight_decay = setup.weight_decay;
-            config.count = step;
-            const AdamConstants k = MakeAdamConstants(config);
-            std::vector<Ref> refs(n);
-            for (int64_t i = 0; i < n; ++i) {
-              const double g = grad_type == ElementType::kF32
-                                   ? g32[i]
-                                   : Bf16BitsToFloat(g16[i]);
-              refs[i] = ReferenceStep(config, g, s.master[i], s.mu.Get(i, true),
-                                      s.nu.Get(i, false));
-            }
-            LowpAdamStepRange(k, Buffers(s, setup, grad), 0, n, Isa::kScalar,
-                              false);
-            for (size_t j = 0; j < isas.size(); ++j) {
-              LowpAdamStepRange(k, Buffers(others[j], setup, grad), 0, n,
-                                isas[j], false);
-            }
-            const int64_t cut = n > kQuantBlock ? kQuantBlock : n;
-            LowpAdamStepRange(k, Buffers(split, setup, grad), 0, cut,
-                              Isa::kScalar, false);
-            LowpAdamStepRange(k, Buffers(split, setup, grad), cut, n,
-                              Isa::kScalar, false);
-            for (const State* o : [&] {
-                   std::vector<const State*> all{&split};
-                   for (const State& x : others) all.push_back(&x);
-                   return all;
-                 }()) {
-              identical &= o->master == s.master && o->lowp == s.lowp &&
-                           o->mu.bytes == s.mu.bytes &&
-                           o->nu.bytes == s.nu.bytes &&
-                           std::memcmp(o->mu.scales.data(), s.mu.scales.data(),
-                                       4 * s.mu.scales.size()) == 0 &&
-                           std::memcmp(o->nu.scales.data(), s.nu.scales.data(),
-                                       4 * s.nu.scales.size()) == 0;
-            }
-            for (int64_t b = 0; b < n; b += kQuantBlock) {
-              const int64_t e = std::min(n, b + kQuantBlock);
-              double mu_scale = 0, nu_scale = 0, mu_stol = 0, nu_stol = 0;
-              for (int64_t i = b; i < e; ++i) {
-                if (std::fabs(refs[i].mu) > mu_scale)
-                  mu_scale = std::fabs(refs[i].mu);
-                if (refs[i].nu > nu_scale) nu_scale = refs[i].nu;
-                mu_stol = std::max(mu_stol, refs[i].mu_tol);
-                nu_stol = std::max(nu_stol, refs[i].nu_tol);
-              }
-              for (int64_t i = b; i < e; ++i) {
-                close &= std::fabs(s.master[i] - refs[i].master) <=
-                         refs[i].master_tol;
-                close &= StoredMatches(format.mu, true, s.mu, i, refs[i].mu,
-                                       refs[i].mu_tol, mu_scale, mu_stol);
-                close &= StoredMatches(format.nu, false, s.nu, i, refs[i].nu,
-                                       refs[i].nu_tol, nu_scale, nu_stol);
-              }
-            }
-          }
-          Check(close, "steps match the float64 reference, rounded", context);
-          Check(identical, "same bits from every ISA and range split", context);
+          RunSteps(setup, context);
         }
       }
     }
