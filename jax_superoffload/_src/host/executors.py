@@ -181,6 +181,19 @@ class _Plain:
     )
 
 
+def _with_weights(b: Bucket, out: BucketOut, master, to_device=None):
+  """`out` with its weights.
+
+  The step's own weights, moved by `to_device` (a list to a list) where
+  given, or else the exact delta of the new master from the old one.
+  """
+  if out.weights is None:
+    return out._replace(weights=steps.delta_or_new(b, out.master, master))
+  if to_device is None:
+    return out
+  return out._replace(weights=to_device(out.weights))
+
+
 class _OnHost(_Plain):
   """Host compute over the state where it lives, by `math`."""
 
@@ -198,9 +211,9 @@ class _OnHost(_Plain):
       to_host_list(grads),
       to_host_list(params),
     )
-    if out.weights is None:
-      return out._replace(weights=steps.delta_or_new(b, out.master, master))
-    return out._replace(weights=[host_memory.to_device(x) for x in out.weights])
+    return _with_weights(
+      b, out, master, lambda ws: [host_memory.to_device(x) for x in ws]
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,20 +229,13 @@ class Stream(_Plain):
   name = 'stream'
 
   def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params, **skip):
+    dtypes = weight_dtypes(b)
     out = steps.kernel_step(
-      hyper,
-      weight_dtypes(b),
-      master,
-      mu,
-      nu,
-      grads,
-      params,
-      place=flat,
-      **skip,
+      hyper, dtypes, master, mu, nu, grads, params, place=flat, **skip
     )
-    if out.weights is None:
-      return out._replace(weights=steps.delta_or_new(b, out.master, master))
-    return out._replace(weights=steps.weights_to_device(out.weights, grads))
+    return _with_weights(
+      b, out, master, lambda ws: steps.weights_to_device(ws, grads)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,9 +271,7 @@ class Resident(_Plain):
     out = steps.math_step(
       hyper, weight_dtypes(b), master, mu, nu, grads, params
     )
-    if out.weights is None:
-      return out._replace(weights=steps.delta_or_new(b, out.master, master))
-    return out
+    return _with_weights(b, out, master)
 
 
 RESIDENT = Resident()
