@@ -170,13 +170,8 @@ def _long_functions() -> list[tuple[str, str, int]]:
   return out
 
 
-# Owned by the rewrite of the FFI layer (issue 26, point 5), which shortens
-# it; listed so that this test guards every other function meanwhile.
-KNOWN_LONG = {('jax_superoffload._src.host.grace_adam', 'adam_step')}
-
-
 def test_no_function_is_over_60_lines():
-  long = [f for f in _long_functions() if f[:2] not in KNOWN_LONG]
+  long = list(_long_functions())
   assert not long, long
 
 

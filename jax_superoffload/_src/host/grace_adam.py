@@ -168,17 +168,8 @@ def adam_step(
     vmap_method='broadcast_all',
     input_output_aliases=aliases,
   )
-  count = jnp.asarray(count, jnp.int32)
-  out = call(
-    count,
-    hyper.packed(),
-    master,
-    mu,
-    nu,
-    grad,
-    *extra,
-    **_bucket_attrs(hyper, 1),
-  )
+  scalars = (jnp.asarray(count, jnp.int32), hyper.packed())
+  out = call(*scalars, master, mu, nu, grad, *extra, **_bucket_attrs(hyper, 1))
   return tuple(out[1:])
 
 
