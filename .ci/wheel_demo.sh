@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 WHEEL="$(realpath "${WHEEL:?WHEEL=path of the wheel to install}")"
 PYTHON="${PYTHON:-python3}"
 # The trainer and its demo config, run by the venv's python from the checkout.
-DEMO="${DEMO:-python -m experiments.train}"
+DEMO="${DEMO:-python -m experiments.trainer --config configs/demo.py}"
 venv="$PWD/build/demo-venv"
 rm -rf "$venv"
 "$PYTHON" -m venv "$venv"
