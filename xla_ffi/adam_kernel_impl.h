@@ -9,6 +9,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "xla_ffi/adam_kernel.h"
 #include "xla_ffi/float_convert.h"
@@ -21,6 +23,13 @@ namespace {
 // Squares each lane adds up in fp32 before they go into a double: 64 keeps
 // the fp32 rounding to a few 1e-8 typically (at most 64 * 2^-24 relative).
 inline constexpr int64_t kSumSquaresPerLane = 64;
+
+// Where the block of squares from element `i` that one fp32 lane sum holds
+// ends: kSumSquaresPerLane vectors of `lanes` on, or at `end`.
+inline int64_t SumSquaresBlockEnd(int64_t i, int64_t end, int64_t lanes) {
+  return end - i < kSumSquaresPerLane * lanes ? end
+                                              : i + kSumSquaresPerLane * lanes;
+}
 
 // One fp32 lane: the reference the vector paths must match bit for bit, and
 // the tail loop of every vectorised path.
@@ -232,9 +241,7 @@ double AdamLoop(const AdamConstants& constants, const AdamBuffers& buffers,
   } else {
     double lane_totals[kLanes] = {};
     while (i + kLanes <= end) {
-      const int64_t stop = end - i < kSumSquaresPerLane * kLanes
-                               ? end
-                               : i + kSumSquaresPerLane * kLanes;
+      const int64_t stop = SumSquaresBlockEnd(i, end, kLanes);
       V sum = Ops::Set(0.0f);
 #pragma GCC unroll 4
       for (; i + kLanes <= stop; i += kLanes) {
@@ -275,6 +282,36 @@ void RooflineLoop(const AdamBuffers& b, int64_t begin, int64_t end) {
     Ops::Store(b.nu_out + i, mu);
   }
   if constexpr (Ops::kLanes > 1) RooflineLoop<ScalarOps>(b, i, end);
+}
+
+// Calls `f` with std::integral_constant<ElementType, T> for the first T of
+// kTypes equal to `type`, or for the last one when none is: a runtime
+// storage type as a template argument.
+template <ElementType kType, ElementType... kOthers, class F>
+decltype(auto) VisitElementType(ElementType type, F&& f) {
+  if constexpr (sizeof...(kOthers) == 0) {
+    return f(std::integral_constant<ElementType, kType>{});
+  } else {
+    if (type == kType) return f(std::integral_constant<ElementType, kType>{});
+    return VisitElementType<kOthers...>(type, std::forward<F>(f));
+  }
+}
+
+// Calls `f(grad, copy, nesterov)` with the storage types of `b`'s gradient
+// (bf16, f16 or f32) and of its copy of the new weights (f32, bf16, f16 or
+// none), and with whether `k` asks for Nesterov's momentum, each as a
+// std::integral_constant.
+template <class Buffers, class F>
+double VisitStepChoices(const AdamConstants& k, const Buffers& b, F&& f) {
+  return VisitElementType<ElementType::kBF16, ElementType::kF16,
+                          ElementType::kF32>(b.grad_type, [&](auto grad) {
+    return VisitElementType<ElementType::kF32, ElementType::kBF16,
+                            ElementType::kF16, ElementType::kNone>(
+        b.lowp_type, [&](auto copy) {
+          if (k.nesterov) return f(grad, copy, std::true_type{});
+          return f(grad, copy, std::false_type{});
+        });
+  });
 }
 
 // Turns the runtime choices into template arguments, so the inner loop has
@@ -321,54 +358,14 @@ double DispatchDecay(const AdamConstants& k, const AdamBuffers& b,
 }
 
 template <template <ElementType, ElementType, bool, bool, bool, bool>
-          class Loop,
-          ElementType kGrad, ElementType kLowp>
-double DispatchNesterov(const AdamConstants& k, const AdamBuffers& b,
-                        int64_t begin, int64_t end, bool sum_squares) {
-  if (k.nesterov) {
-    return DispatchDecay<Loop, kGrad, kLowp, true>(k, b, begin, end,
-                                                   sum_squares);
-  }
-  return DispatchDecay<Loop, kGrad, kLowp, false>(k, b, begin, end,
-                                                  sum_squares);
-}
-
-template <template <ElementType, ElementType, bool, bool, bool, bool>
-          class Loop,
-          ElementType kGrad>
-double DispatchLowp(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
-                    int64_t end, bool sum_squares) {
-  switch (b.lowp_type) {
-    case ElementType::kF32:
-      return DispatchNesterov<Loop, kGrad, ElementType::kF32>(k, b, begin, end,
-                                                              sum_squares);
-    case ElementType::kBF16:
-      return DispatchNesterov<Loop, kGrad, ElementType::kBF16>(k, b, begin, end,
-                                                               sum_squares);
-    case ElementType::kF16:
-      return DispatchNesterov<Loop, kGrad, ElementType::kF16>(k, b, begin, end,
-                                                              sum_squares);
-    default:
-      return DispatchNesterov<Loop, kGrad, ElementType::kNone>(k, b, begin, end,
-                                                               sum_squares);
-  }
-}
-
-template <template <ElementType, ElementType, bool, bool, bool, bool>
           class Loop>
 double DispatchAdam(const AdamConstants& k, const AdamBuffers& b, int64_t begin,
                     int64_t end, bool sum_squares) {
-  switch (b.grad_type) {
-    case ElementType::kBF16:
-      return DispatchLowp<Loop, ElementType::kBF16>(k, b, begin, end,
+  return VisitStepChoices(k, b, [&](auto grad, auto copy, auto nesterov) {
+    return DispatchDecay<Loop, decltype(grad)::value, decltype(copy)::value,
+                         decltype(nesterov)::value>(k, b, begin, end,
                                                     sum_squares);
-    case ElementType::kF16:
-      return DispatchLowp<Loop, ElementType::kF16>(k, b, begin, end,
-                                                   sum_squares);
-    default:
-      return DispatchLowp<Loop, ElementType::kF32>(k, b, begin, end,
-                                                   sum_squares);
-  }
+  });
 }
 
 // Adapts AdamLoop over a fixed-width Ops to the dispatcher's shape.

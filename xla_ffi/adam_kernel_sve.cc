@@ -108,9 +108,7 @@ struct SveLoop {
       const svbool_t all64 = svptrue_b64();
       svfloat64_t even = svdup_n_f64(0.0), odd = svdup_n_f64(0.0);
       for (int64_t i = begin; i < end;) {
-        const int64_t stop = end - i < kSumSquaresPerLane * lanes
-                                 ? end
-                                 : i + kSumSquaresPerLane * lanes;
+        const int64_t stop = SumSquaresBlockEnd(i, end, lanes);
         svfloat32_t sum = svdup_n_f32(0.0f);
         for (; i < stop; i += lanes) {
           const svbool_t pg = svwhilelt_b32(i, stop);

@@ -146,9 +146,7 @@ double LowpElementwiseLoop(const AdamConstants& k, const LowpMomentBuffers& b,
   double total = 0.0;
   int64_t i = begin;
   while (i + kLanes <= end) {
-    const int64_t stop = end - i < kSumSquaresPerLane * kLanes
-                             ? end
-                             : i + kSumSquaresPerLane * kLanes;
+    const int64_t stop = SumSquaresBlockEnd(i, end, kLanes);
     V sum = Ops::Set(0.0f);
 #pragma GCC unroll 4
     for (; i + kLanes <= stop; i += kLanes) {
@@ -292,50 +290,14 @@ double LowpDispatchDecay(const AdamConstants& k, const LowpMomentBuffers& b,
       k, b, begin, end);
 }
 
-template <class Ops, ElementType kGrad, ElementType kLowp>
-double LowpDispatchNesterov(const AdamConstants& k, const LowpMomentBuffers& b,
-                            int64_t begin, int64_t end, bool sum_squares) {
-  if (k.nesterov) {
-    return LowpDispatchDecay<Ops, kGrad, kLowp, true>(k, b, begin, end,
-                                                      sum_squares);
-  }
-  return LowpDispatchDecay<Ops, kGrad, kLowp, false>(k, b, begin, end,
-                                                     sum_squares);
-}
-
-template <class Ops, ElementType kGrad>
-double LowpDispatchLowp(const AdamConstants& k, const LowpMomentBuffers& b,
-                        int64_t begin, int64_t end, bool sum_squares) {
-  switch (b.lowp_type) {
-    case ElementType::kF32:
-      return LowpDispatchNesterov<Ops, kGrad, ElementType::kF32>(
-          k, b, begin, end, sum_squares);
-    case ElementType::kBF16:
-      return LowpDispatchNesterov<Ops, kGrad, ElementType::kBF16>(
-          k, b, begin, end, sum_squares);
-    case ElementType::kF16:
-      return LowpDispatchNesterov<Ops, kGrad, ElementType::kF16>(
-          k, b, begin, end, sum_squares);
-    default:
-      return LowpDispatchNesterov<Ops, kGrad, ElementType::kNone>(
-          k, b, begin, end, sum_squares);
-  }
-}
-
 template <class Ops>
 double LowpDispatch(const AdamConstants& k, const LowpMomentBuffers& b,
                     int64_t begin, int64_t end, bool sum_squares) {
-  switch (b.grad_type) {
-    case ElementType::kBF16:
-      return LowpDispatchLowp<Ops, ElementType::kBF16>(k, b, begin, end,
-                                                       sum_squares);
-    case ElementType::kF16:
-      return LowpDispatchLowp<Ops, ElementType::kF16>(k, b, begin, end,
-                                                      sum_squares);
-    default:
-      return LowpDispatchLowp<Ops, ElementType::kF32>(k, b, begin, end,
-                                                      sum_squares);
-  }
+  return VisitStepChoices(k, b, [&](auto grad, auto copy, auto nesterov) {
+    return LowpDispatchDecay<Ops, decltype(grad)::value, decltype(copy)::value,
+                             decltype(nesterov)::value>(k, b, begin, end,
+                                                        sum_squares);
+  });
 }
 
 }  // namespace
