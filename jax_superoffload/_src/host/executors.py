@@ -197,8 +197,14 @@ def _with_weights(b: Bucket, out: BucketOut, master, to_device=None):
 class _OnHost(_Plain):
   """Host compute over the state where it lives, by `math`."""
 
-  # math(hyper, weight_dtypes, master, mu, nu, grads, params) -> BucketOut
-  math: Callable[..., BucketOut] = staticmethod(steps.math_step)
+  # math(hyper, weight_dtypes, master, mu, nu, grads, params) -> BucketOut,
+  # set with `name` by each subclass's class keywords.
+  math: Callable[..., BucketOut]
+
+  def __init_subclass__(cls, *, name: str, math: Callable[..., BucketOut]):
+    super().__init_subclass__()
+    cls.name = name
+    cls.math = staticmethod(math)
 
   def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params, **skip):
     out = host_memory.on_host(
@@ -217,9 +223,13 @@ class _OnHost(_Plain):
 
 
 @dataclasses.dataclass(frozen=True)
-class Kernel(_OnHost):
-  name = 'ffi'
-  math = staticmethod(steps.kernel_step)
+class Kernel(_OnHost, name='ffi', math=steps.kernel_step):
+  """Grace Adam, the C++ kernel, as host compute."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMath(_OnHost, name='xla_host', math=steps.math_step):
+  """The same step in `jax.numpy`, as host compute."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,12 +246,6 @@ class Stream(_Plain):
     return _with_weights(
       b, out, master, lambda ws: steps.weights_to_device(ws, grads)
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class HostMath(_OnHost):
-  name = 'xla_host'
-  math = staticmethod(steps.math_step)
 
 
 @dataclasses.dataclass(frozen=True)

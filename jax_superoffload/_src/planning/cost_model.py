@@ -114,27 +114,32 @@ FLOW_WINDOW_LAYERS = 2
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-  """A decoder-only transformer as the cost model sees it."""
+  """A decoder-only transformer as the cost model sees it.
 
-  # Parameter count.
+  Attributes:
+    params: Parameter count.
+    layers: Transformer blocks.
+    hidden: Width of the residual stream.
+    seq_len: Tokens per sequence.
+    batch: Sequences per step on this accelerator.
+    heads: Attention heads (only used without flash attention); None:
+      hidden / 128.
+    vocab: Vocabulary size (logits memory).
+    bytes_per_activation: Bytes per stored activation (2 for bf16).
+    activation_checkpointing: Keep only layer inputs and recompute the rest
+      in backward.
+    flash_attention: Attention scores are not stored (flash attention).
+  """
+
   params: int
-  # Transformer blocks.
   layers: int
-  # Width of the residual stream.
   hidden: int
-  # Tokens per sequence.
   seq_len: int = 2048
-  # Sequences per step on this accelerator.
   batch: int = 8
-  # Attention heads (only used without flash attention); None: hidden / 128.
   heads: int | None = None
-  # Vocabulary size (logits memory).
   vocab: int = 32000
-  # Bytes per stored activation (2 for bf16).
   bytes_per_activation: int = 2
-  # Keep only layer inputs and recompute the rest in backward.
   activation_checkpointing: bool = True
-  # Attention scores are not stored (flash attention).
   flash_attention: bool = True
 
   def __post_init__(self):
