@@ -5,6 +5,11 @@
 # Under emulation the test runs with --quick (its large cases shrink from
 # 2^18 + 3 to 2^12 + 3 elements; every path still runs): the full test took
 # 30 minutes at SVE512 on an Intel Xeon CI machine.
+#
+# Not run by CI, which tests the aarch64 wheel's build tree instead (NEON
+# and SVE in one build, .ci/aarch64_wheel_test.sh). This script is for a
+# change to the aarch64 build flags: a baseline armv8-a build with no SVE
+# code (JSO_ENABLE_SVE=OFF), and SVE enabled for every translation unit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then

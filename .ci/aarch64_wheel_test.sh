@@ -6,9 +6,14 @@
 #   and byte-identical to the one in the build tree;
 # - the kernel: the C++ tests of that build tree (same cross compiler, same
 #   flags, linked against the same kernel archive as the wheel's module) run
-#   under qemu-user with --quick, on a CPU without SVE (the NEON path) and
-#   with 128-bit SVE (Grace's vector length; the SVE path, chosen at run
-#   time as on the real machine).
+#   under qemu-user with --quick, on a CPU without SVE (the NEON path), with
+#   128-bit SVE (Grace's vector length; the SVE path, chosen at run time as
+#   on the real machine) and with 512-bit SVE (the widest the kernel's
+#   predicated loops are checked at).
+#
+# This is CI's only aarch64 run: the wheel's build tree holds both paths, so
+# separate NEON and SVE builds (.ci/aarch64_qemu.sh) would compile and test
+# the same kernel again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEEL_DIR="${WHEEL_DIR:-dist}"
@@ -31,7 +36,7 @@ readelf --dyn-syms -W "$module" | grep -w PyInit__grace_adam >/dev/null
 cmp "$module" "$tree/$(basename "$module")"
 echo "wheel module == $tree/$(basename "$module")"
 
-for cpu in max,sve=off max,sve128=on; do
+for cpu in max,sve=off max,sve128=on max,sve512=on; do
   for test in adam_kernel_test lowp_moments_test moments_vectors_test; do
     echo "== $test on qemu -cpu $cpu"
     log="$tree/$test-${cpu//[,=]/_}.log" status=0 start=$SECONDS
