@@ -285,8 +285,8 @@ void RooflineLoop(const AdamBuffers& b, int64_t begin, int64_t end) {
 }
 
 // Calls `f` with std::integral_constant<ElementType, T> for the first T of
-// kTypes equal to `type`, or for the last one when none is: a runtime
-// storage type as a template argument.
+// kType, kOthers... equal to `type`, or for the last of them when none is:
+// a runtime storage type as a template argument.
 template <ElementType kType, ElementType... kOthers, class F>
 decltype(auto) VisitElementType(ElementType type, F&& f) {
   if constexpr (sizeof...(kOthers) == 0) {
