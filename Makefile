@@ -28,7 +28,7 @@ CHECKOUT_PTH = $(PURELIB)/jax_superoffload_checkout.pth
 PLUGIN_DIR := $(VENV)/cuda-plugin
 PLUGIN_SO := $(PLUGIN_DIR)/jax_plugins/xla_cuda13/xla_cuda_plugin.so
 
-.PHONY: demo test lint bench clean cuda-plugin wheel
+.PHONY: demo test lint bench clean cuda-plugin wheel aot-deps gpu-compile
 
 ifeq ($(WHEEL),)
 $(STAMP): $(SOURCES)
@@ -65,6 +65,27 @@ $(PLUGIN_SO): $(STAMP)
 	touch $@
 
 cuda-plugin: $(PLUGIN_SO)
+
+# Deviceless GPU compilation (experiments/device/aot.py): the CUDA plugin of
+# the venv's jaxlib with ptxas and libdevice, unpacked aside (--target) so
+# that only the harness's processes see them (they put the folder on
+# sys.path before JAX starts). No GPU, no CUDA toolkit. jax 0.11+ (Python
+# 3.12): `make gpu-compile PYTHON=python3.12 VENV=.venv312`.
+AOT_DIR := $(VENV)/cuda-aot
+AOT_STAMP := $(AOT_DIR)/.installed
+$(AOT_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps --upgrade --target $(AOT_DIR) \
+	  "jax-cuda13-plugin==$$($(PY) -c 'import jaxlib; print(jaxlib.__version__)')" \
+	  "jax-cuda13-pjrt==$$($(PY) -c 'import jaxlib; print(jaxlib.__version__)')" \
+	  nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88
+	touch $@
+
+aot-deps: $(AOT_STAMP)
+
+# The table of the 1B step compiled for an H200 (every executor and optax,
+# scanned and unrolled); JSON in results/tmp/aot.json. AOT_ARGS adds flags.
+gpu-compile: $(AOT_STAMP)
+	JAX_SUPEROFFLOAD_CUDA_AOT=$(abspath $(AOT_DIR)) $(RUN_ENV) $(PY) -m experiments.device.aot $(AOT_ARGS)
 
 # One pytest worker per core (pytest-xdist), each taking whole test files
 # (module fixtures, such as a saved run, are built once). pytest exits 5 when

@@ -9,6 +9,7 @@ import importlib
 
 from jax_superoffload import kernels
 from jax_superoffload import ulysses
+from jax_superoffload._src.core.backend import compiling_for
 from jax_superoffload._src.host.executors import resolve as resolve_executor
 from jax_superoffload._src.host.plugin_ffi import host_registration
 from jax_superoffload._src.optim.alias import adam
@@ -71,6 +72,7 @@ __all__ = [
   'SuperOffloadState',
   'adam',
   'adamw',
+  'compiling_for',
   'export_adam_state',
   'fetch_stacked',
   'host_registration',

@@ -41,6 +41,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
+from jax_superoffload._src.core import backend
 from jax_superoffload._src.core import host_memory
 from jax_superoffload._src.host import grace_adam
 from jax_superoffload._src.host import plugin_ffi
@@ -75,20 +76,20 @@ class Executor(Protocol):
 
 
 def resolve(executor: str) -> str:
-  """Validates an executor name and resolves "auto" for the backend."""
+  """Validates an executor name and resolves "auto" for the platform."""
   if executor not in EXECUTORS:
     raise ValueError(f'executor must be one of {EXECUTORS}, got {executor!r}')
-  backend = jax.default_backend()
-  if executor == 'stream' and backend not in ('cpu', 'gpu'):
+  platform = backend.target()
+  if executor == 'stream' and platform not in ('cpu', 'gpu'):
     raise ValueError(
-      f'executor="stream" runs on the CPU and CUDA backends, not {backend!r}'
+      f'executor="stream" runs on the CPU and CUDA backends, not {platform!r}'
     )
-  if executor == 'stream' and backend == 'gpu':
+  if executor == 'stream' and platform == 'gpu':
     filed, why = grace_adam.stream_registration()
     if not filed:
       raise ValueError(f'executor="stream" needs the CUDA driver: {why}')
-  if executor != 'auto' or backend == 'cpu':
-    if executor == 'ffi' and backend != 'cpu':
+  if executor != 'auto' or platform == 'cpu':
+    if executor == 'ffi' and platform != 'cpu':
       _check_host_registration()
     return 'ffi' if executor == 'auto' else executor
   # Elsewhere host compute is compiled inside the accelerator's PJRT plugin,

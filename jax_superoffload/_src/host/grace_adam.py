@@ -11,6 +11,7 @@ import numpy as np
 
 from jax_superoffload import _grace_adam
 from jax_superoffload._src.core import adam_args
+from jax_superoffload._src.core import backend
 from jax_superoffload._src.core.hyperparams import Hyperparams
 
 # The target names are declared once, in xla_ffi/adam_ffi.h.
@@ -29,7 +30,6 @@ for _name, _capsule in _grace_adam.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform='cpu')
 
 
-@functools.cache
 def stream_registration() -> tuple[bool, str]:
   """Files the stream-ordered handlers for the CUDA platform, once.
 
@@ -37,9 +37,16 @@ def stream_registration() -> tuple[bool, str]:
   compute on a GPU runs Grace Adam from the GPU's stream (stream_launch.h).
   Returns (filed, why not).
   """
+  if backend.cross_compiling():
+    return _file_stream_targets()  # Compiled against, never run here.
   loaded, why = _grace_adam.cuda_driver()
   if not loaded:
     return False, why
+  return _file_stream_targets()
+
+
+@functools.cache
+def _file_stream_targets() -> tuple[bool, str]:
   try:
     for name, capsule in _grace_adam.stream_registrations().items():
       jax.ffi.register_ffi_target(name, capsule, platform='CUDA')

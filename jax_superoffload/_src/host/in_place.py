@@ -49,6 +49,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jax_superoffload._src.core import backend
 from jax_superoffload._src.core import host_memory
 
 
@@ -60,7 +61,7 @@ def wanted(zero: object | None) -> bool:
   there; under ZeRO the token would need a collective. Both keep XLA's
   default (correct, possibly copying) behaviour.
   """
-  return zero is None and jax.default_backend() == 'cpu'
+  return zero is None and backend.target() == 'cpu'
 
 
 def token_after(masters: Sequence[jax.Array]) -> jax.Array:

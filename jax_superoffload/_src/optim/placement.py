@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 
+from jax_superoffload._src.core import backend
 from jax_superoffload._src.core import layout
 
 CASTS = ('auto', 'device', 'host')
@@ -66,7 +67,7 @@ def _profile(profile: Any):
 
   if profile is not None:
     return profile
-  if jax.default_backend() == 'cpu':
+  if backend.target() == 'cpu':
     return hardware_lib.CPU_ONLY
   return hardware_lib.GH200
 

@@ -1,0 +1,313 @@
+"""Reads an optimized, scheduled XLA:GPU module (HLO text) for the harness.
+
+What it reports: the copies between device and host memory (memory space
+`S(5)`) by direction with their bytes, and the host-to-host ones; every
+custom call with the stream and queue it runs on; host-compute calls
+(XLA's `HostExecute`); and the step's execution order with the GEMMs'
+FLOPs, so that each optimizer call can be placed against the backward pass.
+A while loop's body counts once per trip (its known trip count).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Any
+
+_INSTR = re.compile(
+  r'^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>.*?) '
+  r'(?P<op>[a-z][a-z0-9\-]*)\((?P<rest>.*)$'
+)
+_ARRAY = re.compile(r'\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\](\{[^}]*\})?')
+_BYTES = {'pred': 1, 's4': 1, 'u4': 1, 'f8e4m3fn': 1, 'f8e5m2': 1}
+_SKIP = {'parameter', 'constant', 'tuple', 'get-tuple-element', 'bitcast'}
+OPTIMIZER_TARGET = re.compile(r'jax_superoffload_')
+HOST_MEMORY = 'S(5)'
+
+
+def _itemsize(dtype: str) -> int:
+  if dtype in _BYTES:
+    return _BYTES[dtype]
+  bits = re.search(r'(\d+)', dtype)
+  return max(1, int(bits.group(1)) // 8) if bits else 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+  """One array of an HLO shape: dtype, dimensions, and whether on the host."""
+
+  dtype: str
+  dims: tuple[int, ...]
+  on_host: bool
+
+  @property
+  def bytes(self) -> int:
+    """Its size in bytes."""
+    return math.prod(self.dims) * _itemsize(self.dtype)
+
+
+def arrays(shape: str) -> list[Array]:
+  """The arrays of a (possibly tuple) HLO shape string, in order."""
+  out = []
+  for m in _ARRAY.finditer(shape):
+    dims = tuple(int(d) for d in m.group(2).split(',') if d)
+    out.append(Array(m.group(1), dims, HOST_MEMORY in (m.group(3) or '')))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+  """One HLO instruction as printed: name, opcode, result shape, the rest."""
+
+  name: str
+  op: str
+  shape: str
+  rest: str  # Operands and attributes, as printed.
+
+  def attr(self, key: str) -> str | None:
+    """The value of attribute `key` (quotes and a leading % kept off)."""
+    m = re.search(rf'\b{key}=("[^"]*"|%?[\w.\-]+|\{{[^}}]*\}})', self.rest)
+    return m.group(1).strip('"') if m else None
+
+
+def computations(hlo: str) -> dict[str, tuple[bool, list[Instr]]]:
+  """Every computation: name -> (is the entry, its instructions in order)."""
+  out = {}
+  for block in re.split(r'\n(?=%|ENTRY )', hlo):
+    head, _, body = block.partition('\n')
+    m = re.match(r'(ENTRY )?%([\w.\-]+) ', head)
+    if not (m and head.rstrip().endswith('{')):
+      continue
+    instrs = []
+    for line in body.splitlines():
+      i = _INSTR.match(line)
+      if i:
+        instrs.append(Instr(i['name'], i['op'], i['shape'], i['rest']))
+    out[m.group(2)] = (bool(m.group(1)), instrs)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+  """One executed instruction of interest, in execution order."""
+
+  kind: str  # 'gemm', 'copy', 'optimizer', 'host_execute'
+  name: str
+  flops: float = 0.0  # GEMMs.
+  backward: bool = False  # GEMMs of the backward pass.
+  direction: str = ''  # Copies: 'D2H', 'H2D', 'H2H'.
+  bytes: int = 0  # Copies.
+  target: str = ''  # Custom calls.
+  stream: str = '0'  # '0': the compute stream; else the annotated one.
+
+
+class _Module:
+  """A parsed module, with name lookups and GEMM FLOPs."""
+
+  def __init__(self, hlo: str):
+    self.comps = computations(hlo)
+    self.shapes = {
+      i.name: i.shape for _, instrs in self.comps.values() for i in instrs
+    }
+
+  def _dot(self, comp: str) -> Instr | None:
+    for i in self.comps.get(comp, (False, []))[1]:
+      if i.op == 'dot':
+        return i
+      called = i.attr('calls') if i.op == 'fusion' else None
+      if called and (found := self._dot(called.lstrip('%'))):
+        return found
+    return None
+
+  def gemm(self, i: Instr) -> tuple[float, bool] | None:
+    """(FLOPs, is backward) of a GEMM instruction, else None."""
+    if i.op == 'fusion':
+      dot = self._dot((i.attr('calls') or '').lstrip('%'))
+    elif i.op == 'dot':
+      dot = i
+    else:
+      return None
+    if dot is None:
+      return None
+    out = arrays(dot.shape)[0]
+    lhs_name = re.match(r'\s*%([\w.\-]+)', dot.rest)
+    lhs = arrays(self.shapes.get(lhs_name.group(1), '')) if lhs_name else []
+    dims = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', dot.rest)
+    k = 1
+    if lhs and dims:
+      k = math.prod(lhs[0].dims[int(d)] for d in dims.group(1).split(',') if d)
+    backward = 'transpose(jvp' in (dot.attr('op_name') or '')
+    return 2.0 * math.prod(out.dims) * k, backward
+
+  def copy(self, i: Instr) -> tuple[str, int] | None:
+    """(direction, bytes) of a copy touching host memory, else None."""
+    if i.op not in ('copy', 'copy-start'):
+      return None
+    out = arrays(i.shape)
+    src = re.match(r'\s*%([\w.\-]+)', i.rest)
+    source = arrays(self.shapes.get(src.group(1), '')) if src else []
+    if not out or not source:
+      return None
+    to_host, from_host = out[0].on_host, source[0].on_host
+    if not (to_host or from_host):
+      return None
+    direction = {(True, True): 'H2H', (True, False): 'D2H'}.get(
+      (to_host, from_host), 'H2D'
+    )
+    return direction, out[0].bytes
+
+
+def _trips(i: Instr) -> int:
+  m = re.search(r'"known_trip_count":\{"n":"(\d+)"', i.rest)
+  return int(m.group(1)) if m else 1
+
+
+def _stream(i: Instr, inherited: str) -> str:
+  m = re.search(r'_xla_stream_annotation="(\d+)"', i.rest)
+  if m:
+    return m.group(1)
+  q = re.search(r'"operation_queue_id":"(\d+)"', i.rest)
+  return q.group(1) if q and q.group(1) != '0' else inherited
+
+
+def _on_host(i: Instr) -> bool:
+  return 'host' in (i.attr('async_execution_thread') or '')
+
+
+def _event(module: _Module, i: Instr, stream: str) -> Event | None:
+  if i.op in ('custom-call', 'custom-call-start'):
+    target = i.attr('custom_call_target') or ''
+    if OPTIMIZER_TARGET.search(target):
+      return Event('optimizer', i.name, target=target, stream=stream)
+  if i.op in ('async-start', 'call-start') and _on_host(i):
+    return Event('host_execute', i.name, stream=stream)
+  if (copy := module.copy(i)) is not None:
+    return Event('copy', i.name, direction=copy[0], bytes=copy[1])
+  if (gemm := module.gemm(i)) is not None:
+    return Event('gemm', i.name, flops=gemm[0], backward=gemm[1])
+  return None
+
+
+def _walk(module: _Module, comp: str, stream: str, out: list[Event]) -> None:
+  for i in module.comps.get(comp, (False, []))[1]:
+    if i.op in _SKIP:
+      continue
+    here = _stream(i, stream)
+    if i.op == 'while':
+      body = (i.attr('body') or '').lstrip('%')
+      for _ in range(_trips(i)):
+        _walk(module, body, here, out)
+    elif i.op in ('call', 'call-start', 'conditional') and not _on_host(i):
+      for called in re.findall(
+        r'(?:to_apply|calls|branch_computations)=\{?%([\w.\-]+)', i.rest
+      ):
+        _walk(module, called, here, out)
+    elif (event := _event(module, i, here)) is not None:
+      out.append(event)
+
+
+def timeline(hlo: str) -> list[Event]:
+  """The events of the entry computation in execution order."""
+  module = _Module(hlo)
+  entry = next(name for name, (is_entry, _) in module.comps.items() if is_entry)
+  out: list[Event] = []
+  _walk(module, entry, '0', out)
+  return out
+
+
+JOIN_TARGET = 'jax_superoffload_stream_join'
+
+
+def _placement(events: list[Event], index: int, backward: float) -> dict:
+  """Where event `index` sits: backward GEMMs and their FLOPs before it."""
+  before = [e for e in events[:index] if e.kind == 'gemm' and e.backward]
+  done = sum(e.flops for e in before)
+  return {
+    'backward_gemms_before': len(before),
+    'backward_flops_before': round(done / backward, 4) if backward else None,
+  }
+
+
+def optimizer_calls(events: list[Event]) -> list[dict[str, Any]]:
+  """Each optimizer call in order, placed against the backward's GEMMs.
+
+  A call "waits" when the compute stream waits for the host step there:
+  the join of a start/join program, or, where there is no join, every
+  bucket call (its host function runs on the compute stream).
+  """
+  backward = sum(e.flops for e in events if e.kind == 'gemm' and e.backward)
+  joined = any(e.target == JOIN_TARGET for e in events)
+  out = []
+  for index, e in enumerate(events):
+    if e.kind not in ('optimizer', 'host_execute'):
+      continue
+    waits = e.target == JOIN_TARGET or (e.kind == 'optimizer' and not joined)
+    out.append(
+      {
+        'name': e.name,
+        'target': e.target or 'host-compute',
+        'stream': e.stream,
+        'waits': waits,
+        **_placement(events, index, backward),
+      }
+    )
+  return out
+
+
+def copies(events: list[Event]) -> dict[str, dict[str, float]]:
+  """Executed copies touching host memory by direction: count and GB."""
+  out: dict[str, dict[str, float]] = {}
+  for e in events:
+    if e.kind == 'copy':
+      row = out.setdefault(e.direction, {'count': 0, 'GB': 0.0})
+      row['count'] += 1
+      row['GB'] = round(row['GB'] + e.bytes / 1e9, 3)
+  return out
+
+
+def custom_calls(hlo: str) -> dict[str, dict[str, int]]:
+  """Every custom-call target: the streams (queues) it runs on, counted."""
+  module = _Module(hlo)
+  out: dict[str, collections.Counter] = {}
+  for _, instrs in module.comps.values():
+    for i in instrs:
+      if i.op in ('custom-call', 'custom-call-start'):
+        target = i.attr('custom_call_target') or '?'
+        out.setdefault(target, collections.Counter())[_stream(i, '0')] += 1
+  return {k: dict(v) for k, v in sorted(out.items())}
+
+
+def memory_totals(memory: dict[str, int]) -> dict[str, float]:
+  """Device and host GB: arguments + outputs - aliased + temporaries."""
+
+  def total(prefix: str) -> float:
+    get = lambda k: memory.get(f'{prefix}{k}_size_in_bytes', 0)  # noqa: E731
+    return (get('argument') + get('output') - get('alias') + get('temp')) / 1e9
+
+  return {
+    'device_GB': round(total(''), 3),
+    'host_GB': round(total('host_'), 3),
+    'device_temp_GB': round(memory.get('temp_size_in_bytes', 0) / 1e9, 3),
+    'host_temp_GB': round(memory.get('host_temp_size_in_bytes', 0) / 1e9, 3),
+  }
+
+
+def summarize(hlo: str, memory: dict[str, int]) -> dict[str, Any]:
+  """Everything the harness reports about one compiled step."""
+  events = timeline(hlo)
+  calls = optimizer_calls(events)
+  starts = [c for c in calls if c['target'] != JOIN_TARGET]
+  return {
+    **memory_totals(memory),
+    'copies': copies(events),
+    'custom_calls': custom_calls(hlo),
+    'host_execute_calls': sum(e.kind == 'host_execute' for e in events),
+    'backward_gemms': sum(e.kind == 'gemm' and e.backward for e in events),
+    'optimizer_calls': calls,
+    'first_start_at': starts[0]['backward_flops_before'] if starts else None,
+    'first_wait_at': next(
+      (c['backward_flops_before'] for c in calls if c['waits']), None
+    ),
+  }
