@@ -91,10 +91,14 @@ gpu-compile: $(AOT_STAMP)
 # (module fixtures, such as a saved run, are built once). pytest exits 5 when
 # it collects no tests, which fails this target too. TEST_WORKERS=0 runs the
 # suite in this one process.
+# TEST_ARGS: more pytest arguments, e.g. -m "not aot" (CI runs the
+# deviceless GPU compiles, marked aot, as a stage of their own).
 TEST_WORKERS ?= auto
+TEST_ARGS ?=
 test: $(STAMP)
 	if [ -f $(PLUGIN_SO) ]; then export JAX_SUPEROFFLOAD_CUDA_PLUGIN=$(abspath $(PLUGIN_SO)); fi; \
-	  $(RUN_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	  if [ -d $(AOT_DIR)/jax_plugins ]; then export JAX_SUPEROFFLOAD_CUDA_AOT=$(abspath $(AOT_DIR)); fi; \
+	  $(RUN_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(TEST_ARGS) tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

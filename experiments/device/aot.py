@@ -69,6 +69,7 @@ def compile_case(case_fields: dict[str, Any]) -> dict[str, Any]:
     compiles=True,
     compile_s=round(compiled.seconds, 1),
     num_params=built.num_params,
+    state_bytes=built.state_bytes,
     state_GB={k: round(v / 1e9, 3) for k, v in built.state_bytes.items()},
     memory=compiled.memory,
     **hlo_report.summarize(compiled.hlo, compiled.memory),

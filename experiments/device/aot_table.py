@@ -31,8 +31,8 @@ def goal_gb(result: dict[str, Any], results: list[dict[str, Any]]) -> Any:
         for k in ('layout', 'param_dtype', 'layers', 'batch', 'devices', 'gpu')
       )
       if same:
-        state = sum(other.get('state_GB', {}).get(k, 0) for k in ('device',))
-        return round(other['device_GB'] - state, 3)
+        state = other.get('state_bytes', {}).get('device', 0)
+        return round(other['device_GB'] - state / 1e9, 3)
   return None
 
 

@@ -257,13 +257,14 @@ def optimizer_calls(events: list[Event]) -> list[dict[str, Any]]:
 
 
 def copies(events: list[Event]) -> dict[str, dict[str, float]]:
-  """Executed copies touching host memory by direction: count and GB."""
+  """Executed copies touching host memory by direction: count, bytes, GB."""
   out: dict[str, dict[str, float]] = {}
   for e in events:
     if e.kind == 'copy':
-      row = out.setdefault(e.direction, {'count': 0, 'GB': 0.0})
+      row = out.setdefault(e.direction, {'count': 0, 'bytes': 0})
       row['count'] += 1
-      row['GB'] = round(row['GB'] + e.bytes / 1e9, 3)
+      row['bytes'] += e.bytes
+      row['GB'] = round(row['bytes'] / 1e9, 3)
   return out
 
 

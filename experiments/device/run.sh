@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU command of issue 25 (experiments/device/prepare.sh first,
+# The prepared GPU command (experiments/device/prepare.sh first,
 # then the device tool's run with carry [".gpu"]):
 #   bash experiments/device/run.sh
 # Each part runs in its own process under `timeout` (an abort is a finding,
@@ -16,7 +16,11 @@ OUT="${OUT:-results/tmp/gpu_run}"
 mkdir -p "$OUT"
 DRY=""
 if [[ "${1:-}" == "--dry-run" ]]; then DRY="--dry-run"; fi
-if [[ -z "$DRY" && -d .gpu ]]; then cp .gpu/_grace_adam*.so jax_superoffload/; fi
+# What prepare.sh carried: the extension, and the modules the image lacks.
+if [[ -d .gpu ]]; then
+  cp .gpu/_grace_adam*.so jax_superoffload/
+  export PYTHONPATH="$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 ALL="link opt:stream opt:stream:bfloat16 opt:optax opt:optax:bfloat16
 opt:stream+stv opt:stream+clip train:stream:noscan:4 train:optax:noscan:4
 train:stream:scan:4 train:optax:scan:4 profile:stream opt:device

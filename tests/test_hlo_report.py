@@ -1,0 +1,89 @@
+"""The deviceless harness's HLO reader, on a module written by hand.
+
+The expected numbers are worked out from the text below, not from the
+reader: a forward GEMM of 2*8*16*4 FLOPs, two backward ones of 2*4*16*8
+and 2*16*8*4 (one per trip of a two-trip loop body, so four executed), a
+copy of 64 floats to host memory, one of 32 floats back, one from host to
+host, an optimizer call between the backward GEMMs and a join at the end.
+"""
+
+from experiments.device import hlo_report
+
+HLO = """\
+HloModule jit_step, is_scheduled=true
+
+%gemm.fwd (p0: f32[8,16], p1: f32[16,4]) -> f32[8,4] {
+  %p0 = f32[8,16]{1,0} parameter(0)
+  %p1 = f32[16,4]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp()/dot_general"}
+}
+
+%gemm.bwd (q0: f32[4,8], q1: f32[8,16]) -> f32[4,16] {
+  %q0 = f32[4,8]{1,0} parameter(0)
+  %q1 = f32[8,16]{1,0} parameter(1)
+  ROOT %dot.2 = f32[4,16]{1,0} dot(%q0, %q1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
+}
+
+%body (b: (f32[4,8], f32[8,16])) -> (f32[4,8], f32[8,16]) {
+  %b = (f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  %g0 = f32[4,8]{1,0} get-tuple-element(%b), index=0
+  %g1 = f32[8,16]{1,0} get-tuple-element(%b), index=1
+  %gemm_fusion.2 = f32[4,16]{1,0} fusion(%g0, %g1), kind=kCustom, calls=%gemm.bwd
+  ROOT %t = (f32[4,8]{1,0}, f32[8,16]{1,0}) tuple(%g0, %g1)
+}
+
+%cond (c: (f32[4,8], f32[8,16])) -> pred[] {
+  %c = (f32[4,8]{1,0}, f32[8,16]{1,0}) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[8,16], w: f32[16,4], h: f32[64], s: f32[32]) -> f32[8,4] {
+  %a = f32[8,16]{1,0} parameter(0)
+  %w = f32[16,4]{1,0} parameter(1)
+  %h = f32[64]{0:S(5)} parameter(2)
+  %s = f32[32]{0} parameter(3)
+  %gemm_fusion.1 = f32[8,4]{1,0} fusion(%a, %w), kind=kCustom, calls=%gemm.fwd
+  %copy-start.1 = (f32[32]{0:S(5)}, f32[32]{0}, u32[]) copy-start(%s)
+  %copy-done.1 = f32[32]{0:S(5)} copy-done(%copy-start.1)
+  %call.opt = f32[64]{0:S(5)} custom-call(%h), custom_call_target="jax_superoffload_adam_step_segments", backend_config={"operation_queue_id":"0"}
+  %init = (f32[4,8]{1,0}, f32[8,16]{1,0}) tuple(%gemm_fusion.1, %a)
+  %while.1 = (f32[4,8]{1,0}, f32[8,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"2"}}
+  %copy.2 = f32[64]{0:S(5)} copy(%call.opt)
+  %copy-start.3 = (f32[64]{0}, f32[64]{0:S(5)}, u32[]) copy-start(%copy.2)
+  %copy-done.3 = f32[64]{0} copy-done(%copy-start.3)
+  %join = f32[64]{0} custom-call(%copy-done.3), custom_call_target="jax_superoffload_stream_join"
+  ROOT %r = f32[8,4]{1,0} copy(%gemm_fusion.1)
+}
+"""
+
+
+def test_timeline_counts_gemms_per_trip_and_tells_backward():
+  events = hlo_report.timeline(HLO)
+  gemms = [e for e in events if e.kind == 'gemm']
+  assert [(e.flops, e.backward) for e in gemms] == [
+    (2 * 8 * 4 * 16, False),
+    (2 * 4 * 16 * 8, True),
+    (2 * 4 * 16 * 8, True),
+  ]
+
+
+def test_copies_by_direction_and_bytes():
+  copies = hlo_report.copies(hlo_report.timeline(HLO))
+  got = {k: (v['count'], v['bytes']) for k, v in copies.items()}
+  assert got == {'D2H': (1, 32 * 4), 'H2H': (1, 64 * 4), 'H2D': (1, 64 * 4)}
+
+
+def test_optimizer_calls_placed_against_the_backward():
+  summary = hlo_report.summarize(HLO, {})
+  calls = summary['optimizer_calls']
+  assert [c['target'] for c in calls] == [
+    'jax_superoffload_adam_step_segments',
+    'jax_superoffload_stream_join',
+  ]
+  # The start comes before any backward GEMM and does not wait (a join
+  # exists); the join waits after both.
+  assert calls[0]['backward_flops_before'] == 0.0 and not calls[0]['waits']
+  assert calls[1]['backward_flops_before'] == 1.0 and calls[1]['waits']
+  assert summary['first_start_at'] == 0.0
+  assert summary['first_wait_at'] == 1.0
+  assert summary['backward_gemms'] == 2
