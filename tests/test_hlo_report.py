@@ -7,6 +7,9 @@ copy of 64 floats to host memory, one of 32 floats back, one from host to
 host, an optimizer call between the backward GEMMs and a join at the end.
 """
 
+# The HLO below is as XLA prints it, one instruction a line.
+# ruff: noqa: E501
+
 from experiments.device import hlo_report
 
 HLO = """\
