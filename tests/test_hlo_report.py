@@ -1,10 +1,10 @@
 """The deviceless harness's HLO reader, on a module written by hand.
 
 The expected numbers are worked out from the text below, not from the
-reader: a forward GEMM of 2*8*16*4 FLOPs, two backward ones of 2*4*16*8
-and 2*16*8*4 (one per trip of a two-trip loop body, so four executed), a
-copy of 64 floats to host memory, one of 32 floats back, one from host to
-host, an optimizer call between the backward GEMMs and a join at the end.
+reader: a forward GEMM of 2*8*4*16 FLOPs and a backward one of 2*4*16*8 in
+the body of a loop of two trips (so executed twice); a copy of 32 floats to
+host memory, one of 64 from host to host and one of 64 back to the device;
+an optimizer call before the backward GEMMs and a join after them.
 """
 
 # The HLO below is as XLA prints it, one instruction a line.
