@@ -177,12 +177,15 @@ def _on_host(i: Instr) -> bool:
 
 
 def _event(module: _Module, i: Instr, stream: str) -> Event | None:
-  if i.op in ('custom-call', 'custom-call-start'):
-    target = i.attr('custom_call_target') or ''
-    if OPTIMIZER_TARGET.search(target):
-      return Event('optimizer', i.name, target=target, stream=stream)
-  if i.op in ('async-start', 'call-start') and _on_host(i):
-    return Event('host_execute', i.name, stream=stream)
+  target = i.attr('custom_call_target') or ''
+  if i.op in ('async-start', 'call-start', 'custom-call-start') and (
+    _on_host(i) or target == 'HostExecute'
+  ):  # Host compute: XLA:GPU runs it as HostExecute.
+    return Event('host_execute', i.name, target='HostExecute', stream=stream)
+  if i.op in ('custom-call', 'custom-call-start') and OPTIMIZER_TARGET.search(
+    target
+  ):
+    return Event('optimizer', i.name, target=target, stream=stream)
   if (copy := module.copy(i)) is not None:
     return Event('copy', i.name, direction=copy[0], bytes=copy[1])
   if (gemm := module.gemm(i)) is not None:
@@ -235,7 +238,8 @@ def optimizer_calls(events: list[Event]) -> list[dict[str, Any]]:
 
   A call "waits" when the compute stream waits for the host step there:
   the join of a start/join program, or, where there is no join, every
-  bucket call (its host function runs on the compute stream).
+  bucket call (its host function runs on the compute stream) and every
+  host-compute call (its done waits for the host step).
   """
   backward = sum(e.flops for e in events if e.kind == 'gemm' and e.backward)
   joined = any(e.target == JOIN_TARGET for e in events)
@@ -243,11 +247,11 @@ def optimizer_calls(events: list[Event]) -> list[dict[str, Any]]:
   for index, e in enumerate(events):
     if e.kind not in ('optimizer', 'host_execute'):
       continue
-    waits = e.target == JOIN_TARGET or (e.kind == 'optimizer' and not joined)
+    waits = e.target == JOIN_TARGET or not joined
     out.append(
       {
         'name': e.name,
-        'target': e.target or 'host-compute',
+        'target': e.target,
         'stream': e.stream,
         'waits': waits,
         **_placement(events, index, backward),
