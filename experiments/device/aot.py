@@ -167,14 +167,14 @@ def main(argv: list[str] | None = None) -> int:
 
     return aot_capacity.main(args)
   results = []
+  path = pathlib.Path(args.json)
+  path.parent.mkdir(parents=True, exist_ok=True)
   for fields in cases(args):
     result = run_case(fields, args.timeout)
     results.append(result)
     print(aot_table.row(result), flush=True)
+    path.write_text(json.dumps(results, indent=1) + '\n')  # As it goes.
   print(aot_table.table(results))
-  path = pathlib.Path(args.json)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(results, indent=1) + '\n')
   print(f'wrote {path}')
   return 0 if all(r.get('compiles') for r in results) else 1
 
