@@ -52,7 +52,6 @@ from jax_superoffload._src.host.steps import Bucket as Bucket
 from jax_superoffload._src.host.steps import BucketOut as BucketOut
 from jax_superoffload._src.host.steps import LeafState as LeafState
 from jax_superoffload._src.host.steps import Verdict as Verdict
-from jax_superoffload._src.host.steps import flat as flat
 from jax_superoffload._src.host.steps import scalars_to as scalars_to
 from jax_superoffload._src.host.steps import spec_if as spec_if
 from jax_superoffload._src.host.steps import to_host_list as to_host_list
@@ -239,11 +238,21 @@ class Stream(_Plain):
 
   name = 'stream'
 
+  @property
+  def host_state(self) -> bool:
+    # On a GPU the handler stages small (0-d) state left in device memory
+    # itself, and its results are joined; on the CPU it visits host memory.
+    return backend.target() != 'gpu'
+
   def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params, **skip):
+    place = steps.stream_place(b.barrier)
     dtypes = weight_dtypes(b)
     out = steps.kernel_step(
-      hyper, dtypes, master, mu, nu, grads, params, place=flat, **skip
+      hyper, dtypes, master, mu, nu, grads, params, place=place, **skip
     )
+    if place.join and b.fp32_weights:
+      weights = steps.joined_weights(b, out.weights, grads, master)
+      return out._replace(weights=weights)
     return _with_weights(
       b, out, master, lambda ws: steps.weights_to_device(ws, grads)
     )

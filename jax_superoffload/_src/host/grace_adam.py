@@ -233,14 +233,95 @@ def _as_is(x: jax.Array) -> jax.Array:
   return x
 
 
-def _in_host_memory(xs: list[jax.Array]) -> list[jax.Array]:
+STREAM_JOIN_TARGET = 'jax_superoffload_stream_join'
+
+
+class StreamPlace:
+  """The `Place` of the handlers ordered on a GPU stream.
+
+  Flattens each operand on the device (rank 1 has one layout; the handler
+  stages what is in device memory itself). With `join`, every call is
+  followed by a join (`STREAM_JOIN_TARGET`): the handler only starts the
+  host step, on a side stream and a worker thread, so its results, and
+  every operand it reads, must stay untouched until the join has waited
+  for the worker and made the compute stream wait for its copies. The
+  join takes them all (aliased, nothing copied) and `barrier`, a scalar
+  computed from every gradient of the step, so XLA cannot place it before
+  the backward pass is over: the compute stream waits once, at the end.
+  """
+
+  def __init__(self, join: bool = False, barrier: jax.Array | None = None):
+    self.join = join
+    self.barrier = barrier
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return x.reshape(-1)
+
+
+def _on_host(x: jax.Array) -> bool:
+  return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def _joined(
+  place: Place, out: list, read: list, on_host: set[int], copy: list = ()
+) -> tuple[list, list]:
+  """`out` through a stream join when `place` asks for one; and copies.
+
+  Results at `on_host` (state updated in place in pinned host memory) are
+  not joined: their buffers live through the step, and the step ends only
+  after the join's wait. Everything in device memory is. `copy`: host
+  arrays (results of the call) the join copies to device memory once the
+  host step has written them; returned second (empty without a join).
+  """
+  out = list(out)
+  if not getattr(place, 'join', False):
+    return out, []
+  barrier = place.barrier
+  if barrier is None:  # Nothing to wait for: the results are needed now.
+    barrier = jnp.zeros((), jnp.int32)
+  joined = [i for i in range(len(out)) if i not in on_host]
+  results = [out[i] for i in joined]
+  # The results pass through (aliased). What the step reads from device
+  # memory is not kept alive: the start makes the compute stream wait for
+  # its copies to host memory (not for the host step), so XLA may reuse
+  # those buffers after it, and frees them early (which is what makes its
+  # scheduler start each bucket as soon as its gradients exist).
+  del read
+  # A ticket: the first result, moved from host memory to the device by
+  # XLA. XLA starts such a copy as early as it can, and with it the call.
+  ticket = jax.device_put(
+    jax.device_put(out[0], jax.memory.Space.Host), jax.memory.Space.Device
+  )
+  operands = [*results, *copy, ticket, barrier]
+  call = jax.ffi.ffi_call(
+    STREAM_JOIN_TARGET,
+    _like(results) + _like(list(copy)),
+    vmap_method='sequential',
+    input_output_aliases=_aliases(0, 0, len(results)),
+    has_side_effect=True,  # It waits, and must not be dropped when unused.
+  )
+  done = call(*operands, copies=np.int64(len(copy)))
+  for i, x in zip(joined, done, strict=False):
+    out[i] = x
+  return out, list(done[len(results) :])
+
+
+def _host_results(first: int, state: list[jax.Array]) -> set[int]:
+  """Indices of the results aliased to the host-memory `state` operands."""
+  return {first + j for j, x in enumerate(state) if _on_host(x)}
+
+
+def _typed_like(results: list, operands: list) -> list:
   """Results aliased to host-memory operands, typed as host memory.
 
   JAX types every `ffi_call` result as device memory, while XLA keeps a
   result aliased to a pinned_host operand in that operand's buffer; typed
   so, a later move to the device is a real copy, not a no-op.
   """
-  return [jax.device_put(x, jax.memory.Space.Host) for x in xs]
+  return [
+    jax.device_put(r, jax.memory.Space.Host) if _on_host(x) else r
+    for r, x in zip(results, operands, strict=True)
+  ]
 
 
 def _bucket_out_types(runs, grads, weight_dtypes) -> list:
@@ -352,11 +433,17 @@ def _bucket_call(
   out = call(
     *operands, **_bucket_attrs(hyper, k, reseed=params is not None, **attrs)
   )
+  read = [*operands[: 2 + len(flags)], *grads, *(params or [])]
+  flat_state = [x for run in state for x in run]
+  # Without weight copies the new weights are the new masters: a joined
+  # call has the join copy them to the device once the step wrote them.
+  copy = out[1 : 1 + k] if weight_dtypes is None else []
+  out, copies = _joined(place, out, read, _host_results(1, flat_state), copy)
   n = len(state)
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(n)]
   if place is not _as_is:
-    runs = [_in_host_memory(run) for run in runs]
-  return runs, list(out[1 + n * k :]), out[0]
+    runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]
+  return runs, copies or list(out[1 + n * k :]), out[0]
 
 
 def adam_step_lowp_segments(
@@ -456,9 +543,13 @@ def adam_step_speculative(
       hyper, k, keep_nonfinite=keep_nonfinite, reseed=params is not None
     ),
   )
+  state = (master, mu, nu, kept)
+  on_host = _host_results(1, [x for run in state for x in run])
+  read = [*operands[:3], *grads, *(params or [])]
+  out, _ = _joined(place, out, read, on_host)
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(4)]
   if place is not _as_is:
-    runs = [_in_host_memory(run) for run in runs]
+    runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]
   return (*runs, out[0], list(out[1 + 4 * k :]))
 
 
@@ -499,19 +590,19 @@ def adam_step_validated(
   )
   place = place or _as_is
   flags = jnp.stack([redo, skip]).astype(jnp.int32)
-  out = call(
+  scalars = [
     *_scalar_operands(hyper, place),
     place(jnp.asarray(row, jnp.int32).reshape(1)),
     place(flags),
     place(jnp.asarray(redo_scale, jnp.float32).reshape(1)),
-    *master,
-    *mu,
-    *nu,
-    *kept,
-    *weights,
-    **_bucket_attrs(hyper, k),
+  ]
+  out = call(
+    *scalars, *master, *mu, *nu, *kept, *weights, **_bucket_attrs(hyper, k)
   )
+  on_host = _host_results(0, [*master, *mu, *nu])
+  out, _ = _joined(place, out, [*scalars, *kept], on_host)
   runs = [list(out[r * k : (r + 1) * k]) for r in range(3)]
   if place is not _as_is:
-    runs = [_in_host_memory(run) for run in runs]
+    state = (master, mu, nu)
+    runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]
   return (*runs, list(out[3 * k :]))

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_superoffload._src.core import backend
 from jax_superoffload._src.core import host_memory
 from jax_superoffload._src.core import moments
 from jax_superoffload._src.core.hyperparams import Hyperparams
@@ -59,6 +60,9 @@ class Bucket(NamedTuple):
   moment_specs: list[Any] | None
   want_delta: bool  # No params: return new - old master.
   fp32_weights: bool  # The new weights are the new fp32 masters.
+  # A scalar after every gradient of the step, for the stream executor's
+  # join on a GPU (`stream_place`); None elsewhere.
+  barrier: jax.Array | None = None
 
 
 class Verdict(NamedTuple):
@@ -166,7 +170,8 @@ def kernel_step(
     m, a, v, w, _ = grace_adam.adam_step_segments(
       master, mu, nu, list(grads), dtypes, hyper, params=params, place=place
     )
-    return BucketOut(m, a, v, None if dtypes is None else w)
+    # A joined call returns the new masters' device copies as its weights.
+    return BucketOut(m, a, v, w or None)
   blockwise = isinstance(mu[0], moments.Blockwise)
   scales = None
   if blockwise:
@@ -187,7 +192,7 @@ def kernel_step(
   if blockwise:
     a = [moments.Blockwise(c, x) for c, x in zip(a, s[0], strict=True)]
     v = [moments.Blockwise(c, x) for c, x in zip(v, s[1], strict=True)]
-  return BucketOut(m, a, v, None if dtypes is None else w)
+  return BucketOut(m, a, v, w or None)
 
 
 def delta_or_new(b: Bucket, new_master, old_master) -> list[jax.Array]:
@@ -204,6 +209,39 @@ def weight_dtypes(b: Bucket) -> list | None:
   return None if b.fp32_weights else list(b.dtypes)
 
 
+def stream_weight_dtypes(b: Bucket, place: Any) -> list | None:
+  """`weight_dtypes` for STV's speculative stream call.
+
+  A joined call (a GPU) runs its step after it returns, so its new
+  weights must reach the device through the join. The speculative step's
+  new master is one row of a pair in host memory, so it writes copies
+  (exact in fp32) instead.
+  """
+  dtypes = weight_dtypes(b)
+  if dtypes is None and getattr(place, 'join', False):
+    return [jnp.float32] * len(b.leaves)
+  return dtypes
+
+
+def joined_weights(b: Bucket, weights: list, like: list, old: list) -> list:
+  """A joined call's fp32 new weights, shaped `like`, as `update` wants.
+
+  The new weights, or with `want_delta` their change from `old` (the
+  master before the step, which XLA reads ahead of the in-place call, or a
+  row the call does not write).
+  """
+  new = [
+    host_memory.to_device(w).reshape(x.shape)
+    for w, x in zip(weights, like, strict=True)
+  ]
+  if not b.want_delta:
+    return new
+  return [
+    n - host_memory.to_device(o).reshape(n.shape)
+    for n, o in zip(new, old, strict=True)
+  ]
+
+
 def to_host_list(xs):
   return None if xs is None else [host_memory.to_host(x) for x in xs]
 
@@ -217,15 +255,39 @@ def scalars_to(place, xs: list) -> list:
   return jax.tree.map(lambda x: place(x) if x.ndim == 0 else x, list(xs))
 
 
-def flat(x: jax.Array) -> jax.Array:
-  """`x` flattened where it is, for the stream-ordered handlers.
+def stream_place(barrier: jax.Array | None = None) -> grace_adam.StreamPlace:
+  """Where the stream-ordered handlers read their operands.
 
-  A gradient that a dot left column-major would otherwise reach the
+  Flat: a gradient that a dot left column-major would otherwise reach the
   handler in a layout it does not read; rank 1 has one layout. The handler
   copies it to host memory itself where XLA left it in device memory
   (XLA:GPU elides a move to host memory whose only user is a custom call).
+  On a GPU each call is joined (`grace_adam.StreamPlace`) after `barrier`,
+  a scalar that depends on every gradient of the step; without one, at
+  once. On the CPU the handlers run the step before they return.
   """
-  return x.reshape(-1)
+  join = backend.target() == 'gpu'
+  return grace_adam.StreamPlace(join=join, barrier=barrier if join else None)
+
+
+def join_barrier(grads: list[jax.Array]) -> jax.Array:
+  """An int32 scalar that exists only once every gradient does.
+
+  One element of each is enough for the dependency; its value is never
+  used (the join only passes it through), so NaN or Inf are harmless.
+  Each element is taken apart (an optimization barrier keeps XLA from
+  fusing them into one op over every gradient), so it can be read as soon
+  as its gradient exists and keeps no gradient alive until the end.
+  """
+  firsts = [
+    jax.lax.optimization_barrier(g.reshape(-1)[:1].astype(jnp.float32))
+    for g in grads
+    if g.size
+  ]
+  if not firsts:
+    return jnp.zeros((), jnp.int32)
+  total = jnp.sum(jnp.concatenate(firsts))
+  return jax.lax.bitcast_convert_type(total, jnp.int32)
 
 
 def weights_to_device(weights: list, like: list) -> list[jax.Array]:
@@ -256,8 +318,8 @@ def speculate(
   hyper, b: Bucket, row, master, mu, nu, kept, grads, params, stream=False
 ):
   """STV's speculative kernel step on double-buffered leaves (see stv.py)."""
-  dtypes = weight_dtypes(b)
-  place = flat if stream else None
+  place = stream_place(b.barrier) if stream else None
+  dtypes = stream_weight_dtypes(b, place)
 
   def fn(hyper, row, master, mu, nu, kept, grads, params):
     m, a, v, k, sumsq, weights = grace_adam.adam_step_speculative(
@@ -292,7 +354,7 @@ def speculate(
 
 def validate_pair(hyper, out: Speculated, row, redo, skip, scale, stream=False):
   """Redoes a clipped speculative step from its untouched row, in place."""
-  place = flat if stream else None
+  place = stream_place() if stream else None
 
   def fn(hyper, master, mu, nu, kept, weights, flags):
     row, redo, skip, scale = flags
@@ -331,6 +393,13 @@ def finish_pair(b: Bucket, out: Speculated, row) -> BucketOut:
   step the weights are discarded, so it does not matter which row).
   """
   state = (out.master, out.mu, out.nu)
+  row = jnp.asarray(row, jnp.int32)
+  if out.weights is not None and b.fp32_weights:  # A joined stream call.
+    current = [
+      jax.lax.dynamic_index_in_dim(host_memory.to_device(p), row, 0, False)
+      for p in out.master
+    ]
+    return BucketOut(*state, joined_weights(b, out.weights, out.kept, current))
   if out.weights is not None:  # Shaped like the kept gradients' leaves.
     return BucketOut(
       *state,
@@ -339,7 +408,6 @@ def finish_pair(b: Bucket, out: Speculated, row) -> BucketOut:
         for w, k in zip(out.weights, out.kept, strict=True)
       ],
     )
-  row = jnp.asarray(row, jnp.int32)
   weights = []
   for pair in out.master:
     pair = host_memory.to_device(pair)

@@ -20,11 +20,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jax_superoffload._src.core import backend
 from jax_superoffload._src.core import host_memory
 from jax_superoffload._src.core import layout
 from jax_superoffload._src.core import moments
 from jax_superoffload._src.host import executors
 from jax_superoffload._src.host import in_place
+from jax_superoffload._src.host import steps
 from jax_superoffload._src.optim import state as state_lib
 from jax_superoffload._src.optim import stv
 from jax_superoffload._src.parallel import following
@@ -89,6 +91,7 @@ def _schedule(opts, inputs: Inputs, count, cast_on_device: bool) -> list:
   """The buckets of this step, with their gradients ready for the kernel."""
   plan = inputs.plan
   want_delta = inputs.params is None
+  barrier = _join_barrier(opts, inputs.grads)
   out = []
   for group in plan.lay.groups:
     hyper = opts.hyperparams(count, decay=group.decay)
@@ -116,9 +119,23 @@ def _schedule(opts, inputs: Inputs, count, cast_on_device: bool) -> list:
           fp32_weights=want_delta
           or cast_on_device
           or all(jnp.dtype(d) == jnp.float32 for d in dtypes),
+          barrier=barrier,
         )
       )
   return out
+
+
+def _join_barrier(opts, grads: list[jax.Array]) -> jax.Array | None:
+  """The stream executor's join barrier on a GPU (see steps.stream_place).
+
+  Under ZeRO each shard's step runs in `shard_map`, which the barrier
+  cannot enter: there every join waits at once (no overlap, still exact).
+  """
+  if opts.executor.name != 'stream' or opts.zero is not None:
+    return None
+  if backend.target() != 'gpu':
+    return None
+  return steps.join_barrier(grads)
 
 
 def _pick(leaves: list, ids: list[int]) -> list:
