@@ -27,7 +27,7 @@ git ls-files -z | xargs -0 cp --parents -t "$tree"
 cp -r .gpu "$tree/"
 cd "$tree"
 # The image's python3 first on PATH, nothing of this machine's site.
-env PATH="$venv/bin:/usr/bin:/bin" OUT="$tree/out" PART_TIMEOUT_S=300 PARTS=all \
+env PATH="$venv/bin:/usr/bin:/bin" OUT="$tree/out" PART_TIMEOUT_S=600 PARTS=all \
   PYTHONNOUSERSITE=1 bash experiments/device/run.sh --dry-run >"$tree/log" \
   2>&1 || true
 parts=$(grep -cE '^== .*: [0-9]+ s$' "$tree/log" || true)
