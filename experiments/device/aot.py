@@ -92,6 +92,10 @@ def run_case(case_fields: dict[str, Any], timeout: float) -> dict[str, Any]:
   ).strip()
   env['JAX_PLATFORMS'] = 'cpu'
   env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  root = str(pathlib.Path(__file__).resolve().parents[2])
+  env['PYTHONPATH'] = os.pathsep.join(
+    filter(None, [root, env.get('PYTHONPATH')])
+  )
   command = [sys.executable, '-m', 'experiments.device.aot', '--one']
   try:
     done = subprocess.run(
