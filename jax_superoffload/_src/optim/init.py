@@ -76,6 +76,22 @@ def _device_of(params: Any) -> jax.Device:
   return jax.devices()[0]
 
 
+def _sharding_type_of(params: Any) -> type | None:
+  """The sharding type of the first committed parameter, if any.
+
+  A jitted step gives its outputs the sharding type of its first committed
+  argument (usually a parameter; else the state): a state of that type
+  compiles once. Uncommitted parameters leave the choice to the state,
+  which then takes a `NamedSharding`, the type an Orbax restore keeps in
+  host memory (`host_memory.single_device_sharding`).
+  """
+  for x in jax.tree.leaves(params):
+    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    if concrete and x.committed:
+      return type(x.sharding)
+  return None
+
+
 def _state_shardings(
   opts, params: Any, placement
 ) -> state_lib.SuperOffloadState:
@@ -89,11 +105,11 @@ def _state_shardings(
   zero = opts.zero
   if zero is None:
     device = _device_of(params)
+    named = _sharding_type_of(params) is not jax.sharding.SingleDeviceSharding
 
     def sharding(spec, host):
       del spec
-      kind = host_memory.kind_for(host)
-      return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+      return host_memory.single_device_sharding(device, host, named)
   else:
     sharding = zero.sharding
   master, kept, scales = [], [], []
