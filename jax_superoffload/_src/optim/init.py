@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jax_superoffload._src.core import host_memory
@@ -145,10 +146,27 @@ def _state_shardings(
   )
 
 
+def _stand_in(leaf: Any) -> Any:
+  """A parameter as `init` reads it: abstract ones as zeros.
+
+  optax's init needs only the parameters' shapes and dtypes, so it takes
+  `jax.ShapeDtypeStruct`s; ours copies their values into the master, which
+  starts from zeros then: the first `update` given the parameters starts
+  from them, as from any parameters that no longer match the master.
+  Python and NumPy scalars become the arrays optax's math makes of them.
+  """
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return jnp.zeros(leaf.shape, leaf.dtype, device=leaf.sharding)
+  if isinstance(leaf, (bool, int, float, complex, np.generic)):
+    return jnp.asarray(leaf)
+  return leaf
+
+
 def init(
   opts: options_lib.Options, params: optax.Params
 ) -> state_lib.SuperOffloadState:
   """`init` of the transformation: the state for `params`."""
+  params = jax.tree.map(_stand_in, params)
   # Chosen once per tree ("auto" plans), kept in the state for `update`.
   placement = opts.decide_placement(opts.layout(params), params)
   if not jax.tree.leaves(params):  # Say optax.tree_map_params' placeholder.
