@@ -9,7 +9,7 @@
 namespace jax_superoffload {
 namespace {
 
-FakeCuda* g_fake = nullptr;  // The one live fake (test only).
+FakeCuda* g_fake = nullptr;                 // The one live fake (test only).
 thread_local std::vector<void*> t_current;  // This thread's context stack.
 
 constexpr int kInvalidContext = 201;  // CUDA_ERROR_INVALID_CONTEXT

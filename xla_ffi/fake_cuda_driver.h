@@ -56,17 +56,17 @@ class FakeCuda {
   int Count(const std::string& part);
 
   struct Knobs {
-    int query_error = 0;  // Non-zero: every pointer query returns it.
-    int fail_launch = 0;  // Non-zero: cuLaunchHostFunc returns it.
-    int fail_alloc = 0;   // Non-zero: cuMemHostAlloc returns it.
+    int query_error = 0;         // Non-zero: every pointer query returns it.
+    int fail_launch = 0;         // Non-zero: cuLaunchHostFunc returns it.
+    int fail_alloc = 0;          // Non-zero: cuMemHostAlloc returns it.
     bool strict_context = true;  // Refuse calls without the context current.
     std::set<void*> capturing;   // Streams that report active capture.
   };
   struct Stats {
-    int64_t allocations = 0;       // cuMemHostAlloc calls that succeeded.
-    int64_t live_allocations = 0;  // Not yet freed.
-    unsigned alloc_flags_seen = ~0u;  // AND of every allocation's flags.
-    int64_t context_violations = 0;   // Calls without the context current.
+    int64_t allocations = 0;             // cuMemHostAlloc calls that succeeded.
+    int64_t live_allocations = 0;        // Not yet freed.
+    unsigned alloc_flags_seen = ~0u;     // AND of every allocation's flags.
+    int64_t context_violations = 0;      // Calls without the context current.
     double longest_host_function = 0.0;  // Seconds.
     std::vector<std::string> violations;  // Which calls.
   };

@@ -43,13 +43,16 @@ bool LookupAll(void* library, CudaDriver* d) {
 void HandOff(void* data) noexcept {
   auto* pending = static_cast<Pending*>(data);
   Context* context = pending->context;
+  // Notified under the lock: once it is released, the launch (and, after
+  // a join, the context) may be gone.
   try {
     std::lock_guard<std::mutex> lock(context->mutex);
     pending->reached = true;
+    context->changed.notify_all();
   } catch (...) {
     pending->reached = true;  // The mutex failed: better late than never.
+    context->changed.notify_all();
   }
-  context->changed.notify_all();
 }
 
 // The step of `pending`, run by the worker: its error, empty on success.
@@ -324,7 +327,8 @@ ffi::Error Context::Join(void* stream) {
   for (const auto& p : launches) {
     if (!p->done_recorded) continue;
     if (int code = driver->stream_wait_event(stream, p->done, 0)) {
-      if (error.empty()) error = DriverError(*driver, "cuStreamWaitEvent", code);
+      if (error.empty())
+        error = DriverError(*driver, "cuStreamWaitEvent", code);
     }
   }
   {

@@ -34,7 +34,6 @@ ffi::Error OnStream::Place(std::vector<Touched>& touched) {
   CurrentContext current(*driver, cuda_context_);
   if (!current.ok()) return ffi::Error::Internal(current.error());
   std::vector<bool> on_device(touched.size(), false);
-  size_t total = 0;
   for (size_t i = 0; i < touched.size(); ++i) {
     const Touched& t = touched[i];
     if (t.data == nullptr || t.bytes <= 0) continue;
@@ -50,48 +49,56 @@ ffi::Error OnStream::Place(std::vector<Touched>& touched) {
           "(jax.memory.Space.Host)");
     }
     on_device[i] = true;
-    total += stream_internal::Aligned(static_cast<size_t>(t.bytes));
   }
   ffi::Error error = ffi::Error::Success();
   context_ = launches_->ContextOf(cuda_context_, &error);
   if (context_ == nullptr) return error;
-  JSO_RETURN_IF_ERROR(Stage(touched, on_device, total));
+  JSO_RETURN_IF_ERROR(Stage(touched, on_device));
   placed_ = true;
   return ffi::Error::Success();
 }
 
-// Takes a staging slot for the device buffers (`on_device`, `total` bytes
-// in all) and points the step at it. One buffer touched twice (a state
-// read and written in place) gets one stand-in, read and written.
+// Takes a staging slot for the device buffers (`on_device`) and points the
+// step at it. One buffer touched twice (a state read and written in place)
+// gets one stand-in, read and written.
 ffi::Error OnStream::Stage(std::vector<Touched>& touched,
-                           const std::vector<bool>& on_device, size_t total) {
+                           const std::vector<bool>& on_device) {
+  struct Staged {
+    Copy copy;
+    bool read = false, written = false;
+  };
+  std::map<const void*, size_t> index;  // Buffer -> its entry in `staged`.
+  std::vector<Staged> staged;
+  for (size_t i = 0; i < touched.size(); ++i) {
+    if (!on_device[i]) continue;
+    const Touched& t = touched[i];
+    auto [it, fresh] = index.emplace(t.data, staged.size());
+    if (fresh) {
+      staged.push_back(
+          Staged{{nullptr, reinterpret_cast<uint64_t>(t.data), 0}});
+    }
+    Staged& s = staged[it->second];
+    s.copy.bytes = std::max(s.copy.bytes, static_cast<size_t>(t.bytes));
+    s.read |= t.role != Touched::Role::kOutput;
+    s.written |= t.role != Touched::Role::kInput;
+  }
+  size_t total = 0;
+  for (const Staged& s : staged)
+    total += stream_internal::Aligned(s.copy.bytes);
   if (total == 0) return ffi::Error::Success();
   void* base = nullptr;
   JSO_RETURN_IF_ERROR(context_->Acquire(total, &slot_, &base));
-  std::map<const void*, size_t> first;  // Buffer -> its Copy's index.
-  std::vector<Copy> copies;
-  std::vector<std::pair<bool, bool>> reads_writes;
   size_t offset = 0;
-  for (size_t i = 0; i < touched.size(); ++i) {
-    if (!on_device[i]) continue;
-    Touched& t = touched[i];
-    const size_t bytes = static_cast<size_t>(t.bytes);
-    auto [it, fresh] = first.emplace(t.data, copies.size());
-    if (fresh) {
-      copies.push_back(Copy{static_cast<char*>(base) + offset,
-                            reinterpret_cast<uint64_t>(t.data), bytes});
-      reads_writes.emplace_back(false, false);
-      offset += stream_internal::Aligned(bytes);
-    }
-    Copy& copy = copies[it->second];
-    copy.bytes = std::max(copy.bytes, bytes);
-    reads_writes[it->second].first |= t.role != Touched::Role::kOutput;
-    reads_writes[it->second].second |= t.role != Touched::Role::kInput;
-    t.retarget(copy.host);
+  for (Staged& s : staged) {
+    s.copy.host = static_cast<char*>(base) + offset;
+    offset += stream_internal::Aligned(s.copy.bytes);
+    if (s.read) in_.push_back(s.copy);
+    if (s.written) out_.push_back(s.copy);
   }
-  for (size_t j = 0; j < copies.size(); ++j) {
-    if (reads_writes[j].first) in_.push_back(copies[j]);
-    if (reads_writes[j].second) out_.push_back(copies[j]);
+  for (size_t i = 0; i < touched.size(); ++i) {
+    if (on_device[i]) {
+      touched[i].retarget(staged[index.at(touched[i].data)].copy.host);
+    }
   }
   return ffi::Error::Success();
 }

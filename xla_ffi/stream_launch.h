@@ -86,11 +86,11 @@ struct CudaDriver {
 const CudaDriver* SystemCudaDriver(std::string* why);
 
 // cuda.h's values the launches use.
-inline constexpr int kPointerMemoryType = 2;  // CU_POINTER_ATTRIBUTE_...
-inline constexpr unsigned kMemoryTypeDevice = 2;   // CU_MEMORYTYPE_DEVICE
-inline constexpr int kErrorInvalidValue = 1;       // CUDA_ERROR_INVALID_VALUE
-inline constexpr unsigned kHostAllocPortable = 1;  // CU_MEMHOSTALLOC_PORTABLE
-inline constexpr unsigned kStreamNonBlocking = 1;  // CU_STREAM_NON_BLOCKING
+inline constexpr int kPointerMemoryType = 2;        // CU_POINTER_ATTRIBUTE_...
+inline constexpr unsigned kMemoryTypeDevice = 2;    // CU_MEMORYTYPE_DEVICE
+inline constexpr int kErrorInvalidValue = 1;        // CUDA_ERROR_INVALID_VALUE
+inline constexpr unsigned kHostAllocPortable = 1;   // CU_MEMHOSTALLOC_PORTABLE
+inline constexpr unsigned kStreamNonBlocking = 1;   // CU_STREAM_NON_BLOCKING
 inline constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
 inline constexpr int kCaptureStatusNone = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
 
@@ -156,7 +156,7 @@ class OnStream final : public Launch {
 
  private:
   ffi::Error Stage(std::vector<Touched>& touched,
-                   const std::vector<bool>& on_device, size_t total);
+                   const std::vector<bool>& on_device);
 
   StreamLaunches* launches_;
   void* stream_;

@@ -12,6 +12,7 @@
 
 #include "xla_ffi/stream_launch.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -69,8 +70,8 @@ struct Doubling {
 };
 
 std::vector<Touched> Touches(Doubling& d) {
-  return {Touch(d.in, 4 * d.n, Role::kInput), Touch(d.out, 4 * d.n, Role::kOutput),
-          Touch(d.sum, 4, Role::kOutput)};
+  return {Touch(d.in, 4 * d.n, Role::kInput),
+          Touch(d.out, 4 * d.n, Role::kOutput), Touch(d.sum, 4, Role::kOutput)};
 }
 
 Work DoublingWork(const Doubling& d) {
@@ -89,8 +90,8 @@ Work DoublingWork(const Doubling& d) {
 
 // Starts `d` from the rig's stream: Place, then Run of `work` (the doubling
 // step by default) as a bucket handler does.
-ffi::Error Start(Rig& rig, Doubling& d, std::function<Work(Doubling)> make =
-                                            nullptr) {
+ffi::Error Start(Rig& rig, Doubling& d,
+                 std::function<Work(Doubling)> make = nullptr) {
   OnStream launch(rig.launches.get(), rig.stream);
   std::vector<Touched> touched = Touches(d);
   JSO_RETURN_IF_ERROR(launch.Place(touched));
@@ -109,8 +110,10 @@ struct DeviceBuffers {
     rig.fake.MarkDevice(out.data(), 4 * n);
     rig.fake.MarkDevice(&sum, 4);
   }
-  Doubling step() { return Doubling{in.data(), out.data(), &sum,
-                                    static_cast<int64_t>(in.size())}; }
+  Doubling step() {
+    return Doubling{in.data(), out.data(), &sum,
+                    static_cast<int64_t>(in.size())};
+  }
 };
 
 // A step that writes garbage into its outputs, then fails.
@@ -140,8 +143,8 @@ void TestStartReturnsAndJoinWaits() {
   e = rig.Join();
   Expect(e.success(), "join succeeds: " + e.message());
   Expect(b.out[0] == 14.0f && b.out[999] == 1998.0f && b.sum == 499507.0f,
-         "results copied back by the join: " + std::to_string(b.out[0]) +
-             " " + std::to_string(b.sum));
+         "results copied back by the join: " + std::to_string(b.out[0]) + " " +
+             std::to_string(b.sum));
   Expect(rig.fake.Count("compute: wait event") == 1,
          "the join makes the compute stream wait once");
   std::vector<std::string> log = rig.fake.Log();
@@ -178,9 +181,9 @@ void TestFailureIsStickyUntilJoined() {
   Rig rig;
   DeviceBuffers a(rig, 64, 5.0f), b(rig, 64, 6.0f), c(rig, 64, 8.0f);
   Doubling da = a.step(), db = b.step(), dc = c.step();
-  Expect(Start(rig, da, [](Doubling d) { return Failing(d, "first"); })
-             .success(),
-         "start a");
+  Expect(
+      Start(rig, da, [](Doubling d) { return Failing(d, "first"); }).success(),
+      "start a");
   auto ran = std::make_shared<std::atomic<bool>>(false);
   Expect(Start(rig, db,
                [ran](Doubling d) {
@@ -217,8 +220,9 @@ void TestNoExceptionEscapes() {
              .success(),
          "start a throwing step");
   ffi::Error e = rig.Join();
-  Expect(e.failure() && e.message().find("boom in the step") != std::string::npos,
-         "the exception is the join's error: " + e.message());
+  Expect(
+      e.failure() && e.message().find("boom in the step") != std::string::npos,
+      "the exception is the join's error: " + e.message());
   Expect(a.out[0] == 1.0f, "nothing written back after the exception");
 }
 
@@ -233,11 +237,11 @@ void TestOnlyNotRegisteredMeansHost() {
   float sum = 0.0f;
   Doubling d{in.data(), out.data(), &sum, 8};
   ffi::Error e = Start(rig, d);
-  Expect(e.failure() && e.message().find("buffer 0") != std::string::npos &&
-             e.message().find("cuPointerGetAttribute") != std::string::npos &&
-             e.message().find("201") != std::string::npos,
-         "a failed pointer query is an error naming the buffer: " +
-             e.message());
+  Expect(
+      e.failure() && e.message().find("buffer 0") != std::string::npos &&
+          e.message().find("cuPointerGetAttribute") != std::string::npos &&
+          e.message().find("201") != std::string::npos,
+      "a failed pointer query is an error naming the buffer: " + e.message());
   rig.fake.Synchronize();
   Expect(rig.fake.Log().empty(), "nothing was enqueued");
   knobs.query_error = 0;
@@ -322,10 +326,12 @@ void TestHostFunctionReturnsAtOnce() {
   const double host = rig.fake.stats().longest_host_function;
   const double lead =
       std::chrono::duration<double>(*step_done - *kernel_done).count();
-  std::printf("host function: %.3f us; the next kernel ran %.0f ms before "
-              "the step ended\n", 1e6 * host, 1e3 * lead);
-  Expect(host < 5e-3, "the host function returns in < 5 ms: " +
-                          std::to_string(host) + " s");
+  std::printf(
+      "host function: %.3f us; the next kernel ran %.0f ms before "
+      "the step ended\n",
+      1e6 * host, 1e3 * lead);
+  Expect(host < 5e-3,
+         "the host function returns in < 5 ms: " + std::to_string(host) + " s");
   Expect(lead > 0.1, "the compute stream ran on during the step");
 }
 
@@ -343,9 +349,10 @@ void TestStagingAllocatedOnceAndFreed() {
     if (step == 0) first = rig.launches->staging_allocations();
   }
   const int64_t steady = rig.launches->staging_allocations() - first;
-  std::printf("staging allocations: %lld in the first step, %lld in the next "
-              "four\n", static_cast<long long>(first),
-              static_cast<long long>(steady));
+  std::printf(
+      "staging allocations: %lld in the first step, %lld in the next "
+      "four\n",
+      static_cast<long long>(first), static_cast<long long>(steady));
   Expect(first == 2 && steady == 0, "two slots, then no allocation");
   Expect(big.out[4095] == 8190.0f && small.out[99] == 198.0f, "results");
   FakeCuda::Stats stats = rig.fake.stats();
@@ -364,27 +371,32 @@ void TestSmallDeviceStateIsStaged() {
   Rig rig;
   float state = 3.0f;
   rig.fake.MarkDevice(&state, 4);
-  float* s = &state;
+  // Read and written in place, as a step's master_in and master_out.
+  const float* in = &state;
+  float* out = &state;
   OnStream launch(rig.launches.get(), rig.stream);
-  std::vector<Touched> touched = {Touch(s, 4, Role::kState)};
+  std::vector<Touched> touched = {Touch(in, 4, Role::kState),
+                                  Touch(out, 4, Role::kState)};
   ffi::Error e = launch.Place(touched);
-  Expect(e.success() && s != &state, "0-d device state is staged: " +
-                                         e.message());
-  Expect(launch.Run([s](Workers) {
-           *s += 1.0f;
-           return ffi::Error::Success();
-         }).success() &&
+  Expect(e.success() && out != &state && in == out,
+         "0-d device state is staged, once: " + e.message());
+  Expect(launch.Run([in, out](Workers) {
+                 *out = *in + 1.0f;
+                 return ffi::Error::Success();
+               }).success() &&
              rig.Join().success() && state == 4.0f,
          "and written back: " + std::to_string(state));
+  Expect(rig.fake.Count("copy to host 4") == 1 &&
+             rig.fake.Count("copy to device 4") == 1,
+         "one copy each way");
   std::vector<float> big(2048, 0.0f);
   rig.fake.MarkDevice(big.data(), 4 * big.size());
   float* p = big.data();
   OnStream refused(rig.launches.get(), rig.stream);
   std::vector<Touched> large = {Touch(p, 4 * 2048, Role::kState)};
   e = refused.Place(large);
-  Expect(e.failure() &&
-             e.message().find("optimizer state in device memory") !=
-                 std::string::npos,
+  Expect(e.failure() && e.message().find("optimizer state in device memory") !=
+                            std::string::npos,
          "large device state is refused: " + e.message());
 }
 
@@ -522,7 +534,8 @@ void TestHostPoolResultsDoNotDependOnWorkers() {
     const int64_t workers = pool.Reserve(helpers);
     std::vector<double> partial(97, 0.0);
     RunChunks([&pool](auto task) { pool.Schedule(std::move(task)); }, workers,
-              97, [&](int64_t c) {
+              97,
+              [&](int64_t c) {
                 for (size_t i = c; i < data.size(); i += 97) {
                   partial[c] += data[i];
                 }
@@ -562,10 +575,15 @@ int main(int argc, char** argv) {
       {"adam_bucket", TestAdamBucketMatchesTheCpu},
       {"host_pool", TestHostPoolResultsDoNotDependOnWorkers},
   };
+  std::vector<std::string> names;  // Flags (--quick) name no test.
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i][0] != '-') names.push_back(argv[i]);
+  }
   for (const auto& [name, test] : tests) {
-    bool run = argc == 1;
-    for (int i = 1; i < argc; ++i) run = run || std::string(argv[i]) == name;
-    if (!run) continue;
+    if (!names.empty() &&
+        std::find(names.begin(), names.end(), name) == names.end()) {
+      continue;
+    }
     const int failed = g_failed;
     test();
     std::printf("%s: %s\n", name, g_failed == failed ? "ok" : "FAILED");
