@@ -494,8 +494,31 @@ ffi::Error StreamRoofline(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
   return ffi::Error::Success();
 }
 
+// The join on the CPU: every result aliases its operand, nothing to do.
+ffi::Error StreamJoinOnCpu(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return CheckJoinAliases(args, rets);
+}
+
+// The join from a CUDA stream (StreamLaunches::Join): its operands are the
+// buffers the step's launches read or write, aliased to its results so
+// that XLA keeps them until the compute stream has waited for the launches.
+ffi::Error StreamJoin(void* stream, ffi::RemainingArgs args,
+                      ffi::RemainingRets rets) {
+  ffi::Error joined = StreamLaunches::Process().Join(stream);
+  JSO_RETURN_IF_ERROR(joined);
+  return CheckJoinAliases(args, rets);
+}
+
 }  // namespace
 }  // namespace jax_superoffload
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamJoin, jax_superoffload::StreamJoinOnCpu,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamJoinStream, jax_superoffload::StreamJoin,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamRoofline,
                               jax_superoffload::StreamRoofline,

@@ -16,6 +16,10 @@ XLA_FFI_Error* JsoAdamStepSegmentsStream(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepLowpSegmentsStream(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepSpeculativeStream(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepValidatedStream(XLA_FFI_CallFrame* call_frame);
+// The join of a step's stream launches: an identity on the CPU, the wait
+// for the launches from a CUDA stream.
+XLA_FFI_Error* JsoStreamJoin(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JsoStreamJoinStream(XLA_FFI_CallFrame* call_frame);
 }
 
 namespace jax_superoffload {
@@ -45,6 +49,8 @@ inline constexpr FfiTarget kFfiTargets[] = {
      JsoAdamStepValidated, JsoAdamStepValidatedStream},
     {"STREAM_ROOFLINE_TARGET", "jax_superoffload_stream_roofline",
      JsoStreamRoofline},
+    {"STREAM_JOIN_TARGET", "jax_superoffload_stream_join", JsoStreamJoin,
+     JsoStreamJoinStream},
 };
 
 }  // namespace jax_superoffload

@@ -109,6 +109,13 @@ NB_MODULE(_grace_adam, m) {
       },
       "(loaded, why not): whether the CUDA driver a stream step needs loads.");
   m.def(
+      "stream_staging_allocations",
+      []() {
+        return jax_superoffload::StreamLaunches::Process()
+            .staging_allocations();
+      },
+      "Pinned staging allocations the stream launches have made so far.");
+  m.def(
       "host_pool_workers",
       []() { return jax_superoffload::HostPool::Process().num_workers(); },
       "Worker threads the process's host pool has started so far.");

@@ -1,203 +1,105 @@
-// Definitions of stream_launch.h.
+// Definitions of stream_launch.h: the start (OnStream), the worker, the join.
 
 #include "xla_ffi/stream_launch.h"
 
-#include <dlfcn.h>
-
 #include <algorithm>
-#include <cstdio>
+#include <chrono>
 #include <map>
-#include <memory>
-#include <mutex>
 #include <string>
 #include <utility>
 
+#include "xla_ffi/stream_context.h"
+
 namespace jax_superoffload {
-namespace {
 
-struct DeferredError {
-  std::mutex mutex;
-  std::string message;  // Guarded by mutex; empty: none.
-};
+using stream_internal::Context;
+using stream_internal::CurrentContext;
+using stream_internal::DriverFailure;
+using stream_internal::Pending;
 
-// The one channel from a step run by the driver back to the program.
-DeferredError& Deferred() {
-  static DeferredError* deferred = new DeferredError();
-  return *deferred;
-}
-
-void KeepDeferredError(const std::string& message) {
-  std::fprintf(stderr,
-               "jax_superoffload: a step on the GPU stream failed: %s\n",
-               message.c_str());
-  DeferredError& d = Deferred();
-  std::lock_guard<std::mutex> lock(d.mutex);
-  if (d.message.empty()) d.message = message;
-}
-
-// Pinned staging memory, one block per stream. Every use of a stream's
-// block is ordered on that stream (copy in, step, copy out), so each launch
-// may take it from the start: the launches before it on the stream are
-// done with it by the time its copies run. A block that grows is replaced
-// and the old one kept (work already enqueued may still use it).
-class StagingBlocks {
- public:
-  // `bytes` of the stream's block (grown if needed), or null with `error`.
-  void* Get(const CudaDriver& driver, void* stream, size_t bytes, int* error) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    Block& block = blocks_[stream];
-    if (block.bytes < bytes) {
-      const size_t grown = std::max(bytes, 2 * block.bytes);
-      void* pointer = nullptr;
-      *error = driver.host_alloc(&pointer, grown, 0);
-      if (*error != 0) return nullptr;
-      if (block.data != nullptr) retired_.push_back(block.data);
-      block = Block{pointer, grown};
-    }
-    return block.data;
-  }
-
- private:
-  struct Block {
-    void* data = nullptr;
-    size_t bytes = 0;
-  };
-  std::mutex mutex_;
-  std::map<void*, Block> blocks_;  // Guarded by mutex_.
-  std::vector<void*> retired_;     // Guarded by mutex_.
-};
-
-StagingBlocks& Staging() {
-  static StagingBlocks* staging = new StagingBlocks();
-  return *staging;
-}
-
-struct Pending {
-  Work work;
-};
-
-// The host function: runs on a driver thread, which must make no CUDA
-// call; the step only reads and writes host memory.
-void RunPending(void* data) {
-  std::unique_ptr<Pending> pending(static_cast<Pending*>(data));
-  ffi::Error error = pending->work(Workers{});
-  if (error.failure()) KeepDeferredError(error.message());
-}
-
-std::string DriverError(const CudaDriver& driver, const char* what, int code) {
-  const char* text = nullptr;
-  std::string message = std::string("jax_superoffload: ") + what + " failed: ";
-  if (driver.get_error_string != nullptr &&
-      driver.get_error_string(code, &text) == 0 && text != nullptr) {
-    return message + text;
-  }
-  return message + "CUDA error " + std::to_string(code);
-}
-
-ffi::Error DriverFailure(const CudaDriver& driver, const char* what, int code) {
-  return ffi::Error(ffi::ErrorCode::kInternal, DriverError(driver, what, code));
-}
-
-template <class F>
-bool Lookup(void* library, const char* name, F* out) {
-  *out = reinterpret_cast<F>(dlsym(library, name));
-  return *out != nullptr;
-}
-
-constexpr size_t kStagingAlignment = 256;
-
-size_t Aligned(size_t bytes) {
-  return (bytes + kStagingAlignment - 1) / kStagingAlignment *
-         kStagingAlignment;
-}
-
-}  // namespace
-
-const CudaDriver* SystemCudaDriver(std::string* why) {
-  static const std::pair<CudaDriver, std::string>* found = [] {
-    CudaDriver d{};
-    void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (library == nullptr) {
-      const char* error = dlerror();
-      return new std::pair<CudaDriver, std::string>(
-          d, std::string("libcuda.so.1: ") + (error ? error : "not found"));
-    }
-    const bool ok =
-        Lookup(library, "cuLaunchHostFunc", &d.launch_host_func) &&
-        Lookup(library, "cuPointerGetAttribute", &d.pointer_get_attribute) &&
-        Lookup(library, "cuMemcpyDtoHAsync_v2", &d.copy_to_host) &&
-        Lookup(library, "cuMemcpyHtoDAsync_v2", &d.copy_to_device) &&
-        Lookup(library, "cuMemHostAlloc", &d.host_alloc);
-    Lookup(library, "cuGetErrorString", &d.get_error_string);
-    return new std::pair<CudaDriver, std::string>(
-        d, ok ? "" : "libcuda.so.1 lacks an entry point the launch uses");
-  }();
-  if (!found->second.empty()) {
-    if (why != nullptr) *why = found->second;
-    return nullptr;
-  }
-  return &found->first;
-}
-
-ffi::Error TakeDeferredError() {
-  DeferredError& d = Deferred();
-  std::lock_guard<std::mutex> lock(d.mutex);
-  if (d.message.empty()) return ffi::Error::Success();
-  std::string message;
-  message.swap(d.message);
-  return ffi::Error(ffi::ErrorCode::kInternal,
-                    "jax_superoffload: an earlier step on the GPU stream "
-                    "failed: " +
-                        message);
+OnStream::~OnStream() {
+  if (slot_ >= 0) context_->Release(slot_);
 }
 
 ffi::Error OnStream::Place(std::vector<Touched>& touched) {
-  JSO_RETURN_IF_ERROR(TakeDeferredError());
-  if (driver_ == nullptr) {
+  const CudaDriver* driver = launches_->driver();
+  if (driver == nullptr) {
     return ffi::Error(ffi::ErrorCode::kUnavailable,
                       "jax_superoffload: no CUDA driver for a stream step");
   }
-  std::vector<size_t> staged;
-  size_t total = 0;
+  JSO_RETURN_IF_ERROR(stream_internal::RefuseCapture(*driver, stream_));
+  if (int code = driver->stream_get_ctx(stream_, &cuda_context_)) {
+    return DriverFailure(*driver, "cuStreamGetCtx", code);
+  }
+  CurrentContext current(*driver, cuda_context_);
+  if (!current.ok()) return ffi::Error::Internal(current.error());
+  std::vector<bool> on_device(touched.size(), false);
   for (size_t i = 0; i < touched.size(); ++i) {
     const Touched& t = touched[i];
-    unsigned type = 0;
-    const auto pointer = reinterpret_cast<uint64_t>(t.data);
-    // Memory the driver does not know (an error here) is host memory.
-    if (t.data == nullptr || t.bytes <= 0 ||
-        driver_->pointer_get_attribute(&type, kPointerMemoryType, pointer) !=
-            0 ||
-        type != kMemoryTypeDevice) {
-      continue;
-    }
-    if (t.role == Touched::Role::kState) {
+    if (t.data == nullptr || t.bytes <= 0) continue;
+    bool device = false;
+    JSO_RETURN_IF_ERROR(stream_internal::OnDevice(*driver, t.data, i, &device));
+    if (!device) continue;
+    if (t.role == Touched::Role::kState && t.bytes > kMaxStagedStateBytes) {
       return InvalidArgument(
           "buffer " + std::to_string(i) +
-          " of a stream step is optimizer state in device memory: the "
-          "state must live in pinned host memory (jax.memory.Space.Host)");
+          " of a stream step is optimizer state in device memory (" +
+          std::to_string(t.bytes) +
+          " bytes): the state must live in pinned host memory "
+          "(jax.memory.Space.Host)");
     }
-    staged.push_back(i);
-    total += Aligned(static_cast<size_t>(t.bytes));
+    on_device[i] = true;
   }
-  if (staged.empty()) {
-    placed_ = true;
-    return ffi::Error::Success();
-  }
-  int code = 0;
-  auto* block =
-      static_cast<char*>(Staging().Get(*driver_, stream_, total, &code));
-  if (block == nullptr) return DriverFailure(*driver_, "cuMemHostAlloc", code);
-  size_t offset = 0;
-  for (size_t i : staged) {
-    Touched& t = touched[i];
-    const size_t bytes = static_cast<size_t>(t.bytes);
-    const Copy copy{block + offset, reinterpret_cast<uint64_t>(t.data), bytes};
-    if (t.role != Touched::Role::kOutput) in_.push_back(copy);
-    if (t.role != Touched::Role::kInput) out_.push_back(copy);
-    t.retarget(block + offset);
-    offset += Aligned(bytes);
-  }
+  ffi::Error error = ffi::Error::Success();
+  context_ = launches_->ContextOf(cuda_context_, &error);
+  if (context_ == nullptr) return error;
+  JSO_RETURN_IF_ERROR(Stage(touched, on_device));
   placed_ = true;
+  return ffi::Error::Success();
+}
+
+// Takes a staging slot for the device buffers (`on_device`) and points the
+// step at it. One buffer touched twice (a state read and written in place)
+// gets one stand-in, read and written.
+ffi::Error OnStream::Stage(std::vector<Touched>& touched,
+                           const std::vector<bool>& on_device) {
+  struct Staged {
+    Copy copy;
+    bool read = false, written = false;
+  };
+  std::map<const void*, size_t> index;  // Buffer -> its entry in `staged`.
+  std::vector<Staged> staged;
+  for (size_t i = 0; i < touched.size(); ++i) {
+    if (!on_device[i]) continue;
+    const Touched& t = touched[i];
+    auto [it, fresh] = index.emplace(t.data, staged.size());
+    if (fresh) {
+      staged.push_back(
+          Staged{{nullptr, reinterpret_cast<uint64_t>(t.data), 0}});
+    }
+    Staged& s = staged[it->second];
+    s.copy.bytes = std::max(s.copy.bytes, static_cast<size_t>(t.bytes));
+    s.read |= t.role != Touched::Role::kOutput;
+    s.written |= t.role != Touched::Role::kInput;
+  }
+  size_t total = 0;
+  for (const Staged& s : staged)
+    total += stream_internal::Aligned(s.copy.bytes);
+  if (total == 0) return ffi::Error::Success();
+  void* base = nullptr;
+  JSO_RETURN_IF_ERROR(context_->Acquire(total, &slot_, &base));
+  size_t offset = 0;
+  for (Staged& s : staged) {
+    s.copy.host = static_cast<char*>(base) + offset;
+    offset += stream_internal::Aligned(s.copy.bytes);
+    if (s.read) in_.push_back(s.copy);
+    if (s.written) out_.push_back(s.copy);
+  }
+  for (size_t i = 0; i < touched.size(); ++i) {
+    if (on_device[i]) {
+      touched[i].retarget(staged[index.at(touched[i].data)].copy.host);
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -206,21 +108,100 @@ ffi::Error OnStream::Run(Work work) {
     return ffi::Error(ffi::ErrorCode::kInternal,
                       "jax_superoffload: a stream step ran without Place");
   }
-  for (const Copy& c : in_) {
-    if (int code = driver_->copy_to_host(c.host, c.device, c.bytes, stream_)) {
-      return DriverFailure(*driver_, "cuMemcpyDtoHAsync", code);
+  const CudaDriver& driver = *launches_->driver();
+  CurrentContext current(driver, cuda_context_);
+  if (!current.ok()) return ffi::Error::Internal(current.error());
+  auto pending = std::make_shared<Pending>();
+  pending->context = context_;
+  pending->stream = stream_;
+  pending->work = std::move(work);
+  pending->out = std::move(out_);
+  pending->slot = slot_;
+  JSO_RETURN_IF_ERROR(context_->Enqueue(stream_, in_, pending));
+  slot_ = -1;  // The worker releases it.
+  return ffi::Error::Success();
+}
+
+StreamLaunches::StreamLaunches(const CudaDriver* driver) : driver_(driver) {}
+
+StreamLaunches::~StreamLaunches() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& [cuda_context, context] : contexts_) {
+    if (!context->Shutdown(std::chrono::seconds(10))) {
+      // Launches still in flight may yet touch it: leave it be.
+      context.release();
     }
   }
-  auto pending = std::make_unique<Pending>();
-  pending->work = std::move(work);
-  const int code =
-      driver_->launch_host_func(stream_, &RunPending, pending.get());
-  if (code != 0) return DriverFailure(*driver_, "cuLaunchHostFunc", code);
-  pending.release();  // RunPending owns it now.
-  for (const Copy& c : out_) {
-    if (int code =
-            driver_->copy_to_device(c.device, c.host, c.bytes, stream_)) {
-      return DriverFailure(*driver_, "cuMemcpyHtoDAsync", code);
+}
+
+StreamLaunches& StreamLaunches::Process() {
+  static StreamLaunches launches(SystemCudaDriver(nullptr));
+  return launches;
+}
+
+Context* StreamLaunches::FindContext(void* cuda_context) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = contexts_.find(cuda_context);
+  return it == contexts_.end() ? nullptr : it->second.get();
+}
+
+Context* StreamLaunches::ContextOf(void* cuda_context, ffi::Error* error) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_ptr<Context>& context = contexts_[cuda_context];
+  if (context == nullptr) {
+    auto made = std::make_unique<Context>(driver_, cuda_context);
+    *error = made->Create();
+    if (error->failure()) {
+      contexts_.erase(cuda_context);
+      return nullptr;
+    }
+    stream_internal::StartWorker(made.get());
+    context = std::move(made);
+  }
+  return context.get();
+}
+
+int64_t StreamLaunches::staging_allocations() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t total = 0;
+  for (const auto& [cuda_context, context] : contexts_) {
+    total += context->allocations();
+  }
+  return total;
+}
+
+ffi::Error StreamLaunches::Join(void* stream) {
+  if (driver_ == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kUnavailable,
+                      "jax_superoffload: no CUDA driver for a stream join");
+  }
+  JSO_RETURN_IF_ERROR(stream_internal::RefuseCapture(*driver_, stream));
+  void* cuda_context = nullptr;
+  if (int code = driver_->stream_get_ctx(stream, &cuda_context)) {
+    return DriverFailure(*driver_, "cuStreamGetCtx", code);
+  }
+  Context* context = FindContext(cuda_context);
+  if (context == nullptr) return ffi::Error::Success();  // Nothing started.
+  CurrentContext current(*driver_, cuda_context);
+  if (!current.ok()) return ffi::Error::Internal(current.error());
+  return context->Join(stream);
+}
+
+ffi::Error CheckJoinAliases(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  if (args.size() != rets.size()) {
+    return InvalidArgument("a stream join has " + std::to_string(args.size()) +
+                           " operands and " + std::to_string(rets.size()) +
+                           " results: each result must alias its operand");
+  }
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto arg = args.get<ffi::AnyBuffer>(i);
+    auto ret = rets.get<ffi::AnyBuffer>(i);
+    if (arg.has_error() || ret.has_error() ||
+        arg->untyped_data() != (*ret)->untyped_data() ||
+        arg->size_bytes() != (*ret)->size_bytes()) {
+      return InvalidArgument("result " + std::to_string(i) +
+                             " of a stream join must alias operand " +
+                             std::to_string(i) + " (input_output_aliases)");
     }
   }
   return ffi::Error::Success();

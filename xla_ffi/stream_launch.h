@@ -1,17 +1,35 @@
-// Grace Adam ordered on a CUDA stream: the handler returns at once and the
-// step runs on the process's host threads when the stream reaches it, as a
-// host function (cuLaunchHostFunc). The optimizer state must be in host
-// memory (pinned_host operands): a state buffer in device memory is
-// refused. Any other operand or result that XLA placed in device memory
-// (gradients, parameters, scalars, new weights) is staged: copied to or
-// from pinned buffers of the launch's own on the same stream, around the
-// step. The CUDA driver is looked up at run time, so this library needs no
-// CUDA to build or load.
+// Grace Adam started from a CUDA stream without holding it (issue 37's
+// start/join design). A bucket call on XLA's compute stream ("start")
+// returns at once, having enqueued, on a side stream of the library's own
+// (one per CUDA context) that waits for the compute stream's work so far:
+// copies of the bucket's device operands into pinned staging, and a host
+// function that only hands the launch to a worker thread. The worker (our
+// thread, which may call CUDA) runs the step on host memory and, only if
+// it succeeded, enqueues the copies of its results back to the device,
+// then records the launch's "done" event in every case. One "join" call
+// per step waits for every launch of its stream, makes the compute stream
+// wait for their done events (the first point where the GPU waits) and
+// returns the first failed launch's error. A failed launch keeps its
+// stream failed: later launches on it run no step and write nothing back
+// until a join has reported the error.
+//
+// Optimizer state must be in host memory (pinned_host operands); state in
+// device memory is staged like the other device operands where it is small
+// (0-d and the like), refused otherwise. Staging is pinned and portable,
+// allocated in the stream's context, two slots per context (double
+// buffered: launch k uses slot k % 2, and waits for the slot's previous
+// launch), grown only when a bucket needs more than any before it, and
+// freed when the launches' owner is destroyed (at exit for the process's).
+// The CUDA driver is looked up at run time, so this library needs no CUDA
+// to build or load.
 
 #ifndef JAX_SUPEROFFLOAD_XLA_FFI_STREAM_LAUNCH_H_
 #define JAX_SUPEROFFLOAD_XLA_FFI_STREAM_LAUNCH_H_
 
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -20,8 +38,8 @@
 
 namespace jax_superoffload {
 
-// The CUDA driver entry points the launch uses (CUresult is an int, 0 for
-// success; streams and device pointers are passed as the driver declares
+// The CUDA driver entry points the launches use (CUresult is an int, 0 for
+// success; handles and device pointers are passed as the driver declares
 // them).
 struct CudaDriver {
   // cuLaunchHostFunc(stream, fn, data).
@@ -35,6 +53,30 @@ struct CudaDriver {
                         void* stream);
   // cuMemHostAlloc(&pointer, bytes, flags).
   int (*host_alloc)(void** pointer, size_t bytes, unsigned flags);
+  // cuMemFreeHost(pointer).
+  int (*host_free)(void* pointer);
+  // cuStreamGetCtx(stream, &context).
+  int (*stream_get_ctx)(void* stream, void** context);
+  // cuCtxPushCurrent_v2(context).
+  int (*ctx_push_current)(void* context);
+  // cuCtxPopCurrent_v2(&context).
+  int (*ctx_pop_current)(void** context);
+  // cuStreamIsCapturing(stream, &status).
+  int (*stream_is_capturing)(void* stream, int* status);
+  // cuStreamCreate(&stream, flags).
+  int (*stream_create)(void** stream, unsigned flags);
+  // cuStreamDestroy_v2(stream).
+  int (*stream_destroy)(void* stream);
+  // cuStreamSynchronize(stream).
+  int (*stream_synchronize)(void* stream);
+  // cuEventCreate(&event, flags).
+  int (*event_create)(void** event, unsigned flags);
+  // cuEventDestroy_v2(event).
+  int (*event_destroy)(void* event);
+  // cuEventRecord(event, stream).
+  int (*event_record)(void* event, void* stream);
+  // cuStreamWaitEvent(stream, event, flags).
+  int (*stream_wait_event)(void* stream, void* event, unsigned flags);
   // cuGetErrorString(error, &text); may be null.
   int (*get_error_string)(int error, const char** text);
 };
@@ -43,33 +85,92 @@ struct CudaDriver {
 // driver cannot be loaded. Looked up once.
 const CudaDriver* SystemCudaDriver(std::string* why);
 
-// CU_POINTER_ATTRIBUTE_MEMORY_TYPE and CU_MEMORYTYPE_DEVICE (cuda.h).
-inline constexpr int kPointerMemoryType = 2;
-inline constexpr unsigned kMemoryTypeDevice = 2;
+// cuda.h's values the launches use.
+inline constexpr int kPointerMemoryType = 2;        // CU_POINTER_ATTRIBUTE_...
+inline constexpr unsigned kMemoryTypeDevice = 2;    // CU_MEMORYTYPE_DEVICE
+inline constexpr int kErrorInvalidValue = 1;        // CUDA_ERROR_INVALID_VALUE
+inline constexpr unsigned kHostAllocPortable = 1;   // CU_MEMHOSTALLOC_PORTABLE
+inline constexpr unsigned kStreamNonBlocking = 1;   // CU_STREAM_NON_BLOCKING
+inline constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
+inline constexpr int kCaptureStatusNone = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
 
+// State in device memory up to this size (a 0-d count, a scalar leaf's
+// moments) is staged like any device operand; larger state is refused.
+inline constexpr int64_t kMaxStagedStateBytes = 4096;
+
+namespace stream_internal {
+struct Context;
+struct Pending;
+}  // namespace stream_internal
+
+// The launches of one process (or one test): per CUDA context, its side
+// stream, worker thread, staging slots and the launches not yet joined.
+class StreamLaunches {
+ public:
+  explicit StreamLaunches(const CudaDriver* driver);
+  // Waits (bounded) for the launches still in flight, stops the workers
+  // and frees the staging, events and side streams.
+  ~StreamLaunches();
+  StreamLaunches(const StreamLaunches&) = delete;
+  StreamLaunches& operator=(const StreamLaunches&) = delete;
+
+  // The process's launches, on the system driver; destroyed at exit.
+  static StreamLaunches& Process();
+
+  // Waits for every launch started from `stream` so far, makes `stream`
+  // wait for their results, and returns the first failed launch's error
+  // (then clears it).
+  ffi::Error Join(void* stream);
+
+  const CudaDriver* driver() const { return driver_; }
+  // Pinned staging allocations (cuMemHostAlloc calls) so far.
+  int64_t staging_allocations() const;
+
+ private:
+  friend class OnStream;
+  // The context of `stream`'s object, created (side stream, events, worker)
+  // the first time; null with `error`. The context must be current.
+  stream_internal::Context* ContextOf(void* context, ffi::Error* error);
+  stream_internal::Context* FindContext(void* context);
+
+  const CudaDriver* driver_;
+  mutable std::mutex mutex_;
+  std::map<void*, std::unique_ptr<stream_internal::Context>> contexts_;
+};
+
+// One bucket call from a CUDA stream (a start): Place stages the device
+// operands through a staging slot of its own, Run enqueues the launch.
 class OnStream final : public Launch {
  public:
-  OnStream(const CudaDriver* driver, void* stream)
-      : driver_(driver), stream_(stream) {}
+  OnStream(StreamLaunches* launches, void* stream)
+      : launches_(launches), stream_(stream) {}
+  ~OnStream() override;
   ffi::Error Place(std::vector<Touched>& touched) override;
   ffi::Error Run(Work work) override;
 
- private:
   struct Copy {
     void* host;
     uint64_t device;
     size_t bytes;
   };
-  const CudaDriver* driver_;
+
+ private:
+  ffi::Error Stage(std::vector<Touched>& touched,
+                   const std::vector<bool>& on_device);
+
+  StreamLaunches* launches_;
   void* stream_;
+  void* cuda_context_ = nullptr;
+  stream_internal::Context* context_ = nullptr;
+  int slot_ = -1;  // The staging slot held, until Run hands it on.
   bool placed_ = false;
   std::vector<Copy> in_;   // Device to staging, before the step.
-  std::vector<Copy> out_;  // Staging to device, after it.
+  std::vector<Copy> out_;  // Staging to device, after a step that succeeded.
 };
 
 // A bucket handler's body `Body(Launch&, operands...)` as the handler of
 // one platform: on XLA:CPU's pool (also the CUDA plugin's host compute), or
-// ordered on a CUDA stream.
+// started from a CUDA stream.
 template <auto Body>
 constexpr auto kOnCpu = [](ffi::ThreadPool pool, auto... operands) {
   RunNow launch(&pool);
@@ -78,12 +179,12 @@ constexpr auto kOnCpu = [](ffi::ThreadPool pool, auto... operands) {
 
 template <auto Body>
 constexpr auto kOnStream = [](void* stream, auto... operands) {
-  OnStream launch(SystemCudaDriver(nullptr), stream);
+  OnStream launch(&StreamLaunches::Process(), stream);
   return Body(launch, operands...);
 };
 
 // Defines the handler symbols `Cpu` (XLA:CPU, and the CUDA plugin's host
-// compute) and `Stream` (ordered on a CUDA stream) of the bucket handler
+// compute) and `Stream` (started from a CUDA stream) of the bucket handler
 // body `Body`, bound as BucketBinding<..., kSumsq, flags...> says.
 #define JSO_DEFINE_BUCKET_HANDLERS(Cpu, Stream, Body, ...)                  \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                            \
@@ -95,10 +196,8 @@ constexpr auto kOnStream = [](void* stream, auto... operands) {
       (::jax_superoffload::BucketBinding<::xla::ffi::PlatformStream<void*>, \
                                          __VA_ARGS__>()))
 
-// A step that ran from a stream cannot fail its call, which has returned:
-// its error is printed, kept, and returned by the next stream launch in the
-// process (which then clears it). Returns and clears it.
-ffi::Error TakeDeferredError();
+// The join's check of its operands: each result aliases its operand.
+ffi::Error CheckJoinAliases(ffi::RemainingArgs args, ffi::RemainingRets rets);
 
 }  // namespace jax_superoffload
 

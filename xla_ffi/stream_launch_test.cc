@@ -1,93 +1,65 @@
-// OnStream against a fake CUDA driver (no GPU): work runs when the "stream"
-// reaches it, not when the handler returns; state in device memory is
-// refused before anything is enqueued, other device buffers are staged
-// through pinned memory in stream order; a step's failure reaches the next
-// launch; and the process's host pool runs chunked work to the same result
-// with any number of workers.
+// The stream launches (start and join, stream_launch.h) against a fake
+// CUDA driver (fake_cuda_driver.h) that, like CUDA, runs copies and host
+// functions later on a thread of its own. One test per rule of issue 37's
+// point 3 (a failed step writes nothing back and its error reaches the
+// join; a failed stream stays failed until joined; no exception leaves a
+// host function; only "not registered" means host memory; capture is
+// refused; concurrent launches share no staging; the host function returns
+// within microseconds), point 4 (staging allocated once, portable, in the
+// stream's context, freed) and point 6 (small device state is staged), and
+// a Grace Adam bucket step staged through the fake, bit for bit equal to
+// the same step run at once on the CPU.
 
 #include "xla_ffi/stream_launch.h"
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <functional>
+#include <memory>
+#include <stdexcept>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
+#include "xla_ffi/adam_kernel.h"
+#include "xla_ffi/fake_cuda_driver.h"
 #include "xla_ffi/ffi_support.h"
 #include "xla_ffi/host_pool.h"
 #include "xla_ffi/launch.h"
+#include "xla_ffi/test_util.h"
 
 namespace jax_superoffload {
 namespace {
 
-int failures = 0;
+using Clock = std::chrono::steady_clock;
+using Role = Touched::Role;
 
-void Check(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "FAILED: %s\n", what.c_str());
-    ++failures;
-  }
+void Expect(bool ok, const std::string& what) {
+  Check(ok, what.c_str(), "stream_launch_test");
 }
 
-// A stream that holds its operations (host functions and copies) until
-// Drain(), and a set of buffers it reports as device memory.
-struct FakeStream {
-  std::vector<std::function<void()>> queued;
-  std::vector<const void*> device;
-  int fail_launch = 0;
-  int allocations = 0;
+// A fake driver, the launches on it and one compute stream. Members are
+// destroyed in reverse: the launches (workers, staging) before the fake.
+struct Rig {
+  FakeCuda fake;
+  CudaDriver driver = fake.driver();
+  std::unique_ptr<StreamLaunches> launches =
+      std::make_unique<StreamLaunches>(&driver);
+  void* stream = fake.NewStream("compute");
+
+  // Joins `stream` and waits for the compute stream (as the program's next
+  // read of the results would).
+  ffi::Error Join() {
+    ffi::Error e = launches->Join(stream);
+    fake.Synchronize();
+    return e;
+  }
 };
-FakeStream* fake = nullptr;
-
-int FakeLaunch(void* stream, void (*fn)(void*), void* data) {
-  if (stream != fake) return 999;
-  if (fake->fail_launch != 0) return fake->fail_launch;
-  fake->queued.push_back([fn, data] { fn(data); });
-  return 0;
-}
-
-int FakeAttribute(void* data, int attribute, uint64_t pointer) {
-  if (attribute != kPointerMemoryType) return 1;
-  for (const void* p : fake->device) {
-    if (reinterpret_cast<uint64_t>(p) == pointer) {
-      *static_cast<unsigned*>(data) = kMemoryTypeDevice;
-      return 0;
-    }
-  }
-  return 1;  // CUDA_ERROR_INVALID_VALUE: memory the driver does not know.
-}
-
-int FakeToHost(void* host, uint64_t device, size_t bytes, void* stream) {
-  if (stream != fake) return 999;
-  fake->queued.push_back(
-      [=] { std::memcpy(host, reinterpret_cast<const void*>(device), bytes); });
-  return 0;
-}
-
-int FakeToDevice(uint64_t device, const void* host, size_t bytes,
-                 void* stream) {
-  if (stream != fake) return 999;
-  fake->queued.push_back(
-      [=] { std::memcpy(reinterpret_cast<void*>(device), host, bytes); });
-  return 0;
-}
-
-int FakeAlloc(void** pointer, size_t bytes, unsigned) {
-  ++fake->allocations;
-  *pointer = std::malloc(bytes);  // Leaked, as the launch keeps its blocks.
-  return *pointer == nullptr ? 2 : 0;
-}
-
-const CudaDriver kFake{&FakeLaunch,   &FakeAttribute, &FakeToHost,
-                       &FakeToDevice, &FakeAlloc,     nullptr};
-
-void Drain() {
-  auto queued = std::move(fake->queued);
-  fake->queued.clear();
-  for (auto& op : queued) op();
-}
 
 // A step over `in` (read) and `out` (written): out = 2 * in, summed.
 struct Doubling {
@@ -96,6 +68,11 @@ struct Doubling {
   float* sum;
   int64_t n;
 };
+
+std::vector<Touched> Touches(Doubling& d) {
+  return {Touch(d.in, 4 * d.n, Role::kInput),
+          Touch(d.out, 4 * d.n, Role::kOutput), Touch(d.sum, 4, Role::kOutput)};
+}
 
 Work DoublingWork(const Doubling& d) {
   return [d](Workers workers) {
@@ -111,117 +88,442 @@ Work DoublingWork(const Doubling& d) {
   };
 }
 
-ffi::Error Launch(OnStream& launch, Doubling& d) {
-  using Role = Touched::Role;
-  std::vector<Touched> touched = {Touch(d.in, 4 * d.n, Role::kInput),
-                                  Touch(d.out, 4 * d.n, Role::kOutput),
-                                  Touch(d.sum, 4, Role::kOutput)};
+// Starts `d` from the rig's stream: Place, then Run of `work` (the doubling
+// step by default) as a bucket handler does.
+ffi::Error Start(Rig& rig, Doubling& d,
+                 std::function<Work(Doubling)> make = nullptr) {
+  OnStream launch(rig.launches.get(), rig.stream);
+  std::vector<Touched> touched = Touches(d);
   JSO_RETURN_IF_ERROR(launch.Place(touched));
-  return launch.Run(DoublingWork(d));
+  return launch.Run(make ? make(d) : DoublingWork(d));
 }
 
-void TestDefersUntilTheStreamRuns() {
-  FakeStream stream;
-  fake = &stream;
-  OnStream launch(&kFake, &stream);
-  std::vector<float> in(1000, 1.0f), out(1000, 0.0f);
+// Device buffers of a doubling step: in[i] = i, out and sum preset to
+// `sentinel`.
+struct DeviceBuffers {
+  std::vector<float> in, out;
+  float sum;
+  DeviceBuffers(Rig& rig, int64_t n, float sentinel)
+      : in(n), out(n, sentinel), sum(sentinel) {
+    for (int64_t i = 0; i < n; ++i) in[i] = static_cast<float>(i);
+    rig.fake.MarkDevice(in.data(), 4 * n);
+    rig.fake.MarkDevice(out.data(), 4 * n);
+    rig.fake.MarkDevice(&sum, 4);
+  }
+  Doubling step() {
+    return Doubling{in.data(), out.data(), &sum,
+                    static_cast<int64_t>(in.size())};
+  }
+};
+
+// A step that writes garbage into its outputs, then fails.
+Work Failing(Doubling d, const std::string& why) {
+  return [d, why](Workers) {
+    for (int64_t i = 0; i < d.n; ++i) d.out[i] = -0.3725f;
+    *d.sum = -0.3725f;
+    return InvalidArgument(why);
+  };
+}
+
+void TestStartReturnsAndJoinWaits() {
+  Rig rig;
+  DeviceBuffers b(rig, 1000, -1.0f);
+  rig.fake.Hold(true);
+  Doubling d = b.step();
+  ffi::Error e = Start(rig, d);
+  Expect(e.success(), "start succeeds: " + e.message());
+  Expect(d.in != b.in.data() && d.out != b.out.data() && d.sum != &b.sum,
+         "the step reads and writes staged stand-ins");
+  b.in[0] = 7.0f;  // Written before the stream reaches the copy.
+  Expect(rig.fake.Log().empty(), "nothing ran when the start returned");
+  rig.fake.Hold(false);
+  rig.fake.Synchronize(rig.stream);
+  Expect(rig.fake.Count("compute: wait event") == 0,
+         "the compute stream waits for nothing before the join");
+  e = rig.Join();
+  Expect(e.success(), "join succeeds: " + e.message());
+  Expect(b.out[0] == 14.0f && b.out[999] == 1998.0f && b.sum == 499507.0f,
+         "results copied back by the join: " + std::to_string(b.out[0]) + " " +
+             std::to_string(b.sum));
+  Expect(rig.fake.Count("compute: wait event") == 1,
+         "the join makes the compute stream wait once");
+  std::vector<std::string> log = rig.fake.Log();
+  size_t host = 0, back = 0;
+  for (size_t i = 0; i < log.size(); ++i) {
+    if (log[i] == "side: host function") host = i;
+    if (log[i].find("side: copy to device") == 0 && back == 0) back = i;
+  }
+  Expect(host > 0 && back > host, "copies back come after the host function");
+}
+
+// Rule: a failed host step writes nothing back, and its error reaches the
+// join of the same step.
+void TestFailedStepWritesNothingBack() {
+  Rig rig;
+  DeviceBuffers b(rig, 256, 5.0f);
+  Doubling d = b.step();
+  ffi::Error e = Start(rig, d, [](Doubling d) {
+    return Failing(d, "row must be 0 or 1, got 7");
+  });
+  Expect(e.success(), "the failing step is only started: " + e.message());
+  e = rig.Join();
+  Expect(e.failure() && e.message().find("got 7") != std::string::npos,
+         "the join reports the step's error: " + e.message());
+  Expect(b.out[0] == 5.0f && b.out[255] == 5.0f && b.sum == 5.0f,
+         "nothing written back: out[0] " + std::to_string(b.out[0]));
+  Expect(rig.fake.Count("copy to device") == 0, "no copy back was enqueued");
+  Expect(rig.launches->Join(rig.stream).success(), "reported once");
+}
+
+// Rule: a failed step keeps its stream failed (later launches run no step
+// and write nothing) until a join has reported it.
+void TestFailureIsStickyUntilJoined() {
+  Rig rig;
+  DeviceBuffers a(rig, 64, 5.0f), b(rig, 64, 6.0f), c(rig, 64, 8.0f);
+  Doubling da = a.step(), db = b.step(), dc = c.step();
+  Expect(
+      Start(rig, da, [](Doubling d) { return Failing(d, "first"); }).success(),
+      "start a");
+  auto ran = std::make_shared<std::atomic<bool>>(false);
+  Expect(Start(rig, db,
+               [ran](Doubling d) {
+                 Work w = DoublingWork(d);
+                 return Work([ran, w](Workers ws) {
+                   ran->store(true);
+                   return w(ws);
+                 });
+               })
+             .success(),
+         "start b");
+  ffi::Error e = rig.Join();
+  Expect(e.failure() && e.message().find("first") != std::string::npos,
+         "the join reports the first failure: " + e.message());
+  Expect(!ran->load(), "the launch after the failure ran no step");
+  Expect(b.out[0] == 6.0f && b.sum == 6.0f, "and wrote nothing back");
+  Expect(Start(rig, dc).success(), "start after the join");
+  e = rig.Join();
+  Expect(e.success() && c.out[3] == 6.0f && c.sum == 2016.0f,
+         "a launch after the join runs again: " + e.message());
+}
+
+// Rule: no exception leaves a host function or the worker.
+void TestNoExceptionEscapes() {
+  Rig rig;
+  DeviceBuffers a(rig, 16, 1.0f);
+  Doubling d = a.step();
+  Expect(Start(rig, d,
+               [](Doubling) {
+                 return Work([](Workers) -> ffi::Error {
+                   throw std::runtime_error("boom in the step");
+                 });
+               })
+             .success(),
+         "start a throwing step");
+  ffi::Error e = rig.Join();
+  Expect(
+      e.failure() && e.message().find("boom in the step") != std::string::npos,
+      "the exception is the join's error: " + e.message());
+  Expect(a.out[0] == 1.0f, "nothing written back after the exception");
+}
+
+// Rule: only "not registered" (CUDA_ERROR_INVALID_VALUE) from the pointer
+// query means host memory; any other failure is an error.
+void TestOnlyNotRegisteredMeansHost() {
+  Rig rig;
+  FakeCuda::Knobs knobs;
+  knobs.query_error = 201;  // CUDA_ERROR_INVALID_CONTEXT
+  rig.fake.set_knobs(knobs);
+  std::vector<float> in(8, 1.0f), out(8, 0.0f);
   float sum = 0.0f;
-  Doubling d{in.data(), out.data(), &sum, 1000};
-  ffi::Error e = Launch(launch, d);
-  Check(e.success(), "launch succeeds: " + e.message());
-  Check(stream.allocations == 0, "host buffers are not staged");
-  Check(sum == 0.0f && out[0] == 0.0f,
-        "nothing runs before the stream reaches it");
-  Drain();
-  Check(sum == 1000.0f && out[999] == 2.0f,
-        "the work ran on the stream: " + std::to_string(sum));
+  Doubling d{in.data(), out.data(), &sum, 8};
+  ffi::Error e = Start(rig, d);
+  Expect(
+      e.failure() && e.message().find("buffer 0") != std::string::npos &&
+          e.message().find("cuPointerGetAttribute") != std::string::npos &&
+          e.message().find("201") != std::string::npos,
+      "a failed pointer query is an error naming the buffer: " + e.message());
+  rig.fake.Synchronize();
+  Expect(rig.fake.Log().empty(), "nothing was enqueued");
+  knobs.query_error = 0;
+  rig.fake.set_knobs(knobs);
+  e = Start(rig, d);  // Unregistered: host memory, read where it is.
+  Expect(e.success() && rig.Join().success() && out[7] == 2.0f &&
+             rig.fake.stats().allocations == 0,
+         "unregistered memory is host memory, not staged: " + e.message());
 }
 
-void TestDeviceBuffersAreStagedInStreamOrder() {
-  FakeStream stream;
-  fake = &stream;
-  OnStream launch(&kFake, &stream);
-  std::vector<float> in(1000), out(1000, 0.0f);
-  for (int i = 0; i < 1000; ++i) in[i] = static_cast<float>(i);
-  float sum = 0.0f;
-  stream.device = {in.data(), out.data(), &sum};
-  Doubling d{in.data(), out.data(), &sum, 1000};
-  ffi::Error e = Launch(launch, d);
-  Check(e.success(), "staged launch succeeds: " + e.message());
-  Check(stream.allocations == 1, "one pinned block");
-  Check(d.in != in.data() && d.out != out.data() && d.sum != &sum,
-        "the step reads and writes stand-ins");
-  Check(
-      stream.queued.size() == 1 + 1 + 2,
-      "copy in, step, copy out twice: " + std::to_string(stream.queued.size()));
-  in[0] = 7.0f;  // Written (on the stream) before the copy in runs.
-  Drain();
-  Check(out[0] == 14.0f && out[999] == 1998.0f,
-        "results copied back: " + std::to_string(out[0]));
-  Check(sum == 499507.0f, "sum copied back: " + std::to_string(sum));
-  OnStream again(&kFake, &stream);
-  Doubling d2{in.data(), out.data(), &sum, 1000};
-  Check(Launch(again, d2).success(), "a second launch");
-  Check(stream.allocations == 1, "the stream's block is reused");
-  Drain();
+// Rule: capture into a CUDA graph is refused with a clear error.
+void TestCaptureIsRefused() {
+  Rig rig;
+  FakeCuda::Knobs knobs;
+  knobs.capturing.insert(rig.stream);
+  rig.fake.set_knobs(knobs);
+  DeviceBuffers b(rig, 8, 0.0f);
+  Doubling d = b.step();
+  ffi::Error e = Start(rig, d);
+  Expect(e.failure() && e.message().find("CUDA graph") != std::string::npos,
+         "a capturing stream is refused: " + e.message());
+  e = rig.launches->Join(rig.stream);
+  Expect(e.failure() && e.message().find("CUDA graph") != std::string::npos,
+         "so is a capturing join: " + e.message());
+  rig.fake.Synchronize();
+  Expect(rig.fake.Log().empty() && rig.fake.stats().allocations == 0,
+         "nothing enqueued or allocated");
 }
 
-void TestRefusesStateInDeviceMemory() {
-  FakeStream stream;
-  fake = &stream;
-  OnStream launch(&kFake, &stream);
-  float host = 0.0f, on_device = 0.0f;
-  float* state = &on_device;
-  stream.device.push_back(&on_device);
-  const float* input = &host;
-  std::vector<Touched> touched = {Touch(input, 4, Touched::Role::kInput),
-                                  Touch(state, 4, Touched::Role::kState)};
+bool Overlap(const void* a, size_t an, const void* b, size_t bn) {
+  auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + bn && y < x + an;
+}
+
+// Rule: launches in flight together never share staging bytes; a third
+// waits for the first's slot.
+void TestConcurrentLaunchesShareNoStaging() {
+  Rig rig;
+  DeviceBuffers a(rig, 300, 0.0f), b(rig, 300, 0.0f), c(rig, 300, 0.0f);
+  for (int64_t i = 0; i < 300; ++i) b.in[i] = 1000.0f + i;
+  rig.fake.Hold(true);
+  Doubling da = a.step(), db = b.step(), dc = c.step();
+  Expect(Start(rig, da).success() && Start(rig, db).success(), "two starts");
+  const size_t bytes = 4 * 300;
+  Expect(!Overlap(da.in, bytes, db.in, bytes) &&
+             !Overlap(da.out, bytes, db.out, bytes) &&
+             !Overlap(da.out, bytes, db.in, bytes) &&
+             !Overlap(da.in, bytes, db.out, bytes) &&
+             !Overlap(da.sum, 4, db.sum, 4),
+         "the two launches' staging is disjoint");
+  rig.fake.Hold(false);
+  Expect(Start(rig, dc).success(), "a third start (waits for slot 0)");
+  Expect(rig.Join().success(), "join");
+  Expect(a.out[299] == 598.0f && b.out[299] == 2598.0f && c.out[1] == 2.0f &&
+             b.sum == 300000.0f + 44850.0f,
+         "each launch's own results: " + std::to_string(b.out[299]));
+}
+
+// Rule: the host function only hands the launch over (microseconds) while
+// the step takes 200 ms, and the compute stream runs on meanwhile.
+void TestHostFunctionReturnsAtOnce() {
+  Rig rig;
+  DeviceBuffers b(rig, 64, 0.0f);
+  Doubling d = b.step();
+  auto step_done = std::make_shared<Clock::time_point>();
+  Expect(Start(rig, d,
+               [step_done](Doubling d) {
+                 Work w = DoublingWork(d);
+                 return Work([w, step_done](Workers ws) {
+                   std::this_thread::sleep_for(std::chrono::milliseconds(200));
+                   *step_done = Clock::now();
+                   return w(ws);
+                 });
+               })
+             .success(),
+         "start a 200 ms step");
+  auto kernel_done = std::make_shared<Clock::time_point>();
+  rig.fake.Enqueue(rig.stream, "next kernel",
+                   [kernel_done] { *kernel_done = Clock::now(); });
+  rig.fake.Synchronize(rig.stream);
+  Expect(rig.Join().success(), "join");
+  const double host = rig.fake.stats().longest_host_function;
+  const double lead =
+      std::chrono::duration<double>(*step_done - *kernel_done).count();
+  std::printf(
+      "host function: %.3f us; the next kernel ran %.0f ms before "
+      "the step ended\n",
+      1e6 * host, 1e3 * lead);
+  Expect(host < 5e-3,
+         "the host function returns in < 5 ms: " + std::to_string(host) + " s");
+  Expect(lead > 0.0, "the compute stream ran on during the step");
+}
+
+// Point 4: staging in the stream's context, portable, allocated in the
+// first step only, and freed with the launches.
+void TestStagingAllocatedOnceAndFreed() {
+  Rig rig;
+  DeviceBuffers big(rig, 4096, 0.0f), small(rig, 100, 0.0f);
+  int64_t first = 0;
+  for (int step = 0; step < 5; ++step) {
+    Doubling d1 = big.step(), d2 = small.step();
+    Expect(Start(rig, d1).success() && Start(rig, d2).success() &&
+               rig.Join().success(),
+           "step " + std::to_string(step));
+    if (step == 0) first = rig.launches->staging_allocations();
+  }
+  const int64_t steady = rig.launches->staging_allocations() - first;
+  std::printf(
+      "staging allocations: %lld in the first step, %lld in the next "
+      "four\n",
+      static_cast<long long>(first), static_cast<long long>(steady));
+  Expect(first == 2 && steady == 0, "two slots, then no allocation");
+  Expect(big.out[4095] == 8190.0f && small.out[99] == 198.0f, "results");
+  FakeCuda::Stats stats = rig.fake.stats();
+  Expect(stats.alloc_flags_seen == kHostAllocPortable,
+         "allocated with CU_MEMHOSTALLOC_PORTABLE");
+  Expect(stats.context_violations == 0,
+         "every call made with the stream's context current" +
+             (stats.violations.empty() ? "" : ": " + stats.violations[0]));
+  rig.launches.reset();
+  Expect(rig.fake.stats().live_allocations == 0, "staging freed at the end");
+}
+
+// Point 6: small state in device memory (a 0-d count) is staged in and
+// out; large device state is still refused.
+void TestSmallDeviceStateIsStaged() {
+  Rig rig;
+  float state = 3.0f;
+  rig.fake.MarkDevice(&state, 4);
+  // Read and written in place, as a step's master_in and master_out.
+  const float* in = &state;
+  float* out = &state;
+  OnStream launch(rig.launches.get(), rig.stream);
+  std::vector<Touched> touched = {Touch(in, 4, Role::kState),
+                                  Touch(out, 4, Role::kState)};
   ffi::Error e = launch.Place(touched);
-  Check(e.failure(), "device state is refused");
-  Check(e.message().find("buffer 1") != std::string::npos &&
-            e.message().find("optimizer state in device memory") !=
-                std::string::npos,
-        "the error names the buffer: " + e.message());
-  Check(stream.queued.empty(), "nothing was enqueued");
+  Expect(e.success() && out != &state && in == out,
+         "0-d device state is staged, once: " + e.message());
+  Expect(launch.Run([in, out](Workers) {
+                 *out = *in + 1.0f;
+                 return ffi::Error::Success();
+               }).success() &&
+             rig.Join().success() && state == 4.0f,
+         "and written back: " + std::to_string(state));
+  Expect(rig.fake.Count("copy to host 4") == 1 &&
+             rig.fake.Count("copy to device 4") == 1,
+         "one copy each way");
+  std::vector<float> big(2048, 0.0f);
+  rig.fake.MarkDevice(big.data(), 4 * big.size());
+  float* p = big.data();
+  OnStream refused(rig.launches.get(), rig.stream);
+  std::vector<Touched> large = {Touch(p, 4 * 2048, Role::kState)};
+  e = refused.Place(large);
+  Expect(e.failure() && e.message().find("optimizer state in device memory") !=
+                            std::string::npos,
+         "large device state is refused: " + e.message());
 }
 
-void TestDeferredErrorReachesTheNextLaunch() {
-  FakeStream stream;
-  fake = &stream;
-  std::vector<Touched> none;
-  OnStream first(&kFake, &stream);
-  Check(first.Place(none).success(), "place");
-  ffi::Error e = first.Run(
-      [](Workers) { return InvalidArgument("row must be 0 or 1, got 7"); });
-  Check(e.success(), "the failing work is only enqueued");
-  Drain();
-  OnStream second(&kFake, &stream);
-  e = second.Place(none);
-  Check(e.failure() && e.message().find("got 7") != std::string::npos,
-        "the next launch reports the earlier failure: " + e.message());
-  Check(TakeDeferredError().success(), "and clears it");
-  OnStream third(&kFake, &stream);
-  Check(third.Place(none).success(), "a later launch places again");
-  Check(third.Run([](Workers) { return ffi::Error::Success(); }).success(),
-        "and runs");
-  Drain();
+void TestDriverFailuresAreErrors() {
+  Rig rig;
+  FakeCuda::Knobs knobs;
+  knobs.fail_launch = 700;
+  rig.fake.set_knobs(knobs);
+  DeviceBuffers b(rig, 8, 0.0f);
+  Doubling d = b.step();
+  ffi::Error e = Start(rig, d);
+  Expect(e.failure() && e.message().find("700") != std::string::npos,
+         "a failed cuLaunchHostFunc is an error: " + e.message());
+  Expect(rig.Join().success(), "and leaves nothing to join");
+  knobs.fail_launch = 0;
+  rig.fake.set_knobs(knobs);
+  d = b.step();
+  Expect(Start(rig, d).success() && rig.Join().success() && b.out[7] == 14.0f,
+         "its slot was released");
+  StreamLaunches none(nullptr);
+  OnStream no_driver(&none, rig.stream);
+  std::vector<Touched> nothing;
+  Expect(no_driver.Place(nothing).failure(), "no driver is an error");
+  OnStream unplaced(rig.launches.get(), rig.stream);
+  Expect(unplaced.Run([](Workers) { return ffi::Error::Success(); }).failure(),
+         "Run without Place is an error");
 }
 
-void TestLaunchFailureIsAnError() {
-  FakeStream stream;
-  stream.fail_launch = 700;
-  fake = &stream;
-  std::vector<Touched> none;
-  OnStream launch(&kFake, &stream);
-  Check(launch.Place(none).success(), "place");
-  ffi::Error e = launch.Run([](Workers) { return ffi::Error::Success(); });
-  Check(e.failure() && e.message().find("700") != std::string::npos,
-        "a failed cuLaunchHostFunc is an error: " + e.message());
-  OnStream no_driver(nullptr, &stream);
-  Check(no_driver.Place(none).failure(), "no driver is an error");
-  OnStream unplaced(&kFake, &stream);
-  Check(unplaced.Run([](Workers) { return ffi::Error::Success(); }).failure(),
-        "Run without Place is an error");
+// A Grace Adam bucket (two leaves, bf16 gradients and weights on the
+// device, fp32 state in host memory, sum of squares) through the fake, and
+// the same step at once on the CPU: the same bits.
+struct AdamBucket {
+  int64_t n[2] = {3000, 517};
+  std::vector<float> master[2], mu[2], nu[2];
+  std::vector<uint16_t> grad[2], weights[2];
+  float sumsq = 0.0f;
+
+  AdamBucket() {
+    uint64_t seed = 37;
+    for (int j = 0; j < 2; ++j) {
+      for (auto* v : {&master[j], &mu[j], &nu[j]}) v->resize(n[j]);
+      grad[j].resize(n[j]);
+      weights[j].assign(n[j], 0);
+      for (int64_t i = 0; i < n[j]; ++i) {
+        master[j][i] = static_cast<float>(Uniform(seed));
+        mu[j][i] = static_cast<float>(0.1 * Uniform(seed));
+        nu[j][i] = static_cast<float>(0.01 * Unit(seed));
+        const float g = static_cast<float>(Uniform(seed));
+        uint32_t bits;
+        std::memcpy(&bits, &g, 4);
+        grad[j][i] = static_cast<uint16_t>(bits >> 16);
+      }
+    }
+  }
+
+  ffi::Error Step(Launch& launch) {
+    AdamConfig config;
+    config.learning_rate = 1e-2f;
+    config.weight_decay = 0.01f;
+    config.count = 3;
+    const AdamConstants constants = MakeAdamConstants(config);
+    std::vector<AdamBuffers> leaves(2);
+    std::vector<Touched> touched;
+    float* sum = &sumsq;
+    touched.push_back(Touch(sum, 4, Role::kOutput));
+    for (int j = 0; j < 2; ++j) {
+      AdamBuffers& b = leaves[j];
+      b.size = n[j];
+      b.master_in = master[j].data();
+      b.master_out = master[j].data();
+      b.mu_in = mu[j].data();
+      b.mu_out = mu[j].data();
+      b.nu_in = nu[j].data();
+      b.nu_out = nu[j].data();
+      b.grad = grad[j].data();
+      b.grad_type = ElementType::kBF16;
+      b.lowp_out = weights[j].data();
+      b.lowp_type = ElementType::kBF16;
+      for (const float** x : {&b.master_in, &b.mu_in, &b.nu_in}) {
+        touched.push_back(Touch(*x, 4 * n[j], Role::kState));
+      }
+      for (float** x : {&b.master_out, &b.mu_out, &b.nu_out}) {
+        touched.push_back(Touch(*x, 4 * n[j], Role::kState));
+      }
+      touched.push_back(Touch(b.grad, 2 * n[j], Role::kInput));
+      touched.push_back(Touch(b.lowp_out, 2 * n[j], Role::kOutput));
+    }
+    JSO_RETURN_IF_ERROR(launch.Place(touched));
+    const std::vector<int64_t> starts = Starts({n[0], n[1]});
+    const int64_t chunks = (n[0] + n[1] + kChunkElements - 1) / kChunkElements;
+    return launch.Run([=](Workers workers) {
+      std::vector<double> partial(chunks, 0.0);
+      ForEachPiece(workers, starts,
+                   [&](size_t j, int64_t begin, int64_t end, int64_t chunk) {
+                     partial[chunk] += AdamStepSumSquaresRange(
+                         constants, leaves[j], begin, end, BestIsa());
+                   });
+      TotalInChunkOrder(partial, sum);
+      return ffi::Error::Success();
+    });
+  }
+};
+
+void TestAdamBucketMatchesTheCpu() {
+  AdamBucket cpu, staged;
+  RunNow now(nullptr);
+  Expect(cpu.Step(now).success(), "the CPU step");
+  Rig rig;
+  for (int j = 0; j < 2; ++j) {
+    rig.fake.MarkDevice(staged.grad[j].data(), 2 * staged.n[j]);
+    rig.fake.MarkDevice(staged.weights[j].data(), 2 * staged.n[j]);
+  }
+  rig.fake.MarkDevice(&staged.sumsq, 4);
+  OnStream launch(rig.launches.get(), rig.stream);
+  Expect(staged.Step(launch).success(), "the staged step starts");
+  Expect(rig.Join().success(), "and joins");
+  bool same = std::memcmp(&cpu.sumsq, &staged.sumsq, 4) == 0;
+  for (int j = 0; j < 2; ++j) {
+    same = same && cpu.master[j] == staged.master[j] &&
+           cpu.mu[j] == staged.mu[j] && cpu.nu[j] == staged.nu[j] &&
+           cpu.weights[j] == staged.weights[j];
+  }
+  Expect(same, "the staged Adam step equals the CPU's bit for bit");
+  Expect(cpu.sumsq > 0.0f && cpu.weights[1][516] != 0, "and did something");
+  Expect(rig.fake.Count("copy to host") == 2 &&
+             rig.fake.Count("copy to device") == 2 + 1,
+         "gradients staged in; weights and the sum staged out");
 }
 
 void TestHostPoolResultsDoNotDependOnWorkers() {
@@ -244,29 +546,47 @@ void TestHostPoolResultsDoNotDependOnWorkers() {
   };
   const double one = total(0);
   for (int64_t helpers : {1, 3, 8}) {
-    Check(total(helpers) == one,
-          "same sum with " + std::to_string(helpers) + " workers");
+    Expect(total(helpers) == one,
+           "same sum with " + std::to_string(helpers) + " workers");
   }
   HostPool pool;
-  Check(pool.Reserve(3) == 3 && pool.Reserve(2) == 3,
-        "Reserve never shrinks the pool");
+  Expect(pool.Reserve(3) == 3 && pool.Reserve(2) == 3,
+         "Reserve never shrinks the pool");
 }
 
 }  // namespace
 }  // namespace jax_superoffload
 
-int main() {
+// Runs every test, or those named on the command line.
+int main(int argc, char** argv) {
   using namespace jax_superoffload;  // NOLINT: a test's main.
-  TestDefersUntilTheStreamRuns();
-  TestDeviceBuffersAreStagedInStreamOrder();
-  TestRefusesStateInDeviceMemory();
-  TestDeferredErrorReachesTheNextLaunch();
-  TestLaunchFailureIsAnError();
-  TestHostPoolResultsDoNotDependOnWorkers();
-  if (failures != 0) {
-    std::fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
+  const std::pair<const char*, void (*)()> tests[] = {
+      {"start_join", TestStartReturnsAndJoinWaits},
+      {"failed_writes_nothing", TestFailedStepWritesNothingBack},
+      {"sticky", TestFailureIsStickyUntilJoined},
+      {"no_exception", TestNoExceptionEscapes},
+      {"not_registered", TestOnlyNotRegisteredMeansHost},
+      {"capture", TestCaptureIsRefused},
+      {"no_shared_staging", TestConcurrentLaunchesShareNoStaging},
+      {"host_function_at_once", TestHostFunctionReturnsAtOnce},
+      {"staging_once", TestStagingAllocatedOnceAndFreed},
+      {"small_state", TestSmallDeviceStateIsStaged},
+      {"driver_failures", TestDriverFailuresAreErrors},
+      {"adam_bucket", TestAdamBucketMatchesTheCpu},
+      {"host_pool", TestHostPoolResultsDoNotDependOnWorkers},
+  };
+  std::vector<std::string> names;  // Flags (--quick) name no test.
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i][0] != '-') names.push_back(argv[i]);
   }
-  std::printf("stream_launch_test: all checks passed\n");
-  return 0;
+  for (const auto& [name, test] : tests) {
+    if (!names.empty() &&
+        std::find(names.begin(), names.end(), name) == names.end()) {
+      continue;
+    }
+    const int failed = g_failed;
+    test();
+    std::printf("%s: %s\n", name, g_failed == failed ? "ok" : "FAILED");
+  }
+  return Report();
 }

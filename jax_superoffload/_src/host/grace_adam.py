@@ -20,6 +20,8 @@ ADAM_STEP_SEGMENTS_TARGET = _grace_adam.ADAM_STEP_SEGMENTS_TARGET
 ADAM_STEP_LOWP_SEGMENTS_TARGET = _grace_adam.ADAM_STEP_LOWP_SEGMENTS_TARGET
 ADAM_STEP_SPECULATIVE_TARGET = _grace_adam.ADAM_STEP_SPECULATIVE_TARGET
 ADAM_STEP_VALIDATED_TARGET = _grace_adam.ADAM_STEP_VALIDATED_TARGET
+# One per step after the bucket starts: every operand aliased to its result.
+STREAM_JOIN_TARGET = _grace_adam.STREAM_JOIN_TARGET
 # `adam_step` is a Segments call of one leaf, with or without a weights copy
 # and its donated destination.
 ADAM_STEP_TARGET = ADAM_STEP_SEGMENTS_TARGET
