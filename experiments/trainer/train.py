@@ -77,6 +77,7 @@ from flax import nnx
 import jax_superoffload as superoffload
 from experiments.trainer import checkpointing
 from experiments.trainer import config as config_lib
+from experiments.trainer import config_cli
 from experiments.trainer import distributed
 from experiments.trainer import loop as loop_lib
 from experiments.trainer import optim
@@ -417,8 +418,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     the signal number when SIGINT or SIGTERM stopped the run (after saving
     a checkpoint).
   """
+  argv = sys.argv[1:] if argv is None else list(argv)
   try:
-    summary = train(config_lib.config_from_args(argv))
+    cfg = config_lib.config_from_args(argv)
+    if old := config_cli.old_flags(argv):
+      print(
+        f'note: {", ".join(old)}: the older spelling, accepted in this '
+        'release only; use --config FILE and --config.FIELD=VALUE'
+      )
+    summary = train(cfg)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
