@@ -40,6 +40,14 @@ class NonFiniteError(RuntimeError):
   """The loss or the parameters became non-finite (message: one line)."""
 
 
+def eval_text(record: dict[str, Any]) -> str:
+  """``eval 2.1234 (3.063 bpb) at step 100`` for a record with an eval."""
+  return (
+    f'eval {record["eval_loss"]:.4f} ({record["eval_bpb"]:.3f} bpb) at step '
+    f'{record["eval_step"]}'
+  )
+
+
 class StopOnSignal:
   """Turns SIGINT and SIGTERM into a request to stop after the current step.
 
@@ -137,7 +145,9 @@ class TrainLoop:
     )
     self.tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
     devices = list(plan.mesh.devices.flat)
-    self.peak, self.peak_source = perf.peak_flops(devices, cfg.peak_tflops)
+    self.peak, self.peak_source = perf.peak_flops(
+      devices, cfg.peak_tflops, cfg.dtype
+    )
     self.flops_token = perf.flops_per_token(
       trainable.num_params, cfg.num_layers, cfg.d_model, cfg.seq_len
     )
@@ -216,14 +226,23 @@ class TrainLoop:
     )
 
   def evaluate(self) -> dict[str, float]:
-    """Mean loss over the held-out batches, in nats and bits per byte."""
+    """Mean held-out loss, in nats and bits per byte, after `done` steps.
+
+    ``eval_step`` is the number of steps done, the x of the point in
+    ``loss_curve.png`` (the step whose training loss would be computed
+    with the same parameters).
+    """
     losses = [
       self.t.eval_step(self.t.state, *map(self._place, b))
       for b in self.plan.eval_batches
     ]
     loss = float(np.mean(jax.device_get(losses)))
     # Byte-level tokens: nats per token / ln 2 is bits per byte.
-    self.eval_result = {'eval_loss': loss, 'eval_bpb': loss / math.log(2)}
+    self.eval_result = {
+      'eval_loss': loss,
+      'eval_bpb': loss / math.log(2),
+      'eval_step': self.done,
+    }
     return self.eval_result
 
   def check_finite(self, record: dict[str, Any]) -> None:
@@ -264,6 +283,8 @@ class TrainLoop:
         done = self.done
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
           record.update(self.evaluate())
+          if self.plan.topology.primary:
+            bar.write(eval_text(record))
         self.log.write(record)
         self.check_finite(record)
         bar.update(1)

@@ -220,6 +220,7 @@ def _summarize(
     stopped_by = signal.Signals(loop.stop.signum).name
   tokens_per_s = loop.tokens_per_s()
   step_times = loop.step_times
+  last_eval = run_log.last_eval(loop.log.records) or {}
   return {
     'preset': cfg.preset,
     'optimizer': cfg.optimizer,
@@ -228,13 +229,16 @@ def _summarize(
     'steps': loop.done,
     'first_loss': losses[0] if losses else math.nan,
     'final_loss': float(np.mean(window)) if losses else math.nan,
-    'eval_loss': loop.eval_result.get('eval_loss'),
-    'eval_bpb': loop.eval_result.get('eval_bpb'),
+    'eval_loss': last_eval.get('eval_loss'),
+    'eval_bpb': last_eval.get('eval_bpb'),
+    'eval_step': last_eval.get('eval_step'),
     'tokens_per_s': tokens_per_s,
     'step_time_s_median': (
       statistics.median(step_times) if step_times else math.nan
     ),
     'mfu': perf.mfu(tokens_per_s, loop.flops_token, loop.peak),
+    'peak_tflops': loop.peak / 1e12 if loop.peak else None,
+    'peak_source': loop.peak_source,
     'host_bytes_per_param': by_kind['host'] / num_params,
     'device_bytes_per_param': by_kind['device'] / num_params,
     'wall_time_s': wall_s,
@@ -360,7 +364,7 @@ def _train_from(
   if start.step:
     log(f'resumed from {plan.checkpoint_dir} at step {start.step}')
   if loop.peak is None:
-    log('note: unknown peak FLOP/s for this device; MFU needs --peak-tflops')
+    log(f'note: MFU not shown: {loop.peak_source}')
   try:
     loop.run(cfg.progress and primary)
   finally:
@@ -375,21 +379,31 @@ def _train_from(
     (out_dir / SUMMARY_FILE).write_text(
       json.dumps(run_log.json_safe(summary), indent=2) + '\n'
     )
+  log(_end_line(cfg, loop, summary))
+  return summary
+
+
+def _end_line(
+  cfg: config_lib.Config, loop: loop_lib.TrainLoop, summary: dict[str, Any]
+) -> str:
+  """The ``done:`` (or ``stopped:``) line: losses, eval, speed, MFU."""
   eval_text = ''
   if summary['eval_loss'] is not None:
-    eval_text = (
-      f' | eval {summary["eval_loss"]:.4f} ({summary["eval_bpb"]:.3f} bpb)'
+    eval_text = ' | ' + loop_lib.eval_text(summary)
+  mfu_text = 'mfu n/a (no stated peak)'
+  if summary['peak_tflops']:
+    mfu_text = (
+      f'mfu {100 * summary["mfu"]:.2f}% of {summary["peak_tflops"]:,.4g} '
+      'TFLOP/s'
     )
-  log(
+  return (
     f'{"done" if loop.completed else "stopped"}: loss '
     f'{summary["first_loss"]:.4f} -> {summary["final_loss"]:.4f} (mean of '
     f'last {min(len(loop.log.records), cfg.final_loss_window)}){eval_text} | '
     f'steps {loop.done} | tokens {summary["total_tokens"]:,} | '
-    f'{summary["tokens_per_s"]:,.0f} tokens/s | mfu '
-    f'{100 * summary["mfu"]:.2f}% | {summary["wall_time_s"]:.1f}s | '
-    f'{loop.log.path}'
+    f'{summary["tokens_per_s"]:,.0f} tokens/s | {mfu_text} | '
+    f'{summary["wall_time_s"]:.1f}s | {loop.log.path}'
   )
-  return summary
 
 
 def _write_plot(cfg: config_lib.Config, out_dir: pathlib.Path) -> None:
@@ -397,10 +411,16 @@ def _write_plot(cfg: config_lib.Config, out_dir: pathlib.Path) -> None:
   from experiments.trainer import plotting
 
   records = run_log.read_metrics(out_dir / METRICS_FILE, math.inf)
+  evals = [
+    (r.get('eval_step', r['step'] + 1), r['eval_loss'])
+    for r in records
+    if r.get('eval_loss') is not None
+  ]
   plotting.plot_loss_curve(
     [r['step'] for r in records],
     [math.nan if r.get('loss') is None else r['loss'] for r in records],
     out_dir / PLOT_FILE,
+    evals=evals,
     title=(
       f'{cfg.preset} preset, {cfg.optimizer}, batch {cfg.batch_size}x'
       f'{cfg.seq_len}, mesh {cfg.mesh_data}x{cfg.mesh_seq}'
