@@ -40,6 +40,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import sys
 import threading
 import zlib
@@ -442,6 +443,37 @@ def _set_aside(directory: pathlib.Path, step: int) -> None:
   source = directory / str(step)
   if source.exists():
     os.replace(source, directory / f'.damaged-{step}-{stamp}')
+
+
+# Orbax's temporary step folder, "<step>.orbax-checkpoint-tmp" (with a
+# "-<timestamp>" suffix in some versions): a save stopped before its commit
+# leaves one behind.
+_ABANDONED_SAVE = re.compile(r'^(\d+)\.orbax-checkpoint-tmp')
+
+
+def clean_abandoned_saves(directory: str | os.PathLike[str]) -> list[str]:
+  """Removes the temporary folders of saves that never committed.
+
+  Opening a `RunCheckpointer` removes them too, silently; this names them
+  first, so a resumed run can say that a save was abandoned.
+
+  Args:
+    directory: A checkpoint folder (it may not exist).
+
+  Returns:
+    ``"step N (folder name)"`` per folder removed, by step.
+  """
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    return []
+  found = sorted(
+    (int(m.group(1)), path.name)
+    for path in directory.iterdir()
+    if (m := _ABANDONED_SAVE.match(path.name)) and path.is_dir()
+  )
+  for _, name in found:
+    shutil.rmtree(directory / name)
+  return [f'step {step} ({name})' for step, name in found]
 
 
 def relative_out_dir(

@@ -13,10 +13,14 @@ stops.
 import dataclasses
 import datetime
 import math
+import os
 import pathlib
 import signal
+import sys
 import threading
 import time
+import typing
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,15 +55,16 @@ def eval_text(record: dict[str, Any]) -> str:
 class StopOnSignal:
   """Turns SIGINT and SIGTERM into a request to stop after the current step.
 
-  Installed only in the main thread. The first signal is recorded and the
-  previous handlers are put back, so a second one acts as it would have
-  (SIGINT raises KeyboardInterrupt, SIGTERM terminates).
+  Installed only in the main thread. The first signal is recorded (the loop
+  then saves a checkpoint and stops); a second one calls `on_again` with
+  its number: the user does not want to wait for that save.
   """
 
   SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-  def __init__(self):
+  def __init__(self, on_again: Callable[[int], None]):
     self.signum: int | None = None
+    self._on_again = on_again
     self._previous: dict[int, Any] = {}
 
   def __enter__(self) -> 'StopOnSignal':
@@ -73,8 +78,10 @@ class StopOnSignal:
 
   def _handle(self, signum: int, frame: Any) -> None:
     del frame
-    self.signum = signum
-    self._restore()
+    if self.signum is None:
+      self.signum = signum
+    else:
+      self._on_again(signum)
 
   def _restore(self) -> None:
     for sig, handler in self._previous.items():
@@ -139,7 +146,9 @@ class TrainLoop:
       self.out_dir, start.step, cfg.tensorboard, plan.topology.primary
     )
     self.eval_result: dict[str, float] = {}
-    self.stop = StopOnSignal()
+    self.stop = StopOnSignal(self._abandon)
+    # The step whose checkpoint is being saved, if any.
+    self.saving: int | None = None
     self.sharding = NamedSharding(
       plan.mesh, P(steps_lib.DATA_AXIS, steps_lib.SEQ_AXIS)
     )
@@ -173,10 +182,40 @@ class TrainLoop:
       'fingerprint': self._fingerprint,
       'time': datetime.datetime.now().isoformat(timespec='seconds'),
     }
+    self.saving = step
     self.saver.save(step, self.t.state, meta)
     # The next step donates the state, whose buffers the save may still read.
     self.saver.wait()
+    self.saving = None
     self.last_saved = step
+
+  def _abandon(self, signum: int) -> typing.NoReturn:
+    """A second SIGINT or SIGTERM: one line, then exits at once.
+
+    A save in progress is abandoned where it is: Orbax leaves its temporary
+    folder, which the next ``--resume`` names and removes. Leaving by
+    `os._exit` skips the wait for Orbax's background thread (and the
+    traceback from inside it); the metrics are flushed line by line.
+    """
+    name = signal.Signals(signum).name
+    if self.saving is not None:
+      what = (
+        f'abandoned the save of step {self.saving} (the next --resume '
+        'removes what it wrote)'
+      )
+    else:
+      what = 'stopped without saving'
+    kept = (
+      f'the newest complete checkpoint is step {self.last_saved}'
+      if self.last_saved is not None
+      else 'no checkpoint was saved'
+    )
+    sys.stdout.flush()
+    sys.stderr.write(f'{name} again: {what}; {kept}\n')
+    sys.stderr.flush()
+    if self.plan.lock is not None:
+      self.plan.lock.release()
+    os._exit(128 + signum)
 
   def train_one(self) -> dict[str, Any]:
     """Runs one optimizer step (its micro-steps) and returns its record."""
@@ -293,12 +332,16 @@ class TrainLoop:
           self.save(done)
         if self.stop.signum is not None and done < cfg.steps:
           name = signal.Signals(self.stop.signum).name
-          bar.write(f'{name}: saving a checkpoint at step {done} and stopping')
+          again = 'Ctrl-C' if name == 'SIGINT' else name
+          bar.write(
+            f'{name}: saving a checkpoint at step {done} and stopping '
+            f'({again} again abandons the save)'
+          )
           self.save(done)
           break
-    bar.close()
-    if self.completed and (cfg.checkpoint_every or cfg.checkpoint_dir):
-      self.save(self.done)
+      bar.close()
+      if self.completed and (cfg.checkpoint_every or cfg.checkpoint_dir):
+        self.save(self.done)
 
   @property
   def completed(self) -> bool:

@@ -3,42 +3,47 @@ r"""Trains a byte-level decoder-only LM with SuperOffload, optax or device Adam.
 Usage (from the repository root)::
 
     python -m experiments.trainer --config configs/demo.py   # the default
-    python -m experiments.trainer --optimizer optax --steps 100
-    python -m experiments.trainer --preset tiny --data README.md
-    python -m experiments.trainer --steps 2000 --checkpoint-every 100 \
-        --checkpoint-dir ckpt
-    python -m experiments.trainer --steps 2000 --checkpoint-every 100 \
-        --checkpoint-dir ckpt --resume             # after a crash or SIGTERM
-    python -m experiments.trainer --preset tiny --mesh-data 2 --mesh-seq 2
+    python -m experiments.trainer --config.optimizer=optax --config.steps=100
+    python -m experiments.trainer --config tiny --config.data=README.md
+    python -m experiments.trainer --config.steps=2000 \
+        --config.checkpoint_every=100 --config.checkpoint_dir=ckpt
+    python -m experiments.trainer --config.steps=2000 \
+        --config.checkpoint_every=100 --config.checkpoint_dir=ckpt \
+        --config.resume                # after a crash, SIGINT or SIGTERM
+    python -m experiments.trainer --config tiny --config.mesh_data=2 \
+        --config.mesh_seq=2
 
-The run starts from a config file (``--config FILE``, or ``--preset NAME``
-for ``configs/NAME.py``; see `experiments.trainer.config`); each field flag
-overrides one field of it.
+The run starts from an ml_collections config file (``--config FILE``, or a
+name of ``configs/``); each ``--config.FIELD=VALUE`` overrides one field
+(see `experiments.trainer.config_cli`).
 
-Writes to the run folder (``--out-dir``, default ``runs/<timestamp>``):
-``config.json`` (grouped as ``--help`` groups the flags);
+Writes to the run folder (``out_dir``, default ``runs/<timestamp>``):
+``config.json`` (grouped as ``--help`` groups the fields);
 ``metrics.jsonl`` (one strict-JSON line per step: step, loss, lr,
 gradient, update and parameter norms, tokens/s, step time, MFU, and every
-``--eval-every`` steps the held-out loss and bits per byte;
+``eval_every`` steps the held-out loss and bits per byte;
 non-finite values are ``null``); TensorBoard event files beside it;
-``loss_curve.png``; with ``--profile-steps a:b`` a ``jax.profiler`` trace
-in ``profile/``; and, once all ``--steps`` are done, ``summary.json``.
+``loss_curve.png`` (with the evaluations); with ``profile_steps`` "a:b" a
+``jax.profiler`` trace in ``profile/``; and, once all ``steps`` are done,
+``summary.json``.
 
 Checkpoints (Orbax; model, optimizer state in its own memory kind and
 sharding, step, data position, config, checksums) go to
-``--checkpoint-dir`` (default ``<out_dir>/checkpoints``) every
-``--checkpoint-every`` steps, at the end when either flag is given, and
+``checkpoint_dir`` (default ``<out_dir>/checkpoints``) every
+``checkpoint_every`` steps, at the end when either flag is given, and
 whenever SIGINT or SIGTERM arrives (after the current step; the process then
-exits with 128 + the signal number). One trainer writes a checkpoint folder
-at a time (a lock file names the owner). ``--resume`` continues from the
-newest intact checkpoint (a damaged one is set aside, with one line saying
-so), in its run folder unless ``--out-dir`` says otherwise, bit-identically
-on CPU: ``--steps`` is the total, and ``metrics.jsonl`` is appended to,
-after dropping the lines of steps the checkpoint does not include.
+exits with 128 + the signal number; a second signal abandons that save, in
+one line, and the next ``resume`` names it as it removes its folder). One
+trainer writes a checkpoint folder at a time (a lock file names the owner).
+``resume`` continues from the newest intact checkpoint (a damaged one is set
+aside, with one line saying so), in its run folder unless ``out_dir`` says
+otherwise, bit-identically on CPU: ``steps`` is the total, and
+``metrics.jsonl`` is appended to, after dropping the lines of steps the
+checkpoint does not include.
 
-Mesh: ``--mesh-data`` x ``--mesh-seq`` devices with axes ``('data', 'seq')``;
+Mesh: ``mesh_data`` x ``mesh_seq`` devices with axes ``('data', 'seq')``;
 the batch is sharded over 'data', sequences over 'seq' (Ulysses attention),
-parameters are replicated, and ``--zero`` shards SuperOffload's host state
+parameters are replicated, and ``zero`` shards SuperOffload's host state
 over 'data'.
 
 Processes: with ``--coordinator HOST:PORT --num-processes N --process-id
@@ -146,6 +151,13 @@ def _restore(
   if not cfg.resume:
     return loop_lib.Start()
   fingerprint = checkpointing.model_fingerprint(cfg)
+  if plan.topology.primary and (
+    abandoned := checkpointing.clean_abandoned_saves(plan.checkpoint_dir)
+  ):
+    log(
+      'note: removed the unfinished save of an interrupted run: '
+      f'{"; ".join(abandoned)}'
+    )
   checkpointer = checkpointing.RunCheckpointer(
     plan.checkpoint_dir, cfg.checkpoint_keep
   )
