@@ -61,15 +61,23 @@ def _args(tmp: pathlib.Path) -> list[str]:
   ]
 
 
+# The trainers started, killed at the end of the module if still running.
+_STARTED: list[subprocess.Popen] = []
+
+
 def _start(tmp: pathlib.Path, name: str, *flags: str) -> subprocess.Popen:
-  log = open(tmp / f'{name}.out', 'w')  # noqa: SIM115 (the process's).
-  err = open(tmp / f'{name}.err', 'w')  # noqa: SIM115
-  return subprocess.Popen(
-    [sys.executable, '-c', _WRAPPER, str(tmp / 'hold'), *_args(tmp), *flags],
-    cwd=_ROOT,
-    stdout=log,
-    stderr=err,
-  )
+  with (
+    open(tmp / f'{name}.out', 'w') as out,
+    open(tmp / f'{name}.err', 'w') as err,
+  ):
+    proc = subprocess.Popen(
+      [sys.executable, '-c', _WRAPPER, str(tmp / 'hold'), *_args(tmp), *flags],
+      cwd=_ROOT,
+      stdout=out,
+      stderr=err,
+    )
+  _STARTED.append(proc)
+  return proc
 
 
 def _wait_for(proc: subprocess.Popen, ready, what: str) -> None:
@@ -88,7 +96,16 @@ def _steps_done(tmp: pathlib.Path) -> int:
 @pytest.fixture(scope='module')
 def double_interrupt(tmp_path_factory):
   """A run interrupted twice while saving, then resumed and stopped once."""
-  tmp = tmp_path_factory.mktemp('interrupts')
+  try:
+    yield _interrupt_twice_then_once(tmp_path_factory.mktemp('interrupts'))
+  finally:
+    for proc in _STARTED:  # Left running by a failure (a hang, say).
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _interrupt_twice_then_once(tmp: pathlib.Path):
   (tmp / 'corpus.txt').write_text(_CORPUS)
   ckpt = tmp / 'run' / 'checkpoints'
   first = _start(tmp, 'first')

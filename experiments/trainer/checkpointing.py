@@ -416,6 +416,7 @@ def restore_newest_intact(
     except Exception as e:
       reasons.append(f'step {step}: {_one_line(e)}')
       damaged.append(step)
+      _quiet_abandoned_reads()
       continue
     if damaged:
       if jax.process_index() == 0:
@@ -443,6 +444,37 @@ def _set_aside(directory: pathlib.Path, step: int) -> None:
   source = directory / str(step)
   if source.exists():
     os.replace(source, directory / f'.damaged-{step}-{stamp}')
+
+
+# What Orbax's reads abandoned by a failed restore raise when they end.
+_ABANDONED_READ_ERRORS = (
+  'Event loop is closed',
+  'Encountered error while reading array index',
+)
+
+
+def _quiet_abandoned_reads() -> None:
+  """Drops the noise of the reads that a failed restore left behind.
+
+  When one array of a restore fails, Orbax returns that error at once and
+  closes its event loop with the other arrays' reads still pending; as they
+  end or are collected, each raises "Event loop is closed" or "Encountered
+  error while reading array index" into `sys.unraisablehook`, an "Exception
+  ignored" traceback apiece, long after `restore_newest_intact` reported the
+  damage in one line. From the first failed restore on, this process's
+  hook drops those two and passes anything else on.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, 'drops_abandoned_reads', False):
+    return
+
+  def hook(unraisable: Any) -> None:
+    if str(unraisable.exc_value).startswith(_ABANDONED_READ_ERRORS):
+      return
+    previous(unraisable)
+
+  hook.drops_abandoned_reads = True
+  sys.unraisablehook = hook
 
 
 # Orbax's temporary step folder, "<step>.orbax-checkpoint-tmp" (with a

@@ -193,7 +193,6 @@ def get_config(preset: str = DEFAULT_PRESET, **overrides: Any) -> Config:
       f'no config named {preset!r}: one of {preset_names()}, or the path of '
       'a .py config file'
     )
-  cd = load_config_file(path)
-  for name, value in overrides.items():
-    cd[name] = value
-  return from_config_dict(cd, preset_of(path))
+  cfg = from_config_dict(load_config_file(path), preset_of(path))
+  # As given, unchecked: code may pass what the command line cannot.
+  return dataclasses.replace(cfg, **overrides)

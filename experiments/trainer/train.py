@@ -405,7 +405,7 @@ def _end_line(
   mfu_text = 'mfu n/a (no stated peak)'
   if summary['peak_tflops']:
     mfu_text = (
-      f'mfu {100 * summary["mfu"]:.2f}% of {summary["peak_tflops"]:,.4g} '
+      f'mfu {100 * summary["mfu"]:.2f}% of {summary["peak_tflops"]:,.3g} '
       'TFLOP/s'
     )
   return (
