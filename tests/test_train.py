@@ -456,12 +456,7 @@ def test_flops_and_peak_helpers():
   from experiments.trainer import perf
 
   assert perf.flops_per_token(100, 2, 8, 16) == 6 * 100 + 12 * 2 * 8 * 16
-  assert perf.table_peak_tflops('NVIDIA H200') == 989
-  assert perf.table_peak_tflops('NVIDIA H100 PCIe') == 756
-  assert perf.table_peak_tflops('TPU v5 lite') == 197
-  assert perf.table_peak_tflops('Some future chip') is None
-  assert perf.peak_flops(jax.devices()[:4], 2.0) == (2e12, 'config')
-  assert perf.measure_cpu_peak_tflops(seconds=0.05, n=64) > 0
+  # The peaks themselves: tests/test_trainer_metrics.py.
   assert np.isnan(perf.mfu(100.0, 1e6, None))
   assert perf.mfu(100.0, 1e6, 1e9) == pytest.approx(0.1)
 
