@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from experiments.trainer import checkpointing
 from experiments.trainer import config as config_lib
+from experiments.trainer import config_checks
 from experiments.trainer import perf
 from experiments.trainer import run_log
 from experiments.trainer import steps as steps_lib
@@ -102,7 +103,8 @@ class Profiler:
   """Traces steps a:b of ``--profile-steps`` with `jax.profiler`."""
 
   def __init__(self, spec: str | None, out_dir: pathlib.Path):
-    self.window = None if spec is None else config_lib.parse_profile_steps(spec)
+    parse = config_checks.parse_profile_steps
+    self.window = None if spec is None else parse(spec)
     self.path = out_dir / PROFILE_DIR
     self.active = False
 
