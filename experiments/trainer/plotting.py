@@ -27,10 +27,11 @@ def _plot_evals(ax, evals: Sequence[tuple[int, float]]) -> None:
     f'eval {ys[-1]:.3f} at step {xs[-1]}',
     (xs[-1], ys[-1]),
     textcoords='offset points',
-    xytext=(-6, 8),
+    xytext=(-6, 12),
     ha='right',
     fontsize=8,
     color='tab:orange',
+    bbox={'boxstyle': 'round,pad=0.2', 'fc': 'white', 'ec': 'none'},
   )
 
 
