@@ -1,10 +1,11 @@
 """The stream join target (issue 37) as Python calls it, on the CPU backend.
 
-On a GPU the join waits for the step's stream launches; on the CPU it is an
-identity whose every result aliases its operand (xla_ffi/stream_launch.h),
-so that the `stream` executor's CPU results stay bit for bit those of the
-starts alone. A call without the aliases is refused, since on a GPU the
-aliases are what keep the launches' buffers alive until the join.
+On a GPU the join waits for the step's stream launches, then copies the
+results they wrote in host memory to the device; on the CPU its aliased
+results are an identity and its copies plain copies (xla_ffi/stream_launch.h).
+Operands past those only order it. A call whose aliased results do not
+alias is refused: on a GPU the aliases are what keep the launches' device
+results alive until the join.
 """
 
 import jax
@@ -16,12 +17,13 @@ from jax_superoffload import _grace_adam
 from jax_superoffload._src.host import grace_adam
 
 
-def _join(*xs, aliased=True):
+def _join(*xs, aliased=True, copies=(), extra=()):
+  results = [*xs, *copies]
   return jax.ffi.ffi_call(
     grace_adam.STREAM_JOIN_TARGET,
-    [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs],
+    [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in results],
     input_output_aliases={i: i for i in range(len(xs))} if aliased else None,
-  )(*xs)
+  )(*xs, *copies, *extra, copies=np.int64(len(copies)))
 
 
 def _operands():
@@ -53,6 +55,20 @@ def test_join_results_feed_later_computation():
     return y + 1.0
 
   assert np.asarray(step(x)).tobytes() == np.asarray(x * 3.0 + 1.0).tobytes()
+
+
+def test_join_copies_and_ordering_operands():
+  xs, host = _operands()[:2], _operands()[3:]
+  barrier = jnp.int32(-7)
+
+  @jax.jit
+  def join(xs, host, barrier):
+    return _join(*xs, copies=host, extra=(barrier, xs[0]))
+
+  got = join(xs, host, barrier)
+  assert len(got) == len(xs) + len(host)
+  for x, y in zip((*xs, *host), got, strict=True):
+    assert np.asarray(y).tobytes() == np.asarray(x).tobytes()
 
 
 def test_join_without_aliases_is_refused():

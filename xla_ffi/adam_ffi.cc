@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -494,31 +495,41 @@ ffi::Error StreamRoofline(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
   return ffi::Error::Success();
 }
 
-// The join on the CPU: every result aliases its operand, nothing to do.
-ffi::Error StreamJoinOnCpu(ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  return CheckJoinAliases(args, rets);
+// The join on the CPU: the aliased results are there already; the copies
+// are plain copies (every step has run before its call returned).
+ffi::Error StreamJoinOnCpu(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                           int64_t copies) {
+  std::vector<JoinCopy> copied;
+  JSO_RETURN_IF_ERROR(CheckJoin(args, rets, copies, &copied));
+  for (const JoinCopy& c : copied) std::memcpy(c.device, c.host, c.bytes);
+  return ffi::Error::Success();
 }
 
-// The join from a CUDA stream (StreamLaunches::Join): its operands are the
-// buffers the step's launches read or write, aliased to its results so
-// that XLA keeps them until the compute stream has waited for the launches.
+// The join from a CUDA stream (StreamLaunches::Join): its aliased operands
+// are the launches' device results, which XLA keeps until the compute
+// stream has waited for the launches; its copies bring results the steps
+// wrote in host memory to the device after that wait.
 ffi::Error StreamJoin(void* stream, ffi::RemainingArgs args,
-                      ffi::RemainingRets rets) {
-  ffi::Error joined = StreamLaunches::Process().Join(stream);
-  JSO_RETURN_IF_ERROR(joined);
-  return CheckJoinAliases(args, rets);
+                      ffi::RemainingRets rets, int64_t copies) {
+  std::vector<JoinCopy> copied;
+  JSO_RETURN_IF_ERROR(CheckJoin(args, rets, copies, &copied));
+  return StreamLaunches::Process().Join(stream, copied);
 }
 
 }  // namespace
 }  // namespace jax_superoffload
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamJoin, jax_superoffload::StreamJoinOnCpu,
-                              ffi::Ffi::Bind().RemainingArgs().RemainingRets());
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("copies"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamJoinStream, jax_superoffload::StreamJoin,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .RemainingArgs()
-                                  .RemainingRets());
+                                  .RemainingRets()
+                                  .Attr<int64_t>("copies"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamRoofline,
                               jax_superoffload::StreamRoofline,

@@ -271,7 +271,7 @@ void Context::Release(int slot) {
 ffi::Error Context::Enqueue(void* stream, const std::vector<OnStream::Copy>& in,
                             const std::shared_ptr<Pending>& p) {
   std::lock_guard<std::mutex> lock(mutex);
-  if (free_events.empty()) {
+  while (free_events.size() < 2) {
     void* event = nullptr;
     if (int code = driver->event_create(&event, kEventDisableTiming)) {
       return DriverFailure(*driver, "cuEventCreate", code);
@@ -281,8 +281,11 @@ ffi::Error Context::Enqueue(void* stream, const std::vector<OnStream::Copy>& in,
   }
   p->done = free_events.back();
   free_events.pop_back();
+  p->copied = free_events.back();
+  free_events.pop_back();
   auto fail = [&](const char* what, int code) {
     free_events.push_back(p->done);
+    free_events.push_back(p->copied);
     return DriverFailure(*driver, what, code);
   };
   if (int code = driver->event_record(ready, stream)) {
@@ -295,6 +298,15 @@ ffi::Error Context::Enqueue(void* stream, const std::vector<OnStream::Copy>& in,
     if (int code = driver->copy_to_host(c.host, c.device, c.bytes, side)) {
       return fail("cuMemcpyDtoHAsync", code);
     }
+  }
+  // XLA takes the start call's operands as read when the call returns and
+  // may reuse their buffers in stream order: the compute stream goes on
+  // only once they are in staging (the step itself it does not wait for).
+  if (int code = driver->event_record(p->copied, side)) {
+    return fail("cuEventRecord", code);
+  }
+  if (int code = driver->stream_wait_event(stream, p->copied, 0)) {
+    return fail("cuStreamWaitEvent", code);
   }
   std::vector<std::shared_ptr<Pending>>& launches = streams[stream].launches;
   queue.push_back(p);
@@ -333,7 +345,10 @@ ffi::Error Context::Join(void* stream) {
   }
   {
     std::lock_guard<std::mutex> lock(mutex);
-    for (const auto& p : launches) free_events.push_back(p->done);
+    for (const auto& p : launches) {
+      free_events.push_back(p->done);
+      free_events.push_back(p->copied);
+    }
   }
   if (error.empty()) return ffi::Error::Success();
   return ffi::Error(ffi::ErrorCode::kInternal, error);

@@ -75,6 +75,10 @@ struct Pending {
   std::vector<OnStream::Copy> out;
   int slot = -1;
   void* done = nullptr;        // Recorded on the side stream when handled.
+  // Recorded on the side stream after the copies to staging; the compute
+  // stream waits for it (not for the step), so XLA may reuse what was
+  // copied as soon as the start call is behind it.
+  void* copied = nullptr;
   bool reached = false;        // The side stream ran its host function.
   bool handled = false;        // The worker ran (or skipped) it.
   bool done_recorded = false;  // `done` was recorded.

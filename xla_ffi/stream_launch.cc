@@ -170,7 +170,8 @@ int64_t StreamLaunches::staging_allocations() const {
   return total;
 }
 
-ffi::Error StreamLaunches::Join(void* stream) {
+ffi::Error StreamLaunches::Join(void* stream,
+                                const std::vector<JoinCopy>& copies) {
   if (driver_ == nullptr) {
     return ffi::Error(ffi::ErrorCode::kUnavailable,
                       "jax_superoffload: no CUDA driver for a stream join");
@@ -180,28 +181,48 @@ ffi::Error StreamLaunches::Join(void* stream) {
   if (int code = driver_->stream_get_ctx(stream, &cuda_context)) {
     return DriverFailure(*driver_, "cuStreamGetCtx", code);
   }
-  Context* context = FindContext(cuda_context);
-  if (context == nullptr) return ffi::Error::Success();  // Nothing started.
   CurrentContext current(*driver_, cuda_context);
   if (!current.ok()) return ffi::Error::Internal(current.error());
-  return context->Join(stream);
+  if (Context* context = FindContext(cuda_context)) {
+    JSO_RETURN_IF_ERROR(context->Join(stream));
+  }
+  for (const JoinCopy& c : copies) {
+    const auto device = reinterpret_cast<uint64_t>(c.device);
+    if (int code = driver_->copy_to_device(device, c.host, c.bytes, stream)) {
+      return DriverFailure(*driver_, "cuMemcpyHtoDAsync", code);
+    }
+  }
+  return ffi::Error::Success();
 }
 
-ffi::Error CheckJoinAliases(ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  if (args.size() != rets.size()) {
-    return InvalidArgument("a stream join has " + std::to_string(args.size()) +
-                           " operands and " + std::to_string(rets.size()) +
-                           " results: each result must alias its operand");
+ffi::Error CheckJoin(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                     int64_t copies, std::vector<JoinCopy>* out) {
+  const int64_t aliased = static_cast<int64_t>(rets.size()) - copies;
+  if (copies < 0 || aliased < 0 ||
+      args.size() < static_cast<size_t>(aliased + copies)) {
+    return InvalidArgument(
+        "a stream join has " + std::to_string(args.size()) + " operands, " +
+        std::to_string(rets.size()) + " results and copies=" +
+        std::to_string(copies) + ": it needs a result per aliased operand "
+        "and per copied one");
   }
-  for (size_t i = 0; i < args.size(); ++i) {
+  for (int64_t i = 0; i < aliased + copies; ++i) {
     auto arg = args.get<ffi::AnyBuffer>(i);
     auto ret = rets.get<ffi::AnyBuffer>(i);
     if (arg.has_error() || ret.has_error() ||
-        arg->untyped_data() != (*ret)->untyped_data() ||
         arg->size_bytes() != (*ret)->size_bytes()) {
+      return InvalidArgument("result " + std::to_string(i) +
+                             " of a stream join differs from operand " +
+                             std::to_string(i) + " in size");
+    }
+    if (i < aliased && arg->untyped_data() != (*ret)->untyped_data()) {
       return InvalidArgument("result " + std::to_string(i) +
                              " of a stream join must alias operand " +
                              std::to_string(i) + " (input_output_aliases)");
+    }
+    if (i >= aliased) {
+      out->push_back(JoinCopy{(*ret)->untyped_data(), arg->untyped_data(),
+                              arg->size_bytes()});
     }
   }
   return ffi::Error::Success();

@@ -235,9 +235,6 @@ def _as_is(x: jax.Array) -> jax.Array:
   return x
 
 
-STREAM_JOIN_TARGET = 'jax_superoffload_stream_join'
-
-
 class StreamPlace:
   """The `Place` of the handlers ordered on a GPU stream.
 
