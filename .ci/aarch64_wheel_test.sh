@@ -4,9 +4,10 @@
 # - the wheel: `auditwheel show` (tag, external symbol versions), and that
 #   its module is an aarch64 ELF (readelf -h) exporting PyInit__grace_adam
 #   and byte-identical to the one in the build tree;
-# - the kernel: the C++ tests of that build tree (same cross compiler, same
-#   flags, linked against the same kernel archive as the wheel's module) run
-#   under qemu-user with --quick, on a CPU without SVE (the NEON path), with
+# - the kernel: the C++ tests of that build tree (the same Zig toolchain for
+#   glibc 2.27, same flags, linked against the same kernel archive and the
+#   same static libstdc++ as the wheel's module) run under qemu-user, on
+#   Debian's aarch64 glibc (newer than the 2.27 they target), with --quick, on a CPU without SVE (the NEON path), with
 #   128-bit SVE (Grace's vector length; the SVE path, chosen at run time as
 #   on the real machine) and with 512-bit SVE (the widest the kernel's
 #   predicated loops are checked at).
