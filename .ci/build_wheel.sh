@@ -65,6 +65,22 @@ print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requ
   echo "$base" >"$stamp"
 }
 
+# pyconfig_shim DIR ARCH: the Python headers are the build machine's: under
+# the stable ABI the module reads from them only what x86-64 and aarch64
+# Linux share (LP64 type sizes). A Debian Python picks its pyconfig.h by
+# target architecture from the system's include directory, which Zig does
+# not search: its x86-64 pyconfig.h is placed in DIR where ARCH's looks.
+pyconfig_shim() {
+  local include version
+  include="$("$py" -c 'import sysconfig; print(sysconfig.get_path("include"))')"
+  version="$("$py" -c 'import sys; print("python%d.%d" % sys.version_info[:2])')"
+  if grep -q "x86_64-linux-gnu/$version/pyconfig.h" "$include/pyconfig.h"; then
+    mkdir -p "$1/$2-linux-gnu/$version"
+    cp "/usr/include/x86_64-linux-gnu/$version/pyconfig.h" \
+      "$1/$2-linux-gnu/$version/"
+  fi
+}
+
 # The Zig toolchain of one architecture, in build/zig-ARCH: `c++` (Zig's
 # clang for ARCH-linux-gnu.2.27), `ar` and `ranlib` (LLVM's, which index
 # archives of either architecture), and a CMake toolchain file naming them.
@@ -92,11 +108,6 @@ print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requ
 #   it and glibc_compat.o defines a hidden copy that stays 0 ("not
 #   single-threaded"): reference counts are then always atomic, as libstdc++
 #   makes them on a glibc older than 2.32 once threads can exist.
-# - The Python headers are the build machine's: under the stable ABI the
-#   module reads from them only what x86-64 and aarch64 Linux share (LP64
-#   type sizes). A Debian Python picks its pyconfig.h by target architecture
-#   from the system's include directory, which Zig does not search: its
-#   x86-64 pyconfig.h is placed where either architecture's compiler looks.
 zig_toolchain() {
   local arch=$1 dir="$PWD/build/zig-$1" gxx=g++ zig_py
   [[ "$arch" == aarch64 ]] && gxx=aarch64-linux-gnu-g++
@@ -116,17 +127,10 @@ SHIM
 // Never claims a single thread: libstdc++'s reference counts stay atomic.
 extern "C" __attribute__((visibility("hidden"))) char __libc_single_threaded = 0;
 COMPAT
-  local include version flags=(-I"$dir/include")
-  include="$("$py" -c 'import sysconfig; print(sysconfig.get_path("include"))')"
-  version="$("$py" -c 'import sys; print("python%d.%d" % sys.version_info[:2])')"
-  if grep -q "x86_64-linux-gnu/$version/pyconfig.h" "$include/pyconfig.h"; then
-    mkdir -p "$dir/include/$arch-linux-gnu/$version"
-    cp "/usr/include/x86_64-linux-gnu/$version/pyconfig.h" \
-      "$dir/include/$arch-linux-gnu/$version/"
-  fi
+  pyconfig_shim "$dir/include" "$arch"
+  local flags=(-I"$dir/include") line
   # -I, not -isystem: Zig puts its libc headers first among the system
   # directories, and libstdc++'s must come before them (#include_next).
-  local line
   while read -r line; do
     [[ "$line" == */c++/* ]] && flags+=(-I"$line")
   done < <("$gxx" -x c++ -E -v - </dev/null 2>&1 |
@@ -154,14 +158,13 @@ COMPAT
     echo "set(CMAKE_RANLIB $dir/ranlib CACHE FILEPATH \"\")"
     echo "set(CMAKE_CXX_STANDARD_LIBRARIES \"$dir/glibc_compat.o $libstdcxx $libgcc_s\")"
     echo "set(CMAKE_EXE_LINKER_FLAGS_INIT -Wl,--allow-shlib-undefined)"
+    echo "set(JSO_SVE_FLAGS -mcpu=generic+v8_2a+sve)"
   } >"$dir/toolchain.cmake"
 }
 
 build() {  # build ARCH: one wheel, repaired into $WHEEL_DIR and shown.
   local arch=$1 raw="build/wheel-raw/$1"
   local env=() args=(-Cbuild-dir="build/wheel-$arch")
-  # A fresh build tree: CMake keeps the compiler of its first configure.
-  rm -rf "build/wheel-$arch"
   case "$arch" in
     x86_64) [[ "$(uname -m)" == x86_64 ]] || { echo "x86_64 builds on x86-64 only" >&2; exit 1; } ;;
     aarch64)
