@@ -81,6 +81,13 @@ pyconfig_shim() {
   fi
 }
 
+# keep_if_same FILE: writes stdin to FILE unless FILE holds it already, so
+# that a kept build tree does not compile again for a header rewritten.
+keep_if_same() {
+  cat >"$1.new"
+  if cmp -s "$1.new" "$1"; then rm "$1.new"; else mv "$1.new" "$1"; fi
+}
+
 # The Zig toolchain of one architecture, in build/zig-ARCH: `c++` (Zig's
 # clang for ARCH-linux-gnu.2.27), `ar` and `ranlib` (LLVM's, which index
 # archives of either architecture), and a CMake toolchain file naming them.
@@ -115,15 +122,14 @@ zig_toolchain() {
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
       "$([[ "$arch" == aarch64 ]] && echo g++-aarch64-linux-gnu || echo g++)"
   fi
-  rm -rf "$dir"
   mkdir -p "$dir/include/sys"
-  cat >"$dir/include/sys/single_threaded.h" <<'SHIM'
+  keep_if_same "$dir/include/sys/single_threaded.h" <<'SHIM'
 // glibc 2.32's <sys/single_threaded.h> for a glibc 2.27 target: the flag is
 // glibc_compat.o's (.ci/build_wheel.sh).
 #pragma once
 extern "C" char __libc_single_threaded;
 SHIM
-  cat >"$dir/glibc_compat.cc" <<'COMPAT'
+  keep_if_same "$dir/glibc_compat.cc" <<'COMPAT'
 // Never claims a single thread: libstdc++'s reference counts stay atomic.
 extern "C" __attribute__((visibility("hidden"))) char __libc_single_threaded = 0;
 COMPAT
