@@ -122,9 +122,12 @@ bench: $(STAMP)
 	$(PY) -m experiments.benchmarks.bench_adam
 	$(PY) -m experiments.benchmarks.bench_step
 
-# One cp311-abi3 wheel per architecture (every CPython from 3.11 on), built
-# against the oldest supported jaxlib's FFI headers, repaired and checked
-# with auditwheel; aarch64 is cross-compiled. See .ci/build_wheel.sh.
+# One cp311-abi3 wheel per architecture (every CPython from 3.11 on), tagged
+# manylinux_2_27 as jaxlib's are: compiled by Zig's clang for glibc 2.27,
+# libstdc++ linked statically, against the oldest supported jaxlib's FFI
+# headers; repaired and checked with auditwheel and
+# .ci/check_symbol_versions.py; aarch64 is cross-compiled. See
+# .ci/build_wheel.sh.
 # WHEEL_PYTHON: the Python (>= 3.11) of the build venv, build/wheel-venv.
 WHEEL_PYTHON ?= $(PYTHON)
 WHEEL_ARCHS ?= x86_64 aarch64
