@@ -181,10 +181,10 @@ def device_edge(
       hi = n
     if lo is not None and hi == lo + 1:
       break
-    if lo == n and n + 1 not in probes:
-      n += 1  # The confirmation: n + 1 must not fit.
-    else:
-      n = _clamp(Line.through(anchor, (n, probes[n])).largest(budget), lo, hi)
+    guess = Line.through(anchor, (n, probes[n])).largest(budget)
+    if lo == n and (guess is None or guess <= n):
+      guess = n + 1  # The confirmation: n + 1 must not fit.
+    n = _clamp(guess, lo, hi)
   return dict(
     layers=lo, confirmed=lo is not None and hi == lo + 1, probes=probes
   )
@@ -301,48 +301,65 @@ def _planner_layers(spec: Spec, fit: dict, gpu: str, args: Any) -> int:
   return lo
 
 
+def _edge(
+  spec: Spec, gpu: str, fit: dict, compiles: Compiles, args: Any, edges: dict
+) -> dict[str, Any]:
+  """The device edge of `spec` on `gpu`, or one already found for the same.
+
+  Moments live on the host: where the device lines of two specs are the
+  same to the byte, the edge compiled for the first stands for both.
+  """
+  key = (gpu, spec.optimizer, spec.param_dtype, fit['device'], fit['anchor'])
+  if key not in edges:
+
+    def probe(n: int) -> float:
+      return memory_bytes(compiles.get(case_fields(spec, n, gpu, args)))
+
+    budget = gpu_targets.TARGETS[gpu].budget_bytes
+    edge = device_edge(probe, fit['device'], fit['anchor'], budget)
+    edges[key] = {**edge, 'spec': spec}
+  return edges[key]
+
+
 def capacity_row(
-  spec: Spec, gpu: str, compiles: Compiles, args: Any
+  spec: Spec, gpu: str, compiles: Compiles, args: Any, edges: dict
 ) -> dict[str, Any]:
   """One row of the table: compiled edges, host cap, planner beside them."""
   fit = _fit(spec, compiles, args)
-  target = gpu_targets.TARGETS[gpu]
-
-  def probe(n: int) -> float:
-    return memory_bytes(compiles.get(case_fields(spec, n, gpu, args)))
-
-  edge = device_edge(probe, fit['device'], fit['anchor'], target.budget_bytes)
-  host_layers = fit['host'].largest(target.host_bytes)
+  edge = _edge(spec, gpu, fit, compiles, args, edges)
+  own = edge['spec'] == spec
+  host_layers = fit['host'].largest(gpu_targets.TARGETS[gpu].host_bytes)
   n = edge['layers']
   if host_layers is not None and host_layers < n:
     n = host_layers
-  at_n = (
-    compiles.get(case_fields(spec, n, gpu, args))
-    if n in (edge['probes'])
-    else None
-  )
-  cfg = _trainer_config(case_fields(spec, n, gpu, args))
-  params = round(fit['params'].at(n))
-  host_line_error = max(
-    abs(
-      memory_bytes(compiles.get(case_fields(spec, k, gpu, args)), 'host_')
-      - fit['host'].at(k)
+  at_n = None
+  if own and n in edge['probes']:
+    at_n = compiles.get(case_fields(spec, n, gpu, args))
+  host_error = None
+  if own:
+    host_error = max(
+      abs(
+        memory_bytes(compiles.get(case_fields(spec, k, gpu, args)), 'host_')
+        - fit['host'].at(k)
+      )
+      for k in edge['probes']
     )
-    for k in edge['probes']
-  )
+  params = round(fit['params'].at(n))
+  cfg = _trainer_config(case_fields(spec, n, gpu, args))
   return dict(
     gpu=gpu,
     label=spec.label,
     spec=dataclasses.asdict(spec),
     device_layers=edge['layers'],
     confirmed=edge['confirmed'],
+    edge_compiled_for=edge['spec'].label,
     probes=edge['probes'],
     device_line=dataclasses.asdict(fit['device']),
     device_line_error=max(
       abs(b - fit['device'].at(k)) for k, b in edge['probes'].items()
     ),
     host_line=dataclasses.asdict(fit['host']),
-    host_line_error=host_line_error,
+    host_line_error=host_error,
     host_layers=host_layers,
     capped_by='host' if n != edge['layers'] else 'device',
     layers=n,
@@ -409,11 +426,12 @@ def main(args: Any) -> int:
     path.write_text(json.dumps(data, indent=1) + '\n')
 
   compiles = Compiles(path, args.timeout, save)
+  edges: dict = {}
   for gpu in args.gpu.split(','):
     if gpu not in gpu_targets.TARGETS:
       raise SystemExit(f'--gpu {gpu}: one of {sorted(gpu_targets.TARGETS)}')
     for spec in SPECS:
-      rows.append(capacity_row(spec, gpu, compiles, args))
+      rows.append(capacity_row(spec, gpu, compiles, args, edges))
       print(table(rows[-1:]).splitlines()[1], flush=True)
       save()
   print(table(rows))
