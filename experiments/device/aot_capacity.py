@@ -282,6 +282,7 @@ def _fit(spec: Spec, compiles: Compiles, args: Any) -> dict[str, Any]:
     host=line(lambda r: memory_bytes(r, 'host_')),
     params=line(lambda r: r['num_params']),
     anchor=(points[-1][0], memory_bytes(points[-1][1])),
+    host_anchor=(points[-1][0], memory_bytes(points[-1][1], 'host_')),
   )
 
 
@@ -321,29 +322,40 @@ def _edge(
   return edges[key]
 
 
+def _host_edge(
+  spec: Spec, gpu: str, fit: dict, compiles: Compiles, args: Any
+) -> dict[str, Any] | None:
+  """The host edge, compiled (as the device one) where it comes first."""
+  budget = gpu_targets.TARGETS[gpu].host_bytes
+  guess = fit['host'].largest(budget)
+  if guess is None or guess >= fit['device'].largest(
+    gpu_targets.TARGETS[gpu].budget_bytes
+  ):
+    return None
+
+  def probe(n: int) -> float:
+    result = compiles.get(case_fields(spec, n, gpu, args))
+    return memory_bytes(result, 'host_')
+
+  return device_edge(probe, fit['host'], fit['host_anchor'], budget)
+
+
 def capacity_row(
   spec: Spec, gpu: str, compiles: Compiles, args: Any, edges: dict
 ) -> dict[str, Any]:
   """One row of the table: compiled edges, host cap, planner beside them."""
   fit = _fit(spec, compiles, args)
   edge = _edge(spec, gpu, fit, compiles, args, edges)
-  own = edge['spec'] == spec
-  host_layers = fit['host'].largest(gpu_targets.TARGETS[gpu].host_bytes)
-  n = edge['layers']
-  if host_layers is not None and host_layers < n:
-    n = host_layers
-  at_n = None
-  if own and n in edge['probes']:
-    at_n = compiles.get(case_fields(spec, n, gpu, args))
-  host_error = None
-  if own:
-    host_error = max(
-      abs(
-        memory_bytes(compiles.get(case_fields(spec, k, gpu, args)), 'host_')
-        - fit['host'].at(k)
-      )
-      for k in edge['probes']
-    )
+  host = _host_edge(spec, gpu, fit, compiles, args)
+  n, confirmed = edge['layers'], edge['confirmed']
+  if host is not None and host['layers'] < n:
+    n, confirmed = host['layers'], host['confirmed'] and confirmed
+  own = {k for k in edge['probes'] if edge['spec'] == spec}
+  own |= set(host['probes'] if host else ())
+  at_n = compiles.get(case_fields(spec, n, gpu, args)) if n in own else None
+  host_bytes = lambda k: memory_bytes(  # noqa: E731
+    compiles.get(case_fields(spec, k, gpu, args)), 'host_'
+  )
   params = round(fit['params'].at(n))
   cfg = _trainer_config(case_fields(spec, n, gpu, args))
   return dict(
@@ -351,7 +363,7 @@ def capacity_row(
     label=spec.label,
     spec=dataclasses.asdict(spec),
     device_layers=edge['layers'],
-    confirmed=edge['confirmed'],
+    confirmed=confirmed,
     edge_compiled_for=edge['spec'].label,
     probes=edge['probes'],
     device_line=dataclasses.asdict(fit['device']),
@@ -359,8 +371,13 @@ def capacity_row(
       abs(b - fit['device'].at(k)) for k, b in edge['probes'].items()
     ),
     host_line=dataclasses.asdict(fit['host']),
-    host_line_error=host_error,
-    host_layers=host_layers,
+    host_line_error=max(
+      (abs(host_bytes(k) - fit['host'].at(k)) for k in own), default=None
+    ),
+    host_layers=host['layers']
+    if host
+    else fit['host'].largest(gpu_targets.TARGETS[gpu].host_bytes),
+    host_probes=host['probes'] if host else {},
     capped_by='host' if n != edge['layers'] else 'device',
     layers=n,
     params=params,
