@@ -3,7 +3,7 @@
 The trainer's scanned step is compiled for an H200 without a GPU
 (`experiments.device.aot`) at the harness's small widths, with two and four
 layers, for optax.adamw (fp32 parameters) and superoffload's `stream`
-executor (bf16 parameters). `aot_capacity.predict` asks the planner about
+executor (bf16 parameters). `aot_planner.predict` asks the planner about
 the same step. What the planner models as the compiled program does, it
 must predict within 10%: the host bytes (the state and the returned
 weights) and the device bytes each layer adds (weights, gradients, the
@@ -22,6 +22,7 @@ import pytest
 
 from experiments.device import aot
 from experiments.device import aot_capacity
+from experiments.device import aot_planner
 from tests import test_gpu_compile
 
 pytestmark = pytest.mark.aot
@@ -43,8 +44,8 @@ def compiled(name: str, layers: int, cast: str = 'host') -> tuple[dict, dict]:
     fields['overrides'].append(['cast', cast])
   result = aot.run_case(fields, timeout=900)
   assert result['compiles'], result.get('error')
-  cfg = aot_capacity._trainer_config(fields)
-  return result, aot_capacity.predict(cfg, result['num_params'], 'h200')
+  cfg = aot_planner.trainer_config(fields)
+  return result, aot_planner.predict(cfg, result['num_params'], 'h200')
 
 
 @pytest.mark.parametrize(

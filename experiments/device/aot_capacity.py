@@ -18,7 +18,7 @@ same way on the host bytes (the host step's returned weights grow a little
 faster than the line: 1.83 B/param at 16 and 64 layers, 2.0 at 572).
 
 Beside each row: the planner's prediction (`jax_superoffload.plan` on the
-trainer's model, `planner_spec`) of the device and host bytes at that layer
+trainer's model, `aot_planner`) of the device and host bytes at that layer
 count and of the largest layer count that fits. Every compile is kept in
 the JSON and reused on the next run (same case fields, same JAX).
 No GPU runs: these are compiled bytes, not a measured step.
@@ -32,12 +32,10 @@ import math
 import pathlib
 from typing import Any
 
-import jax_superoffload as superoffload
 from experiments.device import aot
+from experiments.device import aot_planner
 from experiments.device import aot_steps
 from experiments.device import gpu_targets
-from experiments.trainer import config as config_lib
-from jax_superoffload._src.planning import hardware
 
 # Two layer counts far below every budget: the line is fitted through them.
 FIT_LAYERS = (16, 64)
@@ -191,86 +189,6 @@ def device_edge(
   )
 
 
-def planner_profile(gpu: str) -> hardware.HardwareProfile:
-  """The planner's profile of `gpu` with the harness's budgets, no reserve."""
-  base = {
-    'h100': hardware.H100_PCIE,
-    'h200': hardware.H200_PCIE,
-    'gh200': hardware.GH200,
-  }[gpu]
-  target = gpu_targets.TARGETS[gpu]
-  return dataclasses.replace(
-    base,
-    name=f'{target.name}, {target.host}',
-    device_memory_gb=target.budget_bytes / 1e9,
-    host_memory_gb=target.host_bytes / 1e9,
-    device_memory_reserve=0.0,
-    host_memory_reserve=0.0,
-  )
-
-
-def planner_spec(cfg: config_lib.Config, params: int) -> superoffload.ModelSpec:
-  """The trainer's model as the planner sees it.
-
-  bf16 or fp32 activations as `cfg.dtype`; checkpointed when the layers
-  are scanned (`weight_flow_scan` rematerializes each block, keeping its
-  input); attention as `jax.nn.dot_product_attention` computes it by
-  default, with its scores materialized (not flash attention).
-  """
-  return superoffload.ModelSpec(
-    params=params,
-    layers=cfg.num_layers,
-    hidden=cfg.d_model,
-    seq_len=cfg.seq_len,
-    batch=cfg.batch_size,
-    heads=cfg.num_heads,
-    vocab=cfg.vocab_size,
-    bytes_per_activation=2 if cfg.dtype != 'float32' else 4,
-    activation_checkpointing=cfg.scan_layers,
-    flash_attention=False,
-  )
-
-
-def predict(cfg: config_lib.Config, params: int, gpu: str) -> dict[str, Any]:
-  """The planner's device bytes, host bytes and fit for the trainer's step.
-
-  optax's step is the planner's device-resident Adam reference; the
-  superoffload step is the plan with the trainer's policies: its weights
-  policy, cast side, bucket size, device buckets, moments, and STV armed
-  when it clips or skips non-finite steps.
-  """
-  spec, hw = planner_spec(cfg, params), planner_profile(gpu)
-  if cfg.device_buckets:
-    raise ValueError(
-      f'device_buckets={cfg.device_buckets}: the comparison covers the '
-      "trainer's default, no device buckets"
-    )
-  if cfg.optimizer == 'optax':
-    p = superoffload.plan(spec, hw, moments='fp32').device_adam
-  else:
-    bucket = 'auto'
-    if cfg.bucket_mib is not None:
-      bucket = int(cfg.bucket_mib * 2**20) // 4
-    p = superoffload.plan(
-      spec,
-      hw,
-      weights=cfg.weights_policy,
-      cast=cfg.cast,
-      bucket_elements=bucket,
-      device_buckets=0,
-      stv=cfg.clip_norm is not None or cfg.skip_nonfinite,
-      moments=cfg.moments,
-    )
-  return dict(device=p.device_bytes, host=p.host_bytes, fits=p.fits)
-
-
-def _trainer_config(fields: dict[str, Any]) -> config_lib.Config:
-  case = aot_steps.Case(
-    **{**fields, 'overrides': tuple(map(tuple, fields['overrides']))}
-  )
-  return aot_steps.trainer_config(case)
-
-
 def _fit(spec: Spec, compiles: Compiles, args: Any) -> dict[str, Any]:
   """The device, host and parameter lines of `spec` from its fit compiles."""
   points = []
@@ -291,8 +209,8 @@ def _planner_layers(spec: Spec, fit: dict, gpu: str, args: Any) -> int:
   """The largest layer count the planner says fits (bisection)."""
 
   def fits(n: int) -> bool:
-    cfg = _trainer_config(case_fields(spec, n, gpu, args))
-    return predict(cfg, round(fit['params'].at(n)), gpu)['fits']
+    cfg = aot_planner.trainer_config(case_fields(spec, n, gpu, args))
+    return aot_planner.predict(cfg, round(fit['params'].at(n)), gpu)['fits']
 
   lo, hi = 0, 1
   while fits(hi):
@@ -358,7 +276,7 @@ def capacity_row(
     compiles.get(case_fields(spec, k, gpu, args)), 'host_'
   )
   params = round(fit['params'].at(n))
-  cfg = _trainer_config(case_fields(spec, n, gpu, args))
+  cfg = aot_planner.trainer_config(case_fields(spec, n, gpu, args))
   return dict(
     gpu=gpu,
     label=spec.label,
@@ -382,11 +300,15 @@ def capacity_row(
     capped_by='host' if n != edge['layers'] else 'device',
     layers=n,
     params=params,
-    device_bytes=memory_bytes(at_n) if at_n else fit['device'].at(n),
+    # A shared edge's compile has this spec's device bytes, not its host's.
+    device_bytes=memory_bytes(at_n)
+    if at_n
+    else edge['probes'].get(n, fit['device'].at(n)),
+    device_compiled=at_n is not None or n in edge['probes'],
     host_bytes=memory_bytes(at_n, 'host_') if at_n else fit['host'].at(n),
-    compiled_at_layers=at_n is not None,
+    host_compiled=at_n is not None,
     planner={
-      **predict(cfg, params, gpu),
+      **aot_planner.predict(cfg, params, gpu),
       'layers': _planner_layers(spec, fit, gpu, args),
     },
   )
