@@ -251,7 +251,9 @@ def test_stv_host_bytes_and_redo_in_the_plan():
   spec = ModelSpec.from_params(13e9, seq_len=4096, batch=8)
   plain, armed = plan(spec, GH200, stv=False), plan(spec, GH200, stv=True)
   host_params = spec.params - armed.device_params
-  assert armed.host_bytes - plain.host_bytes == 12 * host_params
+  # The spare row (12 B) and the kept fp32 gradients (4 B): the library's
+  # state without STV has neither (test_host_bytes_per_param_...).
+  assert armed.host_bytes - plain.host_bytes == 16 * host_params
   assert plain.stv_redo_s == 0.0
   # The redo is one more 28 B/param pass; speculation writes 4 B more.
   assert armed.stv_redo_s == pytest.approx(plain.host_adam_s)
@@ -397,3 +399,31 @@ def test_stv_form_is_the_librarys():
     off = plan(spec, GH200, moments=moments, device_buckets=0, stv=False)
     assert on.host_bytes == off.host_bytes
     assert on.stv_redo_s == 0.0
+
+
+@pytest.mark.parametrize('moments', ['fp32', 'bf16', '8bit'])
+@pytest.mark.parametrize('stv', [False, True], ids=['plain', 'stv'])
+def test_host_bytes_per_param_are_the_librarys_state(moments, stv):
+  # The planner's host state per parameter is what the library's own init
+  # allocates: fp32 master, m and v (12 B; no gradient kept without STV),
+  # STV's spare row and kept gradients (+16 B) with fp32 moments only.
+  import jax_superoffload as superoffload
+  from jax_superoffload._src.planning import cost_model
+
+  bf16 = jnp.bfloat16 if moments == 'bf16' else None
+  params = {
+    'w': jnp.zeros((1024, 512), jnp.bfloat16),
+    'b': jnp.zeros((512,), jnp.bfloat16),
+  }
+  offload = superoffload.Offload(
+    clip_norm=1.0 if stv else None,
+    moments_8bit=moments == '8bit',
+    nu_dtype=bf16,
+  )
+  tx = superoffload.adamw(1e-3, mu_dtype=bf16, offload=offload)
+  state = jax.eval_shape(tx.init, params)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  got = cost_model.offload_host_bytes_per_param(stv, moments)
+  # The step count and a few scalars are all that is not per parameter.
+  assert got == pytest.approx(state_bytes / n, abs=64 / n)

@@ -144,7 +144,9 @@ def cases(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument('--gpu', default='h200', choices=('h100', 'h200', 'gh200'))
+  p.add_argument(
+    '--gpu', default='h200', help='h100, h200 or gh200; --capacity: a list'
+  )
   p.add_argument('--preset', default='1b', help='A trainer config (configs/).')
   p.add_argument('--optimizers', default='optax,stream,ffi,device')
   p.add_argument('--layouts', default='scan,noscan')

@@ -18,17 +18,21 @@ Model (N parameters, T = seq_len x batch tokens per step):
   plus one layer's full set during its recomputation. Plus fp32 logits,
   4 sbV (their gradient overwrites them).
 * **Memory per parameter.** Device-resident Adam: 16 B (bf16 weight and
-  gradient, fp32 master, m, v) on the device. Offloaded (both systems):
-  bf16 weights and gradients on the device (4 B; a jitted step holds the
-  whole gradient tree), fp32 master, m, v and gradient on the host (16 B;
-  the gradient is kept so that a failed speculation can be redone), plus
-  one bucket in flight each way (fp32, or bf16 when casting on the host).
-  STV with fp32 moments adds the spare row of its double-buffered state,
-  fp32 master, m and v (+12 B on the host, 28 B in all). With
-  low-precision moments (`moments`) m and v take 2 B each (bf16) or 1 B
-  each plus an fp32 scale per 256 (8-bit): 12 or about 10 B on the host
-  instead of 16; their STV steps after the verdict, with no spare row
-  (`stv_form`).
+  gradient, fp32 master, m, v) on the device. Offloaded: bf16 weights and
+  gradients on the device (4 B; a jitted step holds the whole gradient
+  tree), plus one bucket in flight each way (fp32, or bf16 when casting on
+  the host). On the host, the library's state: fp32 master, m and v (12 B,
+  what `adamw(...).init` allocates), and, casting on the host, the new
+  bf16 weights the host step returns, which the compiled step keeps in
+  host buffers until they are copied in (`returned_weight_bytes`;
+  weight-stationary). STV with fp32 moments adds the spare
+  row of its double-buffered state, fp32 master, m and v, and the fp32
+  gradients its speculative pass keeps for a redo (+16 B, 28 B in all).
+  With low-precision moments (`moments`) m and v take 2 B each (bf16) or
+  1 B each plus an fp32 scale per 256 (8-bit): 8 or about 6 B on the host
+  instead of 12; their STV steps after the verdict, with no spare row and
+  no kept gradients (`stv_form`). The ZeRO-Offload baseline keeps the
+  fp32 gradient on the host too (16 B, Ren et al. 2021).
   Weight-flow keeps two layers' bf16 weights and gradients on the device
   and a bf16 (host cast) copy of the weights on the host (+2 B). A bucket
   kept on the device adds its fp32 master, m and v there (12 B; with
@@ -83,13 +87,19 @@ CAST_BYTES_PER_PARAM = 12
 DEVICE_ADAM_BYTES_PER_PARAM = 16
 # Offloaded: bf16 weight and gradient on the device.
 OFFLOAD_DEVICE_BYTES_PER_PARAM = 4
-# Offloaded: fp32 master, m, v and gradient on the host.
-OFFLOAD_HOST_BYTES_PER_PARAM = 16
+# Offloaded: the library's host state, fp32 master, m and v (its init;
+# no gradient is kept without STV; checked by test_planner against
+# `adamw(...).init`).
+OFFLOAD_HOST_BYTES_PER_PARAM = 12
+# ZeRO-Offload (Ren et al. 2021) keeps fp32 master, m, v and the fp32
+# gradient on the host: the baseline's host bytes.
+ZERO_OFFLOAD_HOST_BYTES_PER_PARAM = 16
 # fp32 master, m and v of a bucket whose Adam runs on the device.
 DEVICE_BUCKET_STATE_BYTES_PER_PARAM = 12
 # STV's spare row of the host state (fp32 master, m and v): see stv.py.
 STV_SPARE_HOST_BYTES_PER_PARAM = 12
-# STV's speculative pass also writes the gradients it read, as fp32.
+# STV's speculative pass also writes the gradients it read, as fp32, into
+# host buffers of the state (`grace_adam.speculate`'s `kept`).
 STV_KEPT_GRAD_BYTES_PER_PARAM = 4
 # Bytes per parameter of m and v together, by storage format (`moments`).
 MOMENT_BYTES_PER_PARAM = {'fp32': 8.0, 'bf16': 4.0, '8bit': 2.0 + 8.0 / 256}
@@ -261,7 +271,9 @@ def speculates(stv: bool, moments: str = 'fp32') -> bool:
 def offload_host_bytes_per_param(stv: bool, moments: str = 'fp32') -> float:
   """Host bytes per parameter of a host bucket (weight-stationary)."""
   smaller = 8.0 - moment_bytes(moments)  # Than fp32 m and v.
-  spare = STV_SPARE_HOST_BYTES_PER_PARAM if speculates(stv, moments) else 0.0
+  spare = 0.0
+  if speculates(stv, moments):
+    spare = STV_SPARE_HOST_BYTES_PER_PARAM + STV_KEPT_GRAD_BYTES_PER_PARAM
   return OFFLOAD_HOST_BYTES_PER_PARAM - smaller + spare
 
 
@@ -285,7 +297,25 @@ def _offload_bytes(
     host += 2 * n if cast == 'host' else 0  # The bf16 copy streamed in.
   else:
     device = OFFLOAD_DEVICE_BYTES_PER_PARAM * n
+    # The host step writes the new weights into host buffers, which XLA
+    # copies to the device: host temporaries of the compiled step.
+    host += returned_weight_bytes(cast) * (n - n_dev)
   return device + state + fixed, host
+
+
+def returned_weight_bytes(cast: str) -> float:
+  """Host bytes per host-bucket parameter of the weights the step returns.
+
+  Casting on the host, the host step writes the new bf16 weights into
+  host buffers that XLA allocates for the step's results and frees after
+  their copies to the device. The compiled stream step (deviceless, H200
+  target, issue 33) keeps them all at once: its host temporaries are
+  1.83 B/param at the 1B width, 16 and 64 layers alike, and 2 B/param at
+  the tests' small width. Casting on the device, the fp32 weights are
+  copied from the state itself: no host bytes (the compiled step's host
+  bytes are its state's; tests/test_capacity.py).
+  """
+  return 2.0 if cast == 'host' else 0.0
 
 
 def fits_memory(
@@ -491,5 +521,5 @@ def zero_offload_estimate(
     + n * ADAM_BYTES_PER_PARAM / hw.host_adam_bytes_per_s
   )
   device = stationary_device_bytes(model, bucket_elements, 'host')
-  host = OFFLOAD_HOST_BYTES_PER_PARAM * n
+  host = ZERO_OFFLOAD_HOST_BYTES_PER_PARAM * n
   return make_estimate(model, hw, step, device, host, compute)
