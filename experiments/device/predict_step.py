@@ -1,0 +1,94 @@
+"""Predicts the 1B train step with the `stream` executor on the H200 machine.
+
+  python -m experiments.device.predict_step results/tmp/aot.json
+
+A model, to be checked on the next GPU, from two kinds of input:
+- the compiled schedule (`experiments.device.aot`'s JSON of the unrolled
+  `stream` step): the number of buckets and where each one starts, as the
+  share of the backward's GEMM FLOPs issued before it;
+- the rates measured on the H200 machine on 2026-12-04
+  (`../shared/gpu-probes/`, docs/machines/h200.md): optax.adamw's train
+  step, its optimizer-only step, PCIe each way, and Grace Adam on the
+  host's 16 cores.
+
+The step it models: the forward and backward as optax's less optax's
+update; each bucket's gradients copied to pinned staging when it starts,
+the compute stream waiting for that copy (so every copy is on the critical
+path); the host steps one at a time (FIFO) on the host's cores; at the
+join, the wait for the last host step, then the new fp32 masters copied to
+the device. Buckets are taken as equal in size, and the backward as 2/3 of
+the forward and backward (the share of GEMM FLOPs the compiled step shows).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+# Measured on the H200 machine, 2026-12-04.
+OPTAX_STEP_S = {4: 0.225}  # The 1B train step, scanned, batch 4.
+OPTAX_UPDATE_S = 0.007  # optax.adamw's optimizer-only step, 1.01B fp32.
+LINK_BYTES_PER_S = 48.7 * 2**30  # PCIe, each way.
+HOST_ADAM_PARAMS_PER_S = 67.1e6 / 12.4e-3  # Grace Adam, 16 cores.
+BACKWARD_SHARE = 2 / 3
+
+
+def predict(
+  params: int, starts: list[float], batch: int, serial: bool = False
+) -> dict:
+  """Seconds per step for `params` fp32 parameters in len(starts) buckets.
+
+  `serial`: the design before issue 37, where the compute stream waits for
+  each bucket's whole host step, not only its copy.
+  """
+  optax_s = OPTAX_STEP_S[4] * batch / 4  # Linear in the batch.
+  fb = optax_s - OPTAX_UPDATE_S
+  forward, backward = fb * (1 - BACKWARD_SHARE), fb * BACKWARD_SHARE
+  bucket = params / len(starts)
+  copy_s = 4 * bucket / LINK_BYTES_PER_S  # fp32 gradients, one bucket.
+  cpu_free, delay = 0.0, 0.0
+  for share in sorted(starts):
+    delay += copy_s  # The compute stream waits for each bucket's copy.
+    if serial:
+      delay += bucket / HOST_ADAM_PARAMS_PER_S
+    ready = forward + share * backward + delay
+    cpu_free = max(cpu_free, ready) + bucket / HOST_ADAM_PARAMS_PER_S
+  compute_end = forward + backward + delay
+  h2d = 4 * params / LINK_BYTES_PER_S  # New fp32 masters, after the join.
+  step = max(compute_end, cpu_free) + h2d
+  return {
+    'design': 'serial' if serial else 'start/join',
+    'batch': batch,
+    'optax_s': round(optax_s, 4),
+    'stream_s': round(step, 4),
+    'vs_optax_tokens_per_s': round(optax_s / step, 3),
+    'exposed_host_adam_s': round(max(0.0, cpu_free - compute_end), 4),
+    'compute_stream_waits_s': round(delay, 4),
+    'weight_copies_s': round(h2d, 4),
+  }
+
+
+def main(argv: list[str]) -> int:
+  rows = json.loads(pathlib.Path(argv[0]).read_text())
+  case = next(
+    r
+    for r in rows
+    if r.get('compiles')
+    and r['fields']['optimizer'] == 'stream'
+    and r['fields']['layout'] == 'noscan'
+  )
+  starts = [
+    c['backward_flops_before']
+    for c in case['optimizer_calls']
+    if c['target'] != 'jax_superoffload_stream_join'
+  ]
+  print(f'{case["case"]}: {case["num_params"]} params, {len(starts)} buckets')
+  for serial in (True, False):
+    for batch in (4, 8):
+      print(json.dumps(predict(case['num_params'], starts, batch, serial)))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv[1:]))
