@@ -132,6 +132,8 @@ class TrainLoop:
     )
     self.eval_result: dict[str, float] = {}
     self.stop = StopOnSignal()
+    if plan.topology.distributed:  # The watchdog's handlers stop at once.
+      self.stop.SIGNALS = ()
     self.sharding = NamedSharding(
       plan.mesh, P(steps_lib.DATA_AXIS, steps_lib.SEQ_AXIS)
     )

@@ -61,11 +61,13 @@ signal number after SIGINT or SIGTERM.
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import signal
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -84,6 +86,7 @@ from experiments.trainer import perf
 from experiments.trainer import preflight
 from experiments.trainer import run_log
 from experiments.trainer import steps as steps_lib
+from experiments.trainer import supervisor
 from experiments.trainer import switch_optimizer as switch
 
 ConfigError = config_lib.ConfigError
@@ -300,7 +303,8 @@ def train(
     device, by memory kind), `wall_time_s`, `out_dir`, and also
     `total_tokens`, `start_step`, `completed`, `stopped_by` (the signal
     name, or None), `checkpoint_dir` and `data_state` (the iterator
-    position after training).
+    position after training). Over several processes, process 0's is the
+    run's summary (it alone prints one and writes ``summary.json``).
 
   Raises:
     ConfigError: For a bad configuration, before any compilation.
@@ -318,24 +322,39 @@ def train(
       f'{jax.device_count()} devices here)'
     )
     watchdog = distributed.Watchdog(
-      topology, distributed.coordinator_host(topology)
+      topology, distributed.coordinator_host(topology), cfg.heartbeat_timeout_s
     )
   try:
-    plan = preflight.plan_run(cfg, log, topology)
-    try:
-      trainable = steps_lib.build(cfg, plan.mesh)
-      start = _restore(cfg, plan, trainable, log)
-    except BaseException:
-      plan.undo()
-      raise
-    try:
-      return _train_from(cfg, plan, trainable, start, log, wall_start)
-    finally:
-      if plan.lock is not None:
-        plan.lock.release()
-  finally:
+    summary = _plan_and_train(cfg, topology, log, wall_start)
+  except (ConfigError, NonFiniteError):  # Every process raises the same.
     if watchdog is not None:
       watchdog.close()
+    raise
+  # Any other exception: no goodbye, so the peers stop too.
+  if watchdog is not None:
+    watchdog.close()
+  return summary
+
+
+def _plan_and_train(
+  cfg: config_lib.Config,
+  topology: distributed.Topology,
+  log: Callable[[str], None],
+  wall_start: float,
+) -> dict[str, Any]:
+  """Checks the run, builds and restores it, trains it."""
+  plan = preflight.plan_run(cfg, log, topology)
+  try:
+    trainable = steps_lib.build(cfg, plan.mesh)
+    start = _restore(cfg, plan, trainable, log)
+  except BaseException:
+    plan.undo()
+    raise
+  try:
+    return _train_from(cfg, plan, trainable, start, log, wall_start)
+  finally:
+    if plan.lock is not None:
+      plan.lock.release()
 
 
 def _train_from(
@@ -355,10 +374,13 @@ def _train_from(
     )
     (out_dir / SUMMARY_FILE).unlink(missing_ok=True)  # Stale once resumed.
   loop = loop_lib.TrainLoop(cfg, plan, trainable, start)
-  log(_start_line(cfg, plan, trainable, loop))
+  # Process 0 alone prints the start and summary lines: the metrics, losses
+  # and peak FLOP/s are process 0's (the others' would differ or be empty).
+  if primary:
+    log(_start_line(cfg, plan, trainable, loop))
   if start.step:
     log(f'resumed from {plan.checkpoint_dir} at step {start.step}')
-  if loop.peak is None:
+  if loop.peak is None and primary:
     log('note: unknown peak FLOP/s for this device; MFU needs --peak-tflops')
   try:
     loop.run(cfg.progress and primary)
@@ -374,6 +396,13 @@ def _train_from(
     (out_dir / SUMMARY_FILE).write_text(
       json.dumps(run_log.json_safe(summary), indent=2) + '\n'
     )
+  if not primary:
+    log(
+      f'process {plan.topology.process_id}: '
+      f'{"done" if loop.completed else "stopped"} at step {loop.done} '
+      '(process 0 prints the summary)'
+    )
+    return summary
   eval_text = ''
   if summary['eval_loss'] is not None:
     eval_text = (
@@ -418,13 +447,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     a checkpoint).
   """
   try:
-    summary = train(config_lib.config_from_args(argv))
+    argv = distributed.pop_bind_flag(
+      list(sys.argv[1:] if argv is None else argv)
+    )
+    cfg = config_lib.config_from_args(argv)
+    if distributed.wanted(cfg) and not distributed.supervised():
+      config_lib.validate(cfg)  # Refused here, before any child starts.
+      return supervisor.supervise(argv, cfg.heartbeat_timeout_s)
+    summary = train(cfg)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   except NonFiniteError as e:
     print(f'error: {e}', file=sys.stderr)
     return NONFINITE_EXIT
+  except Exception:
+    if distributed.supervised():  # jax's exit would wait for the peers.
+      traceback.print_exc()
+      sys.stderr.flush()
+      os._exit(1)
+    raise
   if summary['stopped_by']:
     return 128 + signal.Signals[summary['stopped_by']].value
   return 0
