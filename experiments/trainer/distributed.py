@@ -124,6 +124,8 @@ def initialize(cfg: config_lib.Config) -> Topology:
     _link().send(
       f'hello {topology.process_id} {topology.num_processes} {coordinator}'
     )
+    # Signs of life from here on: the supervisor counts a silence as a hang.
+    _link().beat(max(0.05, cfg.heartbeat_timeout_s / 4))
   return topology
 
 
@@ -277,8 +279,8 @@ class Watchdog:
 
   Under a supervisor: process 0's supervisor listens and every other
   supervisor connects to it (the address goes through jax's key-value
-  store); the child then sends its supervisor a sign of life every
-  `bound_s` / 4 seconds. In-process (no supervisor), this process watches
+  store); the child sends its supervisor a sign of life every `bound_s` / 4
+  seconds from `initialize` on. In-process (no supervisor), this process watches
   the connections itself and exits with one line when one closes without a
   goodbye (best effort: jax's client may abort the process first).
   """
@@ -298,7 +300,6 @@ class Watchdog:
       else:
         address = client.blocking_key_value_get(_WATCH_KEY, timeout_ms)
         link.ask(f'connect {address}', bound_s)
-      link.beat(max(0.05, bound_s / 4))
     elif topology.primary:
       server = socket.create_server((host, 0))
       client.key_value_set(_WATCH_KEY, f'{host}:{server.getsockname()[1]}')
