@@ -46,7 +46,9 @@ I`` (or ``--distributed auto`` under SLURM and the like) the run is N
 `jax.distributed` processes whose devices form one mesh; process 0 writes
 the run folder and holds the checkpoint folder's lock, every process saves
 its own shards, and a lost process stops the others at once (exit 4, one
-line; see `experiments.trainer.distributed`).
+line; see `experiments.trainer.supervisor`, which runs each process's
+trainer as its child). SIGINT or SIGTERM stops a process of such a run at
+once, without saving (one process cannot save alone).
 
 Exit status: 0 when all steps are done; 2 for a configuration refused before
 any compilation (one line, ``error: ...``, on stderr; nothing left on
