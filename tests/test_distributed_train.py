@@ -213,7 +213,10 @@ def test_two_processes_train_as_one(tmp_path, env, reference):
 def test_lost_process_caught_then_both_resume(tmp_path, env, reference):
   run_dir, ckpt_dir = tmp_path / 'run', tmp_path / 'ckpt'
   args = _args(run_dir, ckpt_dir, 5)
-  job = Job(args, tmp_path, env, 'victim')
+  # Process 1 parks inside the save of step 25, should the second job below
+  # start so slowly (a loaded machine) that the run would end first.
+  hold = {1: {checkpointing.HOLD_SAVE_ENV: '25'}}
+  job = Job(args, tmp_path, env, 'victim', extra_env=hold)
   deadline = time.monotonic() + _TIMEOUT_S
   while time.monotonic() < deadline and len(_metrics(run_dir)) < 3:
     assert all(p.poll() is None for p in job.procs), job.out(0)
