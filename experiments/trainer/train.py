@@ -386,10 +386,13 @@ def _train_from(
     log('note: unknown peak FLOP/s for this device; MFU needs --peak-tflops')
   try:
     loop.run(cfg.progress and primary)
-  finally:
-    loop.close()
-    if primary:
-      _write_plot(cfg, out_dir)
+  except BaseException:
+    # Over several processes the peers stop too, and waiting here for a
+    # save in flight (or its commit, which needs them) could hang.
+    if not plan.topology.distributed:
+      _close(loop, cfg, primary)
+    raise
+  _close(loop, cfg, primary)
   nnx.update((trainable.model, trainable.optimizer), trainable.state)
   summary = _summarize(
     cfg, plan, trainable, loop, time.perf_counter() - wall_start
@@ -420,6 +423,13 @@ def _train_from(
     f'{loop.log.path}'
   )
   return summary
+
+
+def _close(loop: loop_lib.TrainLoop, cfg: config_lib.Config, primary: bool):
+  """Closes the loop (waits for saves) and draws the loss curve."""
+  loop.close()
+  if primary:
+    _write_plot(cfg, loop.out_dir)
 
 
 def _write_plot(cfg: config_lib.Config, out_dir: pathlib.Path) -> None:
