@@ -425,7 +425,9 @@ def _train_from(
   return summary
 
 
-def _close(loop: loop_lib.TrainLoop, cfg: config_lib.Config, primary: bool):
+def _close(
+  loop: loop_lib.TrainLoop, cfg: config_lib.Config, primary: bool
+) -> None:
   """Closes the loop (waits for saves) and draws the loss curve."""
   loop.close()
   if primary:
