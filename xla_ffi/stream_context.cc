@@ -358,7 +358,12 @@ bool Context::Shutdown(std::chrono::milliseconds limit) {
   bool drained = false;
   {
     std::unique_lock<std::mutex> lock(mutex);
-    drained = changed.wait_for(lock, limit, [this] { return queue.empty(); });
+    // A system-clock deadline: a steady-clock wait compiles to
+    // pthread_cond_clockwait (glibc 2.30), which the wheels' glibc 2.27
+    // floor lacks (.ci/check_symbol_versions.py refuses it).
+    const auto deadline = std::chrono::system_clock::now() + limit;
+    drained =
+        changed.wait_until(lock, deadline, [this] { return queue.empty(); });
     stop = true;
   }
   changed.notify_all();
