@@ -95,6 +95,16 @@ _CORRECTED = {
   'topology). A process that dies (even `kill -9`) is caught at once: each',
   'line, `error: lost process I of N ...`, and exit with status 4; a host that',
   '(`--heartbeat-timeout-s`, 100 s by default; also `--shutdown-timeout-s`,',
+  # Issue 37: the stream executor no longer runs its step on the compute
+  # stream (docs/gpu.md describes its start and join).
+  '### The stream executor (issue 25; built and tested on the CPU, not yet '
+  'run on a GPU)',
+  '- The jitted step flattens each gradient (and each 16-bit parameter, for',
+  '`AfterVerdict(Stream())` for bf16 and 8-bit moments).',
+  'clip, skip, bf16 and 8-bit moments, small buckets), against',
+  'every operand the kernel reads from a device computation is rank 1',
+  'remedy that compiled the unscanned decoder on the H200; a test checks',
+  "the region's operands are rank 1, and fails on the code before it.",
 }
 
 _AUTODOC = re.compile(

@@ -15,15 +15,14 @@ import jax_superoffload as superoffload
 from experiments.device import aot_steps
 from experiments.device import gpu_targets
 from experiments.trainer import config as config_lib
-from jax_superoffload._src.planning import hardware
 
 
-def planner_profile(gpu: str) -> hardware.HardwareProfile:
+def planner_profile(gpu: str) -> superoffload.HardwareProfile:
   """The planner's profile of `gpu` with the harness's budgets, no reserve."""
   base = {
-    'h100': hardware.H100_PCIE,
-    'h200': hardware.H200_PCIE,
-    'gh200': hardware.GH200,
+    'h100': superoffload.H100_PCIE,
+    'h200': superoffload.H200_PCIE,
+    'gh200': superoffload.GH200,
   }[gpu]
   target = gpu_targets.TARGETS[gpu]
   return dataclasses.replace(
