@@ -92,10 +92,6 @@ def run_case(case_fields: dict[str, Any], timeout: float) -> dict[str, Any]:
   ).strip()
   env['JAX_PLATFORMS'] = 'cpu'
   env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  root = str(pathlib.Path(__file__).resolve().parents[2])
-  env['PYTHONPATH'] = os.pathsep.join(
-    filter(None, [root, env.get('PYTHONPATH')])
-  )
   command = [sys.executable, '-m', 'experiments.device.aot', '--one']
   try:
     done = subprocess.run(
@@ -105,6 +101,10 @@ def run_case(case_fields: dict[str, Any], timeout: float) -> dict[str, Any]:
       timeout=timeout,
       env=env,
       check=False,
+      # From the checkout's root, as `python -m` from it: the package and
+      # experiments/ come from where this venv takes them (a wheel's
+      # module under PYTHONSAFEPATH, or the checkout's).
+      cwd=pathlib.Path(__file__).resolve().parents[2],
     )
   except subprocess.TimeoutExpired:
     return {'fields': case_fields, 'compiles': False, 'error': 'timed out'}
