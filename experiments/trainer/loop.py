@@ -149,8 +149,6 @@ class TrainLoop:
     )
     self.eval_result: dict[str, float] = {}
     self.stop = StopOnSignal(self._abandon)
-    if plan.topology.distributed:  # The watchdog's handlers stop at once.
-      self.stop.SIGNALS = ()
     # The step whose checkpoint is being saved, if any.
     self.saving: int | None = None
     self.sharding = NamedSharding(
