@@ -2,14 +2,12 @@
 
 The `Config` defaults themselves. Run it, or start from it, with::
 
-  python -m experiments.trainer --config configs/demo.py [--config.steps=100]
+  python -m experiments.trainer --config configs/demo.py [--steps 100 ...]
 """
 
-import ml_collections
-
-from experiments.trainer import config_files
+from experiments.trainer import config
 
 
-def get_config() -> ml_collections.ConfigDict:
+def get_config() -> config.Config:
   """Returns the demo config."""
-  return config_files.defaults()
+  return config.Config()
