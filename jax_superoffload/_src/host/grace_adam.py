@@ -241,12 +241,13 @@ class StreamPlace:
   Flattens each operand on the device (rank 1 has one layout; the handler
   stages what is in device memory itself). With `join`, every call is
   followed by a join (`STREAM_JOIN_TARGET`): the handler only starts the
-  host step, on a side stream and a worker thread, so its results, and
-  every operand it reads, must stay untouched until the join has waited
-  for the worker and made the compute stream wait for its copies. The
-  join takes them all (aliased, nothing copied) and `barrier`, a scalar
-  computed from every gradient of the step, so XLA cannot place it before
-  the backward pass is over: the compute stream waits once, at the end.
+  host step, on a side stream and a worker thread (the compute stream
+  waits for its copies to staging, not for the step), so its device
+  results must stay untouched until the join has waited for the worker.
+  The join takes them (aliased, nothing copied), copies results the step
+  wrote in host memory to the device, and takes `barrier`, a scalar that
+  exists only once every gradient does, so XLA cannot place it before the
+  backward pass is over: the compute stream waits for host steps once.
   """
 
   def __init__(self, join: bool = False, barrier: jax.Array | None = None):
@@ -262,7 +263,7 @@ def _on_host(x: jax.Array) -> bool:
 
 
 def _joined(
-  place: Place, out: list, read: list, on_host: set[int], copy: list = ()
+  place: Place, out: list, on_host: set[int], copy: list = ()
 ) -> tuple[list, list]:
   """`out` through a stream join when `place` asks for one; and copies.
 
@@ -285,7 +286,6 @@ def _joined(
   # its copies to host memory (not for the host step), so XLA may reuse
   # those buffers after it, and frees them early (which is what makes its
   # scheduler start each bucket as soon as its gradients exist).
-  del read
   # A ticket: the first result, moved from host memory to the device by
   # XLA. XLA starts such a copy as early as it can, and with it the call.
   ticket = jax.device_put(
@@ -432,12 +432,11 @@ def _bucket_call(
   out = call(
     *operands, **_bucket_attrs(hyper, k, reseed=params is not None, **attrs)
   )
-  read = [*operands[: 2 + len(flags)], *grads, *(params or [])]
   flat_state = [x for run in state for x in run]
   # Without weight copies the new weights are the new masters: a joined
   # call has the join copy them to the device once the step wrote them.
   copy = out[1 : 1 + k] if weight_dtypes is None else []
-  out, copies = _joined(place, out, read, _host_results(1, flat_state), copy)
+  out, copies = _joined(place, out, _host_results(1, flat_state), copy)
   n = len(state)
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(n)]
   if place is not _as_is:
@@ -544,8 +543,7 @@ def adam_step_speculative(
   )
   state = (master, mu, nu, kept)
   on_host = _host_results(1, [x for run in state for x in run])
-  read = [*operands[:3], *grads, *(params or [])]
-  out, _ = _joined(place, out, read, on_host)
+  out, _ = _joined(place, out, on_host)
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(4)]
   if place is not _as_is:
     runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]
@@ -599,7 +597,7 @@ def adam_step_validated(
     *scalars, *master, *mu, *nu, *kept, *weights, **_bucket_attrs(hyper, k)
   )
   on_host = _host_results(0, [*master, *mu, *nu])
-  out, _ = _joined(place, out, [*scalars, *kept], on_host)
+  out, _ = _joined(place, out, on_host)
   runs = [list(out[r * k : (r + 1) * k]) for r in range(3)]
   if place is not _as_is:
     state = (master, mu, nu)
