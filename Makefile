@@ -92,13 +92,14 @@ gpu-compile: $(AOT_STAMP)
 # it collects no tests, which fails this target too. TEST_WORKERS=0 runs the
 # suite in this one process.
 # TEST_ARGS: more pytest arguments, e.g. -m "not aot" (CI runs the
-# deviceless GPU compiles, marked aot, as a stage of their own).
+# deviceless GPU compiles, marked aot, as a stage of their own). The 25
+# slowest tests are listed at the end: CI's time budget is spent there.
 TEST_WORKERS ?= auto
 TEST_ARGS ?=
 test: $(STAMP)
 	if [ -f $(PLUGIN_SO) ]; then export JAX_SUPEROFFLOAD_CUDA_PLUGIN=$(abspath $(PLUGIN_SO)); fi; \
 	  if [ -d $(AOT_DIR)/jax_plugins ]; then export JAX_SUPEROFFLOAD_CUDA_AOT=$(abspath $(AOT_DIR)); fi; \
-	  $(RUN_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(TEST_ARGS) tests
+	  $(RUN_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(TEST_ARGS) tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -44,13 +44,15 @@ def _skip_or_fail():
 
 
 @functools.cache
-def compiled(optimizer: str, layout: str = 'scan', **fields) -> dict:
+def compiled(
+  optimizer: str, layout: str = 'scan', overrides: tuple = SMALL, **fields
+) -> dict:
   case = aot_steps.Case(
     optimizer=optimizer,
     layout=layout,
     layers=2,
     batch=2,
-    overrides=SMALL,
+    overrides=overrides,
     **fields,
   )
   return aot.run_case(dataclasses.asdict(case), timeout=900)
@@ -125,6 +127,19 @@ def test_stream_state_never_occupies_device_memory(layout):
 def test_no_host_to_host_copy(optimizer, layout):
   result = compiled(optimizer, layout)
   assert 'H2H' not in result['copies'], result['copies']
+
+
+# Guard: a joined stream call returns before its host step has run, so
+# nothing may read its results but its join (a copy of the new masters
+# read unjoined would take the old ones). Casting on the device, the new
+# weights are those masters.
+@pytest.mark.parametrize('layout', aot_steps.LAYOUTS)
+@pytest.mark.parametrize('cast', ('host', 'device'))
+def test_stream_results_are_read_after_their_join(cast, layout):
+  overrides = SMALL + ((('cast', 'device'),) if cast == 'device' else ())
+  result = compiled('stream', layout, overrides=overrides)
+  assert 'jax_superoffload_stream_join' in result['custom_calls']
+  assert result['reads_before_join'] == [], result['reads_before_join']
 
 
 # The ffi executor's staging, stated: XLA stages host compute's operands

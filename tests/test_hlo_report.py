@@ -90,3 +90,13 @@ def test_optimizer_calls_placed_against_the_backward():
   assert summary['first_start_at'] == 0.0
   assert summary['first_wait_at'] == 1.0
   assert summary['backward_gemms'] == 2
+
+
+def test_results_of_a_joined_call_reach_only_their_join():
+  # Through a copy to the host and one back, the call's result reaches its
+  # join: allowed. Read by anything else first, it would be read before the
+  # host step wrote it.
+  assert hlo_report.reads_before_join(HLO) == []
+  early = '  %early = f32[64]{0:S(5)} negate(%copy.2)\n'
+  racy = HLO.replace('  %copy-start.3', early + '  %copy-start.3')
+  assert hlo_report.reads_before_join(racy) == ['early']

@@ -495,25 +495,19 @@ ffi::Error StreamRoofline(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
   return ffi::Error::Success();
 }
 
-// The join on the CPU: the aliased results are there already; the copies
-// are plain copies (every step has run before its call returned).
-ffi::Error StreamJoinOnCpu(ffi::RemainingArgs args, ffi::RemainingRets rets,
-                           int64_t copies) {
-  std::vector<JoinCopy> copied;
-  JSO_RETURN_IF_ERROR(CheckJoin(args, rets, copies, &copied));
-  for (const JoinCopy& c : copied) std::memcpy(c.device, c.host, c.bytes);
-  return ffi::Error::Success();
+// The join on the CPU: every step has run before its call returned, and
+// the results alias the operands.
+ffi::Error StreamJoinOnCpu(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return CheckJoin(args, rets);
 }
 
-// The join from a CUDA stream (StreamLaunches::Join): its aliased operands
-// are the launches' device results, which XLA keeps until the compute
-// stream has waited for the launches; its copies bring results the steps
-// wrote in host memory to the device after that wait.
+// The join from a CUDA stream (StreamLaunches::Join): its operands are the
+// launches' device results (and the host ones read after it), which XLA
+// keeps until the compute stream has waited for the launches.
 ffi::Error StreamJoin(void* stream, ffi::RemainingArgs args,
-                      ffi::RemainingRets rets, int64_t copies) {
-  std::vector<JoinCopy> copied;
-  JSO_RETURN_IF_ERROR(CheckJoin(args, rets, copies, &copied));
-  return StreamLaunches::Process().Join(stream, copied);
+                      ffi::RemainingRets rets) {
+  JSO_RETURN_IF_ERROR(CheckJoin(args, rets));
+  return StreamLaunches::Process().Join(stream);
 }
 
 }  // namespace
@@ -522,14 +516,12 @@ ffi::Error StreamJoin(void* stream, ffi::RemainingArgs args,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamJoin, jax_superoffload::StreamJoinOnCpu,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("copies"));
+                                  .RemainingRets());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamJoinStream, jax_superoffload::StreamJoin,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("copies"));
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamRoofline,
                               jax_superoffload::StreamRoofline,

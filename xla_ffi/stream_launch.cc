@@ -170,8 +170,7 @@ int64_t StreamLaunches::staging_allocations() const {
   return total;
 }
 
-ffi::Error StreamLaunches::Join(void* stream,
-                                const std::vector<JoinCopy>& copies) {
+ffi::Error StreamLaunches::Join(void* stream) {
   if (driver_ == nullptr) {
     return ffi::Error(ffi::ErrorCode::kUnavailable,
                       "jax_superoffload: no CUDA driver for a stream join");
@@ -184,45 +183,26 @@ ffi::Error StreamLaunches::Join(void* stream,
   CurrentContext current(*driver_, cuda_context);
   if (!current.ok()) return ffi::Error::Internal(current.error());
   if (Context* context = FindContext(cuda_context)) {
-    JSO_RETURN_IF_ERROR(context->Join(stream));
-  }
-  for (const JoinCopy& c : copies) {
-    const auto device = reinterpret_cast<uint64_t>(c.device);
-    if (int code = driver_->copy_to_device(device, c.host, c.bytes, stream)) {
-      return DriverFailure(*driver_, "cuMemcpyHtoDAsync", code);
-    }
+    return context->Join(stream);
   }
   return ffi::Error::Success();
 }
 
-ffi::Error CheckJoin(ffi::RemainingArgs args, ffi::RemainingRets rets,
-                     int64_t copies, std::vector<JoinCopy>* out) {
-  const int64_t aliased = static_cast<int64_t>(rets.size()) - copies;
-  if (copies < 0 || aliased < 0 ||
-      args.size() < static_cast<size_t>(aliased + copies)) {
-    return InvalidArgument(
-        "a stream join has " + std::to_string(args.size()) + " operands, " +
-        std::to_string(rets.size()) + " results and copies=" +
-        std::to_string(copies) + ": it needs a result per aliased operand "
-        "and per copied one");
+ffi::Error CheckJoin(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  if (args.size() < rets.size()) {
+    return InvalidArgument("a stream join has " + std::to_string(args.size()) +
+                           " operands and " + std::to_string(rets.size()) +
+                           " results: it needs an operand per result");
   }
-  for (int64_t i = 0; i < aliased + copies; ++i) {
+  for (size_t i = 0; i < rets.size(); ++i) {
     auto arg = args.get<ffi::AnyBuffer>(i);
     auto ret = rets.get<ffi::AnyBuffer>(i);
     if (arg.has_error() || ret.has_error() ||
+        arg->untyped_data() != (*ret)->untyped_data() ||
         arg->size_bytes() != (*ret)->size_bytes()) {
-      return InvalidArgument("result " + std::to_string(i) +
-                             " of a stream join differs from operand " +
-                             std::to_string(i) + " in size");
-    }
-    if (i < aliased && arg->untyped_data() != (*ret)->untyped_data()) {
       return InvalidArgument("result " + std::to_string(i) +
                              " of a stream join must alias operand " +
                              std::to_string(i) + " (input_output_aliases)");
-    }
-    if (i >= aliased) {
-      out->push_back(JoinCopy{(*ret)->untyped_data(), arg->untyped_data(),
-                              arg->size_bytes()});
     }
   }
   return ffi::Error::Success();

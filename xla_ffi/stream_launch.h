@@ -103,14 +103,6 @@ struct Context;
 struct Pending;
 }  // namespace stream_internal
 
-// A join's copy of a host buffer (a result a step wrote in place) into a
-// device result, once the step is done.
-struct JoinCopy {
-  void* device;
-  const void* host;
-  size_t bytes;
-};
-
 // The launches of one process (or one test): per CUDA context, its side
 // stream, worker thread, staging slots and the launches not yet joined.
 class StreamLaunches {
@@ -126,9 +118,9 @@ class StreamLaunches {
   static StreamLaunches& Process();
 
   // Waits for every launch started from `stream` so far, makes `stream`
-  // wait for their results, enqueues `copies` on it, and returns the first
-  // failed launch's error (then clears it; nothing is copied then).
-  ffi::Error Join(void* stream, const std::vector<JoinCopy>& copies = {});
+  // wait for their results, and returns the first failed launch's error
+  // (then clears it).
+  ffi::Error Join(void* stream);
 
   const CudaDriver* driver() const { return driver_; }
   // Pinned staging allocations (cuMemHostAlloc calls) so far.
@@ -205,11 +197,8 @@ constexpr auto kOnStream = [](void* stream, auto... operands) {
                                          __VA_ARGS__>()))
 
 // The join's operands and results: results [0, n) alias operands [0, n);
-// results [n, n + copies) are device copies of operands [n, n + copies);
-// the operands after those (a barrier, tickets) only order the call.
-// Returns the copies in `out`.
-ffi::Error CheckJoin(ffi::RemainingArgs args, ffi::RemainingRets rets,
-                     int64_t copies, std::vector<JoinCopy>* out);
+// the operands after those (a barrier, a ticket) only order the call.
+ffi::Error CheckJoin(ffi::RemainingArgs args, ffi::RemainingRets rets);
 
 }  // namespace jax_superoffload
 

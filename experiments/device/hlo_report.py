@@ -299,6 +299,46 @@ def memory_totals(memory: dict[str, int]) -> dict[str, float]:
   }
 
 
+def _operands(i: Instr) -> list[str]:
+  return re.findall(r'%([\w.\-]+)', i.rest.split(')', 1)[0])
+
+
+def reads_before_join(hlo: str) -> list[str]:
+  """Instructions that read a joined optimizer call's results unjoined.
+
+  A joined call (a module with stream joins) returns before its host step
+  has run: what it returns may be read only through its join (or as a
+  result of the step, which ends after every join). Reaching the join
+  through copies is allowed (the ticket). Returns the offenders' names.
+  """
+  bad = []
+  for _, instrs in computations(hlo).values():
+    calls = [i for i in instrs if i.op == 'custom-call']
+    target = lambda i: i.attr('custom_call_target') or ''  # noqa: E731
+    if not any(target(i) == JOIN_TARGET for i in calls):
+      continue
+    starts = {
+      i.name
+      for i in calls
+      if OPTIMIZER_TARGET.match(target(i)) and target(i) != JOIN_TARGET
+    }
+    through = {
+      'get-tuple-element',
+      'bitcast',
+      'copy',
+      'copy-start',
+      'copy-done',
+    }
+    for i in instrs:  # In order: a reader follows what it reads.
+      if not starts.intersection(_operands(i)):
+        continue
+      if i.op in through:
+        starts.add(i.name)
+      elif not (i.op == 'tuple' or target(i) == JOIN_TARGET):
+        bad.append(i.name)
+  return bad
+
+
 def summarize(hlo: str, memory: dict[str, int]) -> dict[str, Any]:
   """Everything the harness reports about one compiled step."""
   events = timeline(hlo)
@@ -309,6 +349,7 @@ def summarize(hlo: str, memory: dict[str, int]) -> dict[str, Any]:
     'copies': copies(events),
     'custom_calls': custom_calls(hlo),
     'host_execute_calls': sum(e.kind == 'host_execute' for e in events),
+    'reads_before_join': reads_before_join(hlo),
     'backward_gemms': sum(e.kind == 'gemm' and e.backward for e in events),
     'optimizer_calls': calls,
     'first_start_at': starts[0]['backward_flops_before'] if starts else None,

@@ -263,23 +263,24 @@ def _on_host(x: jax.Array) -> bool:
 
 
 def _joined(
-  place: Place, out: list, on_host: set[int], copy: list = ()
-) -> tuple[list, list]:
-  """`out` through a stream join when `place` asks for one; and copies.
+  place: Place, out: list, on_host: set[int], read: set[int] = frozenset()
+) -> list:
+  """`out` through a stream join when `place` asks for one.
 
   Results at `on_host` (state updated in place in pinned host memory) are
   not joined: their buffers live through the step, and the step ends only
-  after the join's wait. Everything in device memory is. `copy`: host
-  arrays (results of the call) the join copies to device memory once the
-  host step has written them; returned second (empty without a join).
+  after the join's wait. Everything in device memory is, and so are the
+  host results at `read`, which the step reads after this call (the new
+  masters it copies to the device): passed through the join, aliased,
+  they cannot be read before the host step has written them.
   """
   out = list(out)
   if not getattr(place, 'join', False):
-    return out, []
+    return out
   barrier = place.barrier
   if barrier is None:  # Nothing to wait for: the results are needed now.
     barrier = jnp.zeros((), jnp.int32)
-  joined = [i for i in range(len(out)) if i not in on_host]
+  joined = [i for i in range(len(out)) if i not in on_host or i in read]
   results = [out[i] for i in joined]
   # The results pass through (aliased). What the step reads from device
   # memory is not kept alive: the start makes the compute stream wait for
@@ -291,18 +292,18 @@ def _joined(
   ticket = jax.device_put(
     jax.device_put(out[0], jax.memory.Space.Host), jax.memory.Space.Device
   )
-  operands = [*results, *copy, ticket, barrier]
   call = jax.ffi.ffi_call(
     STREAM_JOIN_TARGET,
-    _like(results) + _like(list(copy)),
+    _like(results),
     vmap_method='sequential',
     input_output_aliases=_aliases(0, 0, len(results)),
     has_side_effect=True,  # It waits, and must not be dropped when unused.
   )
-  done = call(*operands, copies=np.int64(len(copy)))
-  for i, x in zip(joined, done, strict=False):
-    out[i] = x
-  return out, list(done[len(results) :])
+  done = call(*results, ticket, barrier)
+  for i, x in zip(joined, done, strict=True):
+    # XLA keeps a result aliased to a host operand in host memory.
+    out[i] = jax.device_put(x, jax.memory.Space.Host) if i in on_host else x
+  return out
 
 
 def _host_results(first: int, state: list[jax.Array]) -> set[int]:
@@ -433,15 +434,17 @@ def _bucket_call(
     *operands, **_bucket_attrs(hyper, k, reseed=params is not None, **attrs)
   )
   flat_state = [x for run in state for x in run]
-  # Without weight copies the new weights are the new masters: a joined
-  # call has the join copy them to the device once the step wrote them.
-  copy = out[1 : 1 + k] if weight_dtypes is None else []
-  out, copies = _joined(place, out, _host_results(1, flat_state), copy)
+  # Without weight copies the new weights are the new masters, which the
+  # step copies to the device: a joined call's only after its wait.
+  read = set(range(1, 1 + k)) if weight_dtypes is None else set()
+  out = _joined(place, out, _host_results(1, flat_state), read)
   n = len(state)
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(n)]
   if place is not _as_is:
     runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]
-  return runs, copies or list(out[1 + n * k :]), out[0]
+  if weight_dtypes is None and getattr(place, 'join', False):
+    return runs, runs[0], out[0]
+  return runs, list(out[1 + n * k :]), out[0]
 
 
 def adam_step_lowp_segments(
@@ -543,7 +546,7 @@ def adam_step_speculative(
   )
   state = (master, mu, nu, kept)
   on_host = _host_results(1, [x for run in state for x in run])
-  out, _ = _joined(place, out, on_host)
+  out = _joined(place, out, on_host)
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(4)]
   if place is not _as_is:
     runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]
@@ -597,7 +600,7 @@ def adam_step_validated(
     *scalars, *master, *mu, *nu, *kept, *weights, **_bucket_attrs(hyper, k)
   )
   on_host = _host_results(0, [*master, *mu, *nu])
-  out, _ = _joined(place, out, on_host)
+  out = _joined(place, out, on_host)
   runs = [list(out[r * k : (r + 1) * k]) for r in range(3)]
   if place is not _as_is:
     state = (master, mu, nu)
