@@ -514,9 +514,7 @@ ffi::Error StreamJoin(void* stream, ffi::RemainingArgs args,
 }  // namespace jax_superoffload
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamJoin, jax_superoffload::StreamJoinOnCpu,
-                              ffi::Ffi::Bind()
-                                  .RemainingArgs()
-                                  .RemainingRets());
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamJoinStream, jax_superoffload::StreamJoin,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()

@@ -74,7 +74,7 @@ struct Pending {
   Work work;
   std::vector<OnStream::Copy> out;
   int slot = -1;
-  void* done = nullptr;        // Recorded on the side stream when handled.
+  void* done = nullptr;  // Recorded on the side stream when handled.
   // Recorded on the side stream after the copies to staging; the compute
   // stream waits for it (not for the step), so XLA may reuse what was
   // copied as soon as the start call is behind it.
