@@ -94,6 +94,7 @@ def test_gpu_sizes_follow_the_device(gib, layers, width):
   assert sizes.capacity_limit < gib * 2**30
 
 
+@pytest.mark.dry_run
 def test_dry_run_exercises_every_part(tmp_path):
   out = tmp_path / 'gpu_bench.json'
   proc = subprocess.run(

@@ -142,6 +142,23 @@ def test_stream_results_are_read_after_their_join(cast, layout):
   assert result['reads_before_join'] == [], result['reads_before_join']
 
 
+# Issue 37 point 4: each stream start carries the plan's staging bound,
+# the same for every bucket of the step, at least what any of them stages
+# from device memory (read from the compiled call's operands and results)
+# and no more than one bucket's worth over it: two slots, double-buffered,
+# allocated once. Also with STV (clip_norm), whose calls take a row index.
+@pytest.mark.parametrize(
+  'extra', [(), (('cast', 'device'),), (('clip_norm', 1.0),)], ids=str
+)
+def test_stream_staging_is_sized_from_the_plan(extra):
+  result = compiled('stream', 'noscan', overrides=SMALL + extra)
+  calls = result['stream_staging']
+  assert calls, result['custom_calls']
+  (bound,) = {c['bound'] for c in calls}
+  largest = max(c['staged'] for c in calls)
+  assert largest <= bound <= largest + 64 * 1024, calls
+
+
 # The ffi executor's staging, stated: XLA stages host compute's operands
 # through buffers of its own (notes section 5), so its host temporaries and
 # host-to-host copies are bounded by the state it steps, once per step.

@@ -57,6 +57,9 @@ struct BucketAttrs {
   std::string_view prefetch;
   // Threads in all a step asks for (0: the default; see OwnHelperThreads).
   int64_t host_threads;
+  // Started from a CUDA stream: the staging bytes of the largest bucket of
+  // the step, which each staging slot is sized to at once (0: no bound).
+  int64_t staging_bytes;
 };
 
 }  // namespace jax_superoffload
@@ -69,7 +72,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<bool>("reseed"),
     ::xla::ffi::StructMember<bool>("quantized"),
     ::xla::ffi::StructMember<std::string_view>("prefetch"),
-    ::xla::ffi::StructMember<int64_t>("host_threads"));
+    ::xla::ffi::StructMember<int64_t>("host_threads"),
+    ::xla::ffi::StructMember<int64_t>("staging_bytes"));
 
 namespace jax_superoffload {
 

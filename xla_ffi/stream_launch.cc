@@ -87,7 +87,8 @@ ffi::Error OnStream::Stage(std::vector<Touched>& touched,
     total += stream_internal::Aligned(s.copy.bytes);
   if (total == 0) return ffi::Error::Success();
   void* base = nullptr;
-  JSO_RETURN_IF_ERROR(context_->Acquire(total, &slot_, &base));
+  JSO_RETURN_IF_ERROR(
+      context_->Acquire(std::max(total, reserve_), &slot_, &base));
   size_t offset = 0;
   for (Staged& s : staged) {
     s.copy.host = static_cast<char*>(base) + offset;

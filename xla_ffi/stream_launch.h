@@ -26,6 +26,7 @@
 #ifndef JAX_SUPEROFFLOAD_XLA_FFI_STREAM_LAUNCH_H_
 #define JAX_SUPEROFFLOAD_XLA_FFI_STREAM_LAUNCH_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -139,11 +140,13 @@ class StreamLaunches {
 };
 
 // One bucket call from a CUDA stream (a start): Place stages the device
-// operands through a staging slot of its own, Run enqueues the launch.
+// operands through a staging slot of its own, Run enqueues the launch. A
+// slot is sized to at least `reserve` bytes (the step's largest bucket), so
+// that the slots are allocated once whatever order the buckets come in.
 class OnStream final : public Launch {
  public:
-  OnStream(StreamLaunches* launches, void* stream)
-      : launches_(launches), stream_(stream) {}
+  OnStream(StreamLaunches* launches, void* stream, size_t reserve = 0)
+      : launches_(launches), stream_(stream), reserve_(reserve) {}
   ~OnStream() override;
   ffi::Error Place(std::vector<Touched>& touched) override;
   ffi::Error Run(Work work) override;
@@ -160,6 +163,7 @@ class OnStream final : public Launch {
 
   StreamLaunches* launches_;
   void* stream_;
+  size_t reserve_;
   void* cuda_context_ = nullptr;
   stream_internal::Context* context_ = nullptr;
   int slot_ = -1;  // The staging slot held, until Run hands it on.
@@ -177,9 +181,19 @@ constexpr auto kOnCpu = [](ffi::ThreadPool pool, auto... operands) {
   return Body(launch, operands...);
 };
 
+// The staging bound a bucket handler's operands carry (its BucketAttrs).
+template <typename T>
+size_t StagingBytesOf(const T&) {
+  return 0;
+}
+inline size_t StagingBytesOf(const BucketAttrs& attrs) {
+  return attrs.staging_bytes > 0 ? static_cast<size_t>(attrs.staging_bytes) : 0;
+}
+
 template <auto Body>
 constexpr auto kOnStream = [](void* stream, auto... operands) {
-  OnStream launch(&StreamLaunches::Process(), stream);
+  const size_t reserve = std::max<size_t>({0, StagingBytesOf(operands)...});
+  OnStream launch(&StreamLaunches::Process(), stream, reserve);
   return Body(launch, operands...);
 };
 

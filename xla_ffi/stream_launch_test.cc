@@ -89,10 +89,11 @@ Work DoublingWork(const Doubling& d) {
 }
 
 // Starts `d` from the rig's stream: Place, then Run of `work` (the doubling
-// step by default) as a bucket handler does.
+// step by default) as a bucket handler does, with slots of `reserve` bytes.
 ffi::Error Start(Rig& rig, Doubling& d,
-                 std::function<Work(Doubling)> make = nullptr) {
-  OnStream launch(rig.launches.get(), rig.stream);
+                 std::function<Work(Doubling)> make = nullptr,
+                 size_t reserve = 0) {
+  OnStream launch(rig.launches.get(), rig.stream, reserve);
   std::vector<Touched> touched = Touches(d);
   JSO_RETURN_IF_ERROR(launch.Place(touched));
   return launch.Run(make ? make(d) : DoublingWork(d));
@@ -383,6 +384,38 @@ void TestStagingAllocatedOnceAndFreed() {
   Expect(rig.fake.stats().live_allocations == 0, "staging freed at the end");
 }
 
+// Point 4: slots sized from the plan. Three buckets a step (small, big,
+// small) take the two slots in turns, so a bucket's slot changes from one
+// step to the next: grown on demand, a slot sized for a small bucket is
+// reallocated when a big one comes to it. Sized to the largest bucket of the
+// step (the plan's bound, BucketAttrs::staging_bytes), each slot is
+// allocated once.
+int64_t SteadyAllocations(size_t reserve) {
+  Rig rig;
+  DeviceBuffers big(rig, 4096, 0.0f), small(rig, 100, 0.0f);
+  int64_t first = 0;
+  for (int step = 0; step < 4; ++step) {
+    Doubling a = small.step(), b = big.step(), c = small.step();
+    Expect(Start(rig, a, nullptr, reserve).success() &&
+               Start(rig, b, nullptr, reserve).success() &&
+               Start(rig, c, nullptr, reserve).success() &&
+               rig.Join().success(),
+           "step " + std::to_string(step));
+    if (step == 0) first = rig.launches->staging_allocations();
+  }
+  Expect(big.out[4095] == 8190.0f && small.out[99] == 198.0f, "results");
+  return rig.launches->staging_allocations() - first;
+}
+
+void TestStagingSizedFromThePlan() {
+  const size_t bound = 2 * 4 * 4096 + 256;  // In, out, the sum: aligned.
+  const int64_t grown = SteadyAllocations(0), sized = SteadyAllocations(bound);
+  std::printf("steady-state staging allocations: %lld grown, %lld sized\n",
+              static_cast<long long>(grown), static_cast<long long>(sized));
+  Expect(grown > 0, "grown on demand, the slots are reallocated");
+  Expect(sized == 0, "sized from the plan, never after the first step");
+}
+
 // Point 6: small state in device memory (a 0-d count) is staged in and
 // out; large device state is still refused.
 void TestSmallDeviceStateIsStaged() {
@@ -588,6 +621,7 @@ int main(int argc, char** argv) {
       {"no_shared_staging", TestConcurrentLaunchesShareNoStaging},
       {"host_function_at_once", TestHostFunctionReturnsAtOnce},
       {"staging_once", TestStagingAllocatedOnceAndFreed},
+      {"staging_sized", TestStagingSizedFromThePlan},
       {"small_state", TestSmallDeviceStateIsStaged},
       {"driver_failures", TestDriverFailuresAreErrors},
       {"adam_bucket", TestAdamBucketMatchesTheCpu},

@@ -339,6 +339,37 @@ def reads_before_join(hlo: str) -> list[str]:
   return bad
 
 
+def _aligned(nbytes: int, to: int = 256) -> int:
+  return -(-nbytes // to) * to
+
+
+def stream_staging(hlo: str) -> list[dict[str, int]]:
+  """Per stream start: its slot bound and the device bytes it stages.
+
+  The bound is the call's `staging_bytes` attribute; what it stages is
+  every operand and result in device memory, each at the staging slots'
+  256-byte alignment (xla_ffi/stream_context.h). A result aliased to a
+  device operand is counted twice, so `staged` is an upper bound.
+  """
+  module = _Module(hlo)
+  out = []
+  for _, instrs in module.comps.values():
+    for i in instrs:
+      bound = re.search(r'staging_bytes = (\d+)', i.rest)
+      if i.op != 'custom-call' or not bound:
+        continue
+      names = _operands(i)
+      shapes = [module.shapes.get(n, '') for n in names] + [i.shape]
+      staged = sum(
+        _aligned(a.bytes)
+        for shape in shapes
+        for a in arrays(shape)
+        if not a.on_host
+      )
+      out.append(dict(name=i.name, bound=int(bound[1]), staged=staged))
+  return out
+
+
 def summarize(hlo: str, memory: dict[str, int]) -> dict[str, Any]:
   """Everything the harness reports about one compiled step."""
   events = timeline(hlo)
@@ -350,6 +381,7 @@ def summarize(hlo: str, memory: dict[str, int]) -> dict[str, Any]:
     'custom_calls': custom_calls(hlo),
     'host_execute_calls': sum(e.kind == 'host_execute' for e in events),
     'reads_before_join': reads_before_join(hlo),
+    'stream_staging': stream_staging(hlo),
     'backward_gemms': sum(e.kind == 'gemm' and e.backward for e in events),
     'optimizer_calls': calls,
     'first_start_at': starts[0]['backward_flops_before'] if starts else None,

@@ -245,7 +245,7 @@ class Stream(_Plain):
     return backend.target() != 'gpu'
 
   def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params, **skip):
-    place = steps.stream_place(b.barrier)
+    place = steps.stream_place(b.barrier, b.staging_bytes)
     dtypes = weight_dtypes(b)
     out = steps.kernel_step(
       hyper, dtypes, master, mu, nu, grads, params, place=place, **skip
@@ -374,7 +374,9 @@ class PairedKernel:
 
     def fn(hyper, flags, out):
       row, redo, skip, scale = flags
-      fixed = steps.validate_pair(hyper, out, row, redo, skip, scale, stream)
+      fixed = steps.validate_pair(
+        hyper, out, row, redo, skip, scale, stream, b.staging_bytes
+      )
       return steps.finish_pair(b, fixed, row)
 
     specs, pairs = b.specs, _pair_specs(b.specs)

@@ -100,6 +100,7 @@ def _bucket_attrs(
   compute_sumsq: bool = False,
   reseed: bool = False,
   quantized: bool = False,
+  staging_bytes: int = 0,
 ) -> dict:
   """Every bucket handler's attributes (BucketAttrs, xla_ffi/ffi_support.h)."""
   return {
@@ -109,6 +110,7 @@ def _bucket_attrs(
     'num_leaves': np.int64(num_leaves),
     'reseed': bool(reseed),
     'quantized': bool(quantized),
+    'staging_bytes': np.int64(staging_bytes),
     **settings(),
   }
 
@@ -250,9 +252,15 @@ class StreamPlace:
   backward pass is over: the compute stream waits for host steps once.
   """
 
-  def __init__(self, join: bool = False, barrier: jax.Array | None = None):
+  def __init__(
+    self,
+    join: bool = False,
+    barrier: jax.Array | None = None,
+    staging_bytes: int = 0,
+  ):
     self.join = join
     self.barrier = barrier
+    self.staging_bytes = staging_bytes  # BucketAttrs::staging_bytes.
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return x.reshape(-1)
@@ -430,8 +438,12 @@ def _bucket_call(
     vmap_method='sequential',
     input_output_aliases=_aliases(2 + len(flags), 1, len(state) * k),
   )
+  staging = getattr(place, 'staging_bytes', 0)
   out = call(
-    *operands, **_bucket_attrs(hyper, k, reseed=params is not None, **attrs)
+    *operands,
+    **_bucket_attrs(
+      hyper, k, reseed=params is not None, staging_bytes=staging, **attrs
+    ),
   )
   flat_state = [x for run in state for x in run]
   # Without weight copies the new weights are the new masters, which the
@@ -541,7 +553,11 @@ def adam_step_speculative(
   out = call(
     *operands,
     **_bucket_attrs(
-      hyper, k, keep_nonfinite=keep_nonfinite, reseed=params is not None
+      hyper,
+      k,
+      keep_nonfinite=keep_nonfinite,
+      reseed=params is not None,
+      staging_bytes=getattr(place, 'staging_bytes', 0),
     ),
   )
   state = (master, mu, nu, kept)
@@ -596,8 +612,15 @@ def adam_step_validated(
     place(flags),
     place(jnp.asarray(redo_scale, jnp.float32).reshape(1)),
   ]
+  staging = getattr(place, 'staging_bytes', 0)
   out = call(
-    *scalars, *master, *mu, *nu, *kept, *weights, **_bucket_attrs(hyper, k)
+    *scalars,
+    *master,
+    *mu,
+    *nu,
+    *kept,
+    *weights,
+    **_bucket_attrs(hyper, k, staging_bytes=staging),
   )
   on_host = _host_results(0, [*master, *mu, *nu])
   out = _joined(place, out, on_host)

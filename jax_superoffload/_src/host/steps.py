@@ -9,6 +9,7 @@ double-buffered leaves and then validated (`speculate`, `validate_pair`,
 
 from __future__ import annotations
 
+import math
 from typing import Any
 from typing import NamedTuple
 
@@ -63,6 +64,10 @@ class Bucket(NamedTuple):
   # A scalar after every gradient of the step, for the stream executor's
   # join on a GPU (`stream_place`); None elsewhere.
   barrier: jax.Array | None = None
+  # The stream executor on a GPU: the staging bytes of the step's largest
+  # bucket (`staging_bound`), which sizes its pinned staging slots at once;
+  # 0 elsewhere.
+  staging_bytes: int = 0
 
 
 class Verdict(NamedTuple):
@@ -255,7 +260,47 @@ def scalars_to(place, xs: list) -> list:
   return jax.tree.map(lambda x: place(x) if x.ndim == 0 else x, list(xs))
 
 
-def stream_place(barrier: jax.Array | None = None) -> grace_adam.StreamPlace:
+# Staging slots hold their buffers at this alignment (stream_context.h).
+_STAGING_ALIGNMENT = 256
+# Staged buffers a bucket call has besides its leaves': the count and the
+# hyperparameters, flags, the sum of squares; all small.
+_STAGED_SCALARS = 32
+
+
+def _aligned(nbytes: int) -> int:
+  return -(-nbytes // _STAGING_ALIGNMENT) * _STAGING_ALIGNMENT
+
+
+def staging_bound(buckets: list[Bucket]) -> int:
+  """An upper bound of the staging bytes of the largest of `buckets`.
+
+  Per leaf, what a stream call stages from device memory: its gradient,
+  its parameter (re-seed) and a 0-d leaf's state; then the scalars. XLA
+  keeps a bucket call's results in host memory, beside the state some of
+  them alias (seen in every compiled GPU step; tests/test_gpu_compile.py
+  checks the bound against the compiled calls), so the new weights are
+  written there, not staged. The stream executor's slots
+  are sized to it at once, so no step after the first allocates staging
+  whatever order the buckets come in (xla_ffi/stream_launch.h).
+  """
+  bound = 0
+  for b in buckets:
+    total = _STAGED_SCALARS * _STAGING_ALIGNMENT
+    for j, g in enumerate(b.grads):
+      size = math.prod(g.shape)
+      total += _aligned(size * jnp.dtype(g.dtype).itemsize)
+      if b.params is not None:
+        p = b.params[j]
+        total += _aligned(math.prod(p.shape) * jnp.dtype(p.dtype).itemsize)
+      if not g.shape:
+        total += 3 * _STAGING_ALIGNMENT
+    bound = max(bound, total)
+  return bound
+
+
+def stream_place(
+  barrier: jax.Array | None = None, staging_bytes: int = 0
+) -> grace_adam.StreamPlace:
   """Where the stream-ordered handlers read their operands.
 
   Flat: a gradient that a dot left column-major would otherwise reach the
@@ -267,7 +312,11 @@ def stream_place(barrier: jax.Array | None = None) -> grace_adam.StreamPlace:
   once. On the CPU the handlers run the step before they return.
   """
   join = backend.target() == 'gpu'
-  return grace_adam.StreamPlace(join=join, barrier=barrier if join else None)
+  return grace_adam.StreamPlace(
+    join=join,
+    barrier=barrier if join else None,
+    staging_bytes=staging_bytes if join else 0,
+  )
 
 
 def join_barrier(grads: list[jax.Array]) -> jax.Array:
@@ -318,7 +367,7 @@ def speculate(
   hyper, b: Bucket, row, master, mu, nu, kept, grads, params, stream=False
 ):
   """STV's speculative kernel step on double-buffered leaves (see stv.py)."""
-  place = stream_place(b.barrier) if stream else None
+  place = stream_place(b.barrier, b.staging_bytes) if stream else None
   dtypes = stream_weight_dtypes(b, place)
 
   def fn(hyper, row, master, mu, nu, kept, grads, params):
@@ -352,9 +401,11 @@ def speculate(
   )
 
 
-def validate_pair(hyper, out: Speculated, row, redo, skip, scale, stream=False):
+def validate_pair(
+  hyper, out: Speculated, row, redo, skip, scale, stream=False, staging=0
+):
   """Redoes a clipped speculative step from its untouched row, in place."""
-  place = stream_place() if stream else None
+  place = stream_place(staging_bytes=staging) if stream else None
 
   def fn(hyper, master, mu, nu, kept, weights, flags):
     row, redo, skip, scale = flags

@@ -122,6 +122,9 @@ def _schedule(opts, inputs: Inputs, count, cast_on_device: bool) -> list:
           barrier=barrier,
         )
       )
+  if barrier is not None:  # The stream executor on a GPU, without ZeRO.
+    bound = steps.staging_bound(out)
+    out = [b._replace(staging_bytes=bound) for b in out]
   return out
 
 
