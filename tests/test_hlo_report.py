@@ -100,3 +100,8 @@ def test_results_of_a_joined_call_reach_only_their_join():
   early = '  %early = f32[64]{0:S(5)} negate(%copy.2)\n'
   racy = HLO.replace('  %copy-start.3', early + '  %copy-start.3')
   assert hlo_report.reads_before_join(racy) == ['early']
+  # After its join (STV's validated step reads the speculative one's state
+  # once the norm, which the join passes, is known): allowed.
+  late = '  %late = f32[64]{0} add(%copy-done.3, %join)\n'
+  after = HLO.replace('  ROOT %r', late + '  ROOT %r')
+  assert hlo_report.reads_before_join(after) == []

@@ -303,39 +303,56 @@ def _operands(i: Instr) -> list[str]:
   return re.findall(r'%([\w.\-]+)', i.rest.split(')', 1)[0])
 
 
+def _depends_on(by_name: dict[str, Instr], name: str, targets: set[str]):
+  """Whether instruction `name` (transitively) reads one of `targets`."""
+  seen, todo = set(), [name]
+  while todo:
+    n = todo.pop()
+    if n in targets:
+      return True
+    if n in seen or n not in by_name:
+      continue
+    seen.add(n)
+    todo.extend(_operands(by_name[n]))
+  return False
+
+
 def reads_before_join(hlo: str) -> list[str]:
   """Instructions that read a joined optimizer call's results unjoined.
 
   A joined call (a module with stream joins) returns before its host step
-  has run: what it returns may be read only through its join (or as a
-  result of the step, which ends after every join). Reaching the join
-  through copies is allowed (the ticket). Returns the offenders' names.
+  has run: what it returns may be read only through its join, after it
+  (by an instruction that depends on that join, such as STV's validated
+  step after the norm), or as a result of the step, which ends after every
+  join. Reaching the join through copies is allowed (the ticket). Returns
+  the offenders' names.
   """
+  through = {'get-tuple-element', 'bitcast', 'copy', 'copy-start', 'copy-done'}
+  target = lambda i: i.attr('custom_call_target') or ''  # noqa: E731
   bad = []
   for _, instrs in computations(hlo).values():
-    calls = [i for i in instrs if i.op == 'custom-call']
-    target = lambda i: i.attr('custom_call_target') or ''  # noqa: E731
-    if not any(target(i) == JOIN_TARGET for i in calls):
+    if not any(target(i) == JOIN_TARGET for i in instrs):
       continue
-    starts = {
-      i.name
-      for i in calls
-      if OPTIMIZER_TARGET.match(target(i)) and target(i) != JOIN_TARGET
-    }
-    through = {
-      'get-tuple-element',
-      'bitcast',
-      'copy',
-      'copy-start',
-      'copy-done',
-    }
+    by_name = {i.name: i for i in instrs}
+    start_of: dict[str, str] = {}  # A start, or what passes its results.
+    joins: dict[str, set[str]] = collections.defaultdict(set)
+    readers = []
     for i in instrs:  # In order: a reader follows what it reads.
-      if not starts.intersection(_operands(i)):
-        continue
-      if i.op in through:
-        starts.add(i.name)
-      elif not (i.op == 'tuple' or target(i) == JOIN_TARGET):
-        bad.append(i.name)
+      name = target(i)
+      if OPTIMIZER_TARGET.match(name) and name != JOIN_TARGET:
+        start_of[i.name] = i.name
+      for start in {start_of[n] for n in _operands(i) if n in start_of}:
+        if target(i) == JOIN_TARGET:
+          joins[start].add(i.name)
+        elif i.op in through:
+          start_of[i.name] = start
+        elif i.op != 'tuple':
+          readers.append((i.name, start))
+    bad += [
+      name
+      for name, start in readers
+      if not _depends_on(by_name, name, joins[start])
+    ]
   return bad
 
 

@@ -271,7 +271,11 @@ def _on_host(x: jax.Array) -> bool:
 
 
 def _joined(
-  place: Place, out: list, on_host: set[int], read: set[int] = frozenset()
+  place: Place,
+  out: list,
+  on_host: set[int],
+  read: set[int] = frozenset(),
+  ticket: bool = True,
 ) -> list:
   """`out` through a stream join when `place` asks for one.
 
@@ -280,7 +284,8 @@ def _joined(
   after the join's wait. Everything in device memory is, and so are the
   host results at `read`, which the step reads after this call (the new
   masters it copies to the device): passed through the join, aliased,
-  they cannot be read before the host step has written them.
+  they cannot be read before the host step has written them. `ticket`:
+  the call's first result is its f32[1] sum of squares (see below).
   """
   out = list(out)
   if not getattr(place, 'join', False):
@@ -297,9 +302,14 @@ def _joined(
   # scheduler start each bucket as soon as its gradients exist).
   # A ticket: the first result, moved from host memory to the device by
   # XLA. XLA starts such a copy as early as it can, and with it the call.
-  ticket = jax.device_put(
-    jax.device_put(out[0], jax.memory.Space.Host), jax.memory.Space.Device
-  )
+  # A call made after the backward pass (STV's validated step) needs none.
+  tickets = []
+  if ticket:
+    tickets.append(
+      jax.device_put(
+        jax.device_put(out[0], jax.memory.Space.Host), jax.memory.Space.Device
+      )
+    )
   call = jax.ffi.ffi_call(
     STREAM_JOIN_TARGET,
     _like(results),
@@ -307,7 +317,7 @@ def _joined(
     input_output_aliases=_aliases(0, 0, len(results)),
     has_side_effect=True,  # It waits, and must not be dropped when unused.
   )
-  done = call(*results, ticket, barrier)
+  done = call(*results, *tickets, barrier)
   for i, x in zip(joined, done, strict=True):
     # XLA keeps a result aliased to a host operand in host memory.
     out[i] = jax.device_put(x, jax.memory.Space.Host) if i in on_host else x
@@ -566,7 +576,13 @@ def adam_step_speculative(
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(4)]
   if place is not _as_is:
     runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]
-  return (*runs, out[0], list(out[1 + 4 * k :]))
+  weights = list(out[1 + 4 * k :])
+  if getattr(place, 'join', False):
+    # XLA keeps the call's results in host memory: typed so, the weights
+    # copies stay there through the validated step, which rewrites them
+    # only on a redo, and reach the device once, at the end.
+    weights = [jax.device_put(w, jax.memory.Space.Host) for w in weights]
+  return (*runs, out[0], weights)
 
 
 def adam_step_validated(
@@ -622,8 +638,12 @@ def adam_step_validated(
     *weights,
     **_bucket_attrs(hyper, k, staging_bytes=staging),
   )
-  on_host = _host_results(0, [*master, *mu, *nu])
-  out = _joined(place, out, on_host)
+  on_host = _host_results(0, [*master, *mu, *nu, *weights])
+  # The weights copies in host memory are read after the call (copied to
+  # the device): through the join.
+  read = {i for i in on_host if i >= 3 * k}
+  # Its first result is a master: no ticket (it runs after validation).
+  out = _joined(place, out, on_host, read, ticket=False)
   runs = [list(out[r * k : (r + 1) * k]) for r in range(3)]
   if place is not _as_is:
     state = (master, mu, nu)
