@@ -40,6 +40,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import sys
 import threading
 import zlib
@@ -415,6 +416,7 @@ def restore_newest_intact(
     except Exception as e:
       reasons.append(f'step {step}: {_one_line(e)}')
       damaged.append(step)
+      _quiet_abandoned_reads()
       continue
     if damaged:
       if jax.process_index() == 0:
@@ -442,6 +444,68 @@ def _set_aside(directory: pathlib.Path, step: int) -> None:
   source = directory / str(step)
   if source.exists():
     os.replace(source, directory / f'.damaged-{step}-{stamp}')
+
+
+# What Orbax's reads abandoned by a failed restore raise when they end.
+_ABANDONED_READ_ERRORS = (
+  'Event loop is closed',
+  'Encountered error while reading array index',
+)
+
+
+def _quiet_abandoned_reads() -> None:
+  """Drops the noise of the reads that a failed restore left behind.
+
+  When one array of a restore fails, Orbax returns that error at once and
+  closes its event loop with the other arrays' reads still pending; as they
+  end or are collected, each raises "Event loop is closed" or "Encountered
+  error while reading array index" into `sys.unraisablehook`, an "Exception
+  ignored" traceback apiece, long after `restore_newest_intact` reported the
+  damage in one line. From the first failed restore on, this process's
+  hook drops those two and passes anything else on.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, 'drops_abandoned_reads', False):
+    return
+
+  def hook(unraisable: Any) -> None:
+    if str(unraisable.exc_value).startswith(_ABANDONED_READ_ERRORS):
+      return
+    previous(unraisable)
+
+  hook.drops_abandoned_reads = True
+  sys.unraisablehook = hook
+
+
+# Orbax's temporary step folder, "<step>.orbax-checkpoint-tmp" (with a
+# "-<timestamp>" suffix in some versions): a save stopped before its commit
+# leaves one behind.
+_ABANDONED_SAVE = re.compile(r'^(\d+)\.orbax-checkpoint-tmp')
+
+
+def clean_abandoned_saves(directory: str | os.PathLike[str]) -> list[str]:
+  """Removes the temporary folders of saves that never committed.
+
+  Opening a `RunCheckpointer` removes them too, silently; this names them
+  first, so a resumed run can say that a save was abandoned.
+
+  Args:
+    directory: A checkpoint folder (it may not exist).
+
+  Returns:
+    ``"step N (folder name)"`` per folder removed, by step.
+  """
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    return []
+  found = sorted(
+    (int(m.group(1)), path.name)
+    for path in directory.iterdir()
+    if (m := _ABANDONED_SAVE.match(path.name)) and path.is_dir()
+  )
+  for _, name in found:
+    shutil.rmtree(directory / name)
+  return [f'step {step} ({name})' for step, name in found]
 
 
 def relative_out_dir(
