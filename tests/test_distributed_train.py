@@ -213,7 +213,10 @@ def test_two_processes_train_as_one(tmp_path, env, reference):
 def test_lost_process_caught_then_both_resume(tmp_path, env, reference):
   run_dir, ckpt_dir = tmp_path / 'run', tmp_path / 'ckpt'
   args = _args(run_dir, ckpt_dir, 5)
-  job = Job(args, tmp_path, env, 'victim')
+  # Process 1 parks inside the save of step 25, should the second job below
+  # start so slowly (a loaded machine) that the run would end first.
+  hold = {1: {checkpointing.HOLD_SAVE_ENV: '25'}}
+  job = Job(args, tmp_path, env, 'victim', extra_env=hold)
   deadline = time.monotonic() + _TIMEOUT_S
   while time.monotonic() < deadline and len(_metrics(run_dir)) < 3:
     assert all(p.poll() is None for p in job.procs), job.out(0)
@@ -375,3 +378,28 @@ def test_auto_without_a_cluster_is_refused(env):
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert proc.stderr.startswith('error: jax.distributed: ')
   assert proc.stderr.count('\n') == 1, proc.stderr
+
+
+def test_the_single_machine_recipe_runs_as_written(tmp_path):
+  """docs/trainer.md's recipe, pasted into bash: 2 processes equal 1."""
+  text = (_ROOT / 'docs' / 'trainer.md').read_text()
+  block = text.split('# single-machine recipe\n', 1)[1].split('```', 1)[0]
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env.update(
+    OUT=str(tmp_path),
+    PORT=str(_free_port()),
+    PYTHONPATH=str(_ROOT),
+    PATH=f'{pathlib.Path(sys.executable).parent}:{env["PATH"]}',
+  )
+  proc = subprocess.run(
+    ['bash', '-c', block],
+    cwd=_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=3 * _TIMEOUT_S,
+    env=env,
+  )
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0 and 'same losses' in out, out[-3000:]
+  assert 'process 1: done at step 20' in out
+  assert out.count('done: loss') == 2  # Process 0 of two, and the one.

@@ -149,6 +149,8 @@ class TrainLoop:
     )
     self.eval_result: dict[str, float] = {}
     self.stop = StopOnSignal(self._abandon)
+    if plan.topology.distributed:  # The watchdog's handlers stop at once.
+      self.stop.SIGNALS = ()
     # The step whose checkpoint is being saved, if any.
     self.saving: int | None = None
     self.sharding = NamedSharding(

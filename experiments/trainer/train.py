@@ -51,7 +51,9 @@ I`` (or ``--distributed auto`` under SLURM and the like) the run is N
 `jax.distributed` processes whose devices form one mesh; process 0 writes
 the run folder and holds the checkpoint folder's lock, every process saves
 its own shards, and a lost process stops the others at once (exit 4, one
-line; see `experiments.trainer.distributed`).
+line; see `experiments.trainer.supervisor`, which runs each process's
+trainer as its child). SIGINT or SIGTERM stops a process of such a run at
+once, without saving (one process cannot save alone).
 
 Exit status: 0 when all steps are done; 2 for a configuration refused before
 any compilation (one line, ``error: ...``, on stderr; nothing left on
@@ -66,11 +68,13 @@ signal number after SIGINT or SIGTERM.
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import signal
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -90,6 +94,7 @@ from experiments.trainer import perf
 from experiments.trainer import preflight
 from experiments.trainer import run_log
 from experiments.trainer import steps as steps_lib
+from experiments.trainer import supervisor
 from experiments.trainer import switch_optimizer as switch
 
 ConfigError = config_lib.ConfigError
@@ -317,7 +322,8 @@ def train(
     device, by memory kind), `wall_time_s`, `out_dir`, and also
     `total_tokens`, `start_step`, `completed`, `stopped_by` (the signal
     name, or None), `checkpoint_dir` and `data_state` (the iterator
-    position after training).
+    position after training). Over several processes, process 0's is the
+    run's summary (it alone prints one and writes ``summary.json``).
 
   Raises:
     ConfigError: For a bad configuration, before any compilation.
@@ -335,24 +341,39 @@ def train(
       f'{jax.device_count()} devices here)'
     )
     watchdog = distributed.Watchdog(
-      topology, distributed.coordinator_host(topology)
+      topology, distributed.coordinator_host(topology), cfg.heartbeat_timeout_s
     )
   try:
-    plan = preflight.plan_run(cfg, log, topology)
-    try:
-      trainable = steps_lib.build(cfg, plan.mesh)
-      start = _restore(cfg, plan, trainable, log)
-    except BaseException:
-      plan.undo()
-      raise
-    try:
-      return _train_from(cfg, plan, trainable, start, log, wall_start)
-    finally:
-      if plan.lock is not None:
-        plan.lock.release()
-  finally:
+    summary = _plan_and_train(cfg, topology, log, wall_start)
+  except (ConfigError, NonFiniteError):  # Every process raises the same.
     if watchdog is not None:
       watchdog.close()
+    raise
+  # Any other exception: no goodbye, so the peers stop too.
+  if watchdog is not None:
+    watchdog.close()
+  return summary
+
+
+def _plan_and_train(
+  cfg: config_lib.Config,
+  topology: distributed.Topology,
+  log: Callable[[str], None],
+  wall_start: float,
+) -> dict[str, Any]:
+  """Checks the run, builds and restores it, trains it."""
+  plan = preflight.plan_run(cfg, log, topology)
+  try:
+    trainable = steps_lib.build(cfg, plan.mesh)
+    start = _restore(cfg, plan, trainable, log)
+  except BaseException:
+    plan.undo()
+    raise
+  try:
+    return _train_from(cfg, plan, trainable, start, log, wall_start)
+  finally:
+    if plan.lock is not None:
+      plan.lock.release()
 
 
 def _train_from(
@@ -372,17 +393,23 @@ def _train_from(
     )
     (out_dir / SUMMARY_FILE).unlink(missing_ok=True)  # Stale once resumed.
   loop = loop_lib.TrainLoop(cfg, plan, trainable, start)
-  log(_start_line(cfg, plan, trainable, loop))
+  # Process 0 alone prints the start and summary lines: the metrics, losses
+  # and peak FLOP/s are process 0's (the others' would differ or be empty).
+  if primary:
+    log(_start_line(cfg, plan, trainable, loop))
   if start.step:
     log(f'resumed from {plan.checkpoint_dir} at step {start.step}')
-  if loop.peak is None:
+  if loop.peak is None and primary:
     log(f'note: MFU not shown: {loop.peak_source}')
   try:
     loop.run(cfg.progress and primary)
-  finally:
-    loop.close()
-    if primary:
-      _write_plot(cfg, out_dir)
+  except BaseException:
+    # Over several processes the peers stop too, and waiting here for a
+    # save in flight (or its commit, which needs them) could hang.
+    if not plan.topology.distributed:
+      _close(loop, cfg, primary)
+    raise
+  _close(loop, cfg, primary)
   nnx.update((trainable.model, trainable.optimizer), trainable.state)
   summary = _summarize(
     cfg, plan, trainable, loop, time.perf_counter() - wall_start
@@ -391,6 +418,13 @@ def _train_from(
     (out_dir / SUMMARY_FILE).write_text(
       json.dumps(run_log.json_safe(summary), indent=2) + '\n'
     )
+  if not primary:
+    log(
+      f'process {plan.topology.process_id}: '
+      f'{"done" if loop.completed else "stopped"} at step {loop.done} '
+      '(process 0 prints the summary)'
+    )
+    return summary
   log(_end_line(cfg, loop, summary))
   return summary
 
@@ -416,6 +450,15 @@ def _end_line(
     f'{summary["tokens_per_s"]:,.0f} tokens/s | {mfu_text} | '
     f'{summary["wall_time_s"]:.1f}s | {loop.log.path}'
   )
+
+
+def _close(
+  loop: loop_lib.TrainLoop, cfg: config_lib.Config, primary: bool
+) -> None:
+  """Closes the loop (waits for saves) and draws the loss curve."""
+  loop.close()
+  if primary:
+    _write_plot(cfg, loop.out_dir)
 
 
 def _write_plot(cfg: config_lib.Config, out_dir: pathlib.Path) -> None:
@@ -452,12 +495,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   """
   argv = sys.argv[1:] if argv is None else list(argv)
   try:
+    argv = distributed.pop_bind_flag(argv)
     cfg = config_lib.config_from_args(argv)
     if old := config_cli.old_flags(argv):
       print(
         f'note: {", ".join(old)}: the older spelling, accepted in this '
         'release only; use --config FILE and --config.FIELD=VALUE'
       )
+    if distributed.wanted(cfg) and not distributed.supervised():
+      config_lib.validate(cfg)  # Refused here, before any child starts.
+      return supervisor.supervise(argv, cfg.heartbeat_timeout_s)
     summary = train(cfg)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
@@ -465,6 +512,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   except NonFiniteError as e:
     print(f'error: {e}', file=sys.stderr)
     return NONFINITE_EXIT
+  except Exception:
+    if distributed.supervised():  # jax's exit would wait for the peers.
+      traceback.print_exc()
+      sys.stderr.flush()
+      os._exit(1)
+    raise
   if summary['stopped_by']:
     return 128 + signal.Signals[summary['stopped_by']].value
   return 0
