@@ -19,9 +19,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments.trainer import config as config_lib
+from experiments.trainer import config_cli
 from experiments.trainer import digests
 from experiments.trainer import distributed
 from experiments.trainer import liveness
+from experiments.trainer import train
 
 WORKER = pathlib.Path(__file__).with_name('zero_worker.py')
 TIMEOUT_S = 300
@@ -149,31 +151,63 @@ def test_digest_sees_one_changed_element_and_two_swapped():
 
 
 @pytest.mark.parametrize(
-  'coordinator, env, want',
+  'coordinator, bind, env, want',
   [
-    ('127.0.0.1:1234', None, '127.0.0.1:1234'),
-    ('localhost:1234', None, 'localhost:1234'),
-    ('[::1]:1234', None, '[::1]:1234'),
-    ('10.0.0.1:1234', None, None),  # jax's default: [::]:1234.
-    ('10.0.0.1:1234', '10.0.0.1:1234', '10.0.0.1:1234'),
-    ('127.0.0.1:1234', '0.0.0.0:1234', '0.0.0.0:1234'),
+    ('127.0.0.1:1234', None, None, '127.0.0.1:1234'),
+    ('localhost:1234', None, None, 'localhost:1234'),
+    ('[::1]:1234', None, None, '[::1]:1234'),
+    ('10.0.0.1:1234', None, None, None),  # jax's default: [::]:1234.
+    ('10.0.0.1:1234', None, '10.0.0.1:1234', '10.0.0.1:1234'),
+    ('127.0.0.1:1234', None, '0.0.0.0:1234', '0.0.0.0:1234'),
+    ('10.0.0.1:1234', '10.0.0.2:1234', None, '10.0.0.2:1234'),
+    ('127.0.0.1:1234', '0.0.0.0:1234', '10.0.0.1:1', '0.0.0.0:1234'),
   ],
 )
-def test_coordinator_binds_where_asked(monkeypatch, coordinator, env, want):
+def test_coordinator_binds_where_asked(
+  monkeypatch, coordinator, bind, env, want
+):
   monkeypatch.delenv(distributed.BIND_ENV, raising=False)
   if env is not None:
     monkeypatch.setenv(distributed.BIND_ENV, env)
-  assert distributed.bind_address(coordinator) == want
+  assert distributed.bind_address(coordinator, bind) == want
 
 
-def test_coordinator_bind_flag_sets_the_variable(monkeypatch):
-  monkeypatch.delenv(distributed.BIND_ENV, raising=False)
-  rest = distributed.pop_bind_flag(['--steps=3', '--coordinator-bind', 'h:1'])
-  assert rest == ['--steps=3'] and os.environ[distributed.BIND_ENV] == 'h:1'
-  rest = distributed.pop_bind_flag(['--coordinator-bind=g:2', '--zero'])
-  assert rest == ['--zero'] and os.environ[distributed.BIND_ENV] == 'g:2'
-  with pytest.raises(config_lib.ConfigError, match='HOST:PORT'):
-    distributed.pop_bind_flag(['--coordinator-bind'])
+def _without_bind_env(monkeypatch) -> None:
+  """`BIND_ENV` unset, and restored after the test whatever sets it."""
+  monkeypatch.setenv(distributed.BIND_ENV, 'restored-after-the-test')
+  monkeypatch.delenv(distributed.BIND_ENV)
+
+
+@pytest.mark.parametrize(
+  'argv',
+  [
+    ['--config.coordinator_bind=h:1'],
+    ['--coordinator-bind', 'h:1'],  # The older spelling, with a note.
+    ['--coordinator-bind=h:1', '--zero'],
+  ],
+)
+def test_coordinator_bind_is_a_config_field(monkeypatch, argv):
+  _without_bind_env(monkeypatch)
+  cfg, old = config_cli.parse(['--config=tiny', *argv])
+  assert cfg.coordinator_bind == 'h:1'
+  assert ('--coordinator-bind' in old) == argv[0].startswith('--coordinator')
+  # Parsing leaves the environment alone: a variable set in the test
+  # process reached every later test's trainers (the "g:2" coordinator).
+  assert distributed.BIND_ENV not in os.environ
+
+
+def test_coordinator_bind_errors_are_one_line(monkeypatch, capsys):
+  _without_bind_env(monkeypatch)
+  with pytest.raises(config_lib.ConfigError, match='needs a value'):
+    config_cli.parse(['--coordinator-bind'])
+  bad = config_lib.get_config('tiny', coordinator_bind='nohost')
+  with pytest.raises(config_lib.ConfigError, match='coordinator_bind must'):
+    config_lib.validate(bad)
+  # The whole command line, refused before any process starts.
+  argv = ['--config=tiny', '--coordinator-bind=g:2', '--config.zero']
+  assert train.main([*argv, '--config.coordinator=127.0.0.1:1']) == 2
+  assert capsys.readouterr().err.count('\n') == 1
+  assert distributed.BIND_ENV not in os.environ
 
 
 def test_the_private_jax_api_is_there():

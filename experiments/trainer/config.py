@@ -231,6 +231,12 @@ class Config:
   coordinator: str | None = _distributed(
     None, 'Coordinator "host:port" (process 0\'s host); starts jax.distributed.'
   )
+  coordinator_bind: str | None = _distributed(
+    None,
+    'Where process 0\'s coordination service listens, "host:port" (it has '
+    'no authentication); None: $JAX_COORDINATOR_BIND_ADDRESS if set, else '
+    'loopback for a loopback coordinator, else every interface.',
+  )
   num_processes: int | None = _distributed(
     None, 'Number of processes of the run (with coordinator).'
   )
@@ -239,9 +245,9 @@ class Config:
   )
   heartbeat_timeout_s: int = _distributed(
     100,
-    'Seconds without heartbeats after which XLA declares a process dead'
-    ' and aborts the others (a killed process is caught at once by the '
-    'watchdog).',
+    'Seconds of silence after which a process counts as hung and every '
+    "process stops (exit 4; a dead one is caught at once); XLA's own "
+    'heartbeat timeout is twice this.',
   )
   shutdown_timeout_s: int = _distributed(
     300, 'Seconds a finishing process waits for the others at shutdown.'

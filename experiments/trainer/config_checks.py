@@ -66,10 +66,10 @@ def _validate_distributed(cfg: config_lib.Config) -> None:
       f'process_id ({cfg.process_id}) must be in [0, num_processes '
       f'({cfg.num_processes}))'
     )
-  if cfg.coordinator is not None and ':' not in cfg.coordinator:
-    raise ConfigError(
-      f'coordinator must be "host:port", got {cfg.coordinator!r}'
-    )
+  for name in ('coordinator', 'coordinator_bind'):
+    value = getattr(cfg, name)
+    if value is not None and ':' not in value:
+      raise ConfigError(f'{name} must be "host:port", got {value!r}')
 
 
 def _validate_counts(cfg: config_lib.Config) -> None:

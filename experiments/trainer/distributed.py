@@ -106,7 +106,9 @@ def initialize(cfg: config_lib.Config) -> Topology:
         # XLA's heartbeat is the fallback: the watchdog's bound comes first.
         heartbeat_timeout_seconds=2 * cfg.heartbeat_timeout_s,
         shutdown_timeout_seconds=cfg.shutdown_timeout_s,
-        coordinator_bind_address=bind_address(cfg.coordinator),
+        coordinator_bind_address=bind_address(
+          cfg.coordinator, cfg.coordinator_bind
+        ),
       )
     except ValueError as e:  # Auto-detection found no cluster, for one.
       raise config_lib.ConfigError(f'jax.distributed: {_one_line(e)}') from None
@@ -129,14 +131,17 @@ def initialize(cfg: config_lib.Config) -> Topology:
   return topology
 
 
-def bind_address(coordinator: str | None) -> str | None:
+def bind_address(
+  coordinator: str | None, bind: str | None = None
+) -> str | None:
   """Where process 0's coordination service listens.
 
-  ``JAX_COORDINATOR_BIND_ADDRESS`` (set by ``--coordinator-bind``) wins;
-  else a loopback coordinator (127.0.0.1, ::1, localhost) binds loopback
-  only; else None: jax's default, every interface (``[::]:PORT``).
+  `bind` (``--config.coordinator_bind``) wins, then
+  ``JAX_COORDINATOR_BIND_ADDRESS``; else a loopback coordinator (127.0.0.1,
+  ::1, localhost) binds loopback only; else None: jax's default, every
+  interface (``[::]:PORT``).
   """
-  if bind := os.environ.get(BIND_ENV):
+  if bind := bind or os.environ.get(BIND_ENV):
     return bind
   if coordinator is None or ':' not in coordinator:
     return None
@@ -145,29 +150,6 @@ def bind_address(coordinator: str | None) -> str | None:
   if host == 'localhost' or host.startswith('127.') or host == '::1':
     return f'[{host}]:{port}' if ':' in host else f'{host}:{port}'
   return None
-
-
-def pop_bind_flag(argv: list[str]) -> list[str]:
-  """Takes ``--coordinator-bind HOST:PORT`` out of `argv` into `BIND_ENV`.
-
-  Read here rather than by `config_lib`: where the service listens belongs
-  to this launch, not to the run a checkpoint records.
-
-  Raises:
-    config_lib.ConfigError: If the flag has no value.
-  """
-  rest, it = [], iter(argv)
-  for arg in it:
-    if arg == '--coordinator-bind':
-      value = next(it, None)
-      if value is None or value.startswith('-'):
-        raise config_lib.ConfigError('--coordinator-bind needs HOST:PORT')
-      os.environ[BIND_ENV] = value
-    elif arg.startswith('--coordinator-bind='):
-      os.environ[BIND_ENV] = arg.split('=', 1)[1]
-    else:
-      rest.append(arg)
-  return rest
 
 
 def _one_line(error: BaseException, limit: int = 300) -> str:

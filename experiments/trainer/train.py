@@ -495,12 +495,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   """
   argv = sys.argv[1:] if argv is None else list(argv)
   try:
-    argv = distributed.pop_bind_flag(argv)
     cfg = config_lib.config_from_args(argv)
-    if old := config_cli.old_flags(argv):
+    # Once per rank: a supervisor's trainer child leaves it to the supervisor
+    # (same argv); flushed, since the supervisor ends with os._exit.
+    if (old := config_cli.old_flags(argv)) and not distributed.supervised():
       print(
         f'note: {", ".join(old)}: the older spelling, accepted in this '
-        'release only; use --config FILE and --config.FIELD=VALUE'
+        'release only; use --config FILE and --config.FIELD=VALUE',
+        flush=True,
       )
     if distributed.wanted(cfg) and not distributed.supervised():
       config_lib.validate(cfg)  # Refused here, before any child starts.
