@@ -77,7 +77,7 @@ def test_a_shard_damaged_on_one_process_is_rejected_by_all(work, tmp_path):
   shards = tmp_path / 'ckpt' / str(chaos.STEPS) / 'state' / 'ocdbt.process_1'
   _flip_bytes(max(shards.rglob('d/*'), key=lambda p: p.stat().st_size))
 
-  more = [*args, '--resume', f'--steps={chaos.STEPS + 2}']
+  more = [*args, '--config.resume', f'--config.steps={chaos.STEPS + 2}']
   job = chaos.Job(2, more, tmp_path, 'resume', env)
   assert job.wait(chaos.LAUNCH_S) == [0, 0], job.out(0)[-3000:]
   before = chaos.STEPS - chaos.EVERY

@@ -89,19 +89,20 @@ def child_env(cache: pathlib.Path | None = None) -> dict[str, str]:
 def train_args(n: int, folder: pathlib.Path) -> list[str]:
   """The flags of every round's run (and of its reference)."""
   return [
-    '--preset=tiny',
-    f'--steps={STEPS}',
-    '--batch-size=6',  # Divisible by 2 and 3 processes.
-    f'--mesh-data={n}',
-    '--mesh-seq=1',
-    '--zero',
-    f'--checkpoint-every={EVERY}',
-    f'--checkpoint-dir={folder / "ckpt"}',
-    f'--out-dir={folder / "run"}',
-    '--peak-tflops=1',
-    '--no-progress',
-    f'--heartbeat-timeout-s={HEARTBEAT_S}',
-    '--init-timeout-s=60',  # A death before all joined waits this long.
+    '--config=tiny',
+    f'--config.steps={STEPS}',
+    '--config.batch_size=6',  # Divisible by 2 and 3 processes.
+    f'--config.mesh_data={n}',
+    '--config.mesh_seq=1',
+    '--config.zero',
+    f'--config.checkpoint_every={EVERY}',
+    f'--config.checkpoint_dir={folder / "ckpt"}',
+    f'--config.out_dir={folder / "run"}',
+    '--config.peak_tflops=1',
+    '--noconfig.progress',
+    f'--config.heartbeat_timeout_s={HEARTBEAT_S}',
+    # A death before all joined waits this long.
+    '--config.init_timeout_s=60',
   ]
 
 
@@ -123,9 +124,9 @@ class Job:
     self.procs = []
     for i, log in enumerate(self.logs):
       launch = [
-        f'--coordinator=127.0.0.1:{port}',
-        f'--num-processes={n}',
-        f'--process-id={i}',
+        f'--config.coordinator=127.0.0.1:{port}',
+        f'--config.num_processes={n}',
+        f'--config.process_id={i}',
       ]
       with open(log, 'w') as out:
         self.procs.append(
@@ -340,7 +341,7 @@ def _check_resume(
 ) -> list[str]:
   """Resumes (or restarts, with nothing committed) and compares losses."""
   steps = committed_steps(folder)
-  args = train_args(r.n, folder) + (['--resume'] if steps else [])
+  args = train_args(r.n, folder) + (['--config.resume'] if steps else [])
   job = Job(r.n, args, folder, 'resume', env)
   codes = job.wait(LAUNCH_S)
   job.kill_all()
