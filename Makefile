@@ -16,6 +16,7 @@ PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 # (and the tests) from the checkout.
 WHEEL ?=
 PY := $(VENV)/bin/python
+COMMA := ,
 STAMP := $(VENV)/.installed
 SOURCES := pyproject.toml CMakeLists.txt $(CONSTRAINTS) $(wildcard xla_ffi/*.cc xla_ffi/*.h xla_ffi/CMakeLists.txt)
 PURELIB = $$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
@@ -30,25 +31,37 @@ PLUGIN_SO := $(PLUGIN_DIR)/jax_plugins/xla_cuda13/xla_cuda_plugin.so
 
 .PHONY: demo test lint bench clean cuda-plugin wheel aot-deps gpu-compile
 
+# Each stage of the venv's build says what it does in one line (pip itself
+# stays quiet): on 2 cores the whole build takes minutes, most of them in
+# compiling the C++ extension.
+STAGE = @echo "make: [$(1)] $(2)"
+
 ifeq ($(WHEEL),)
 $(STAMP): $(SOURCES)
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# Build tools first: the extension builds without isolation, against
-	# the jaxlib it will run with (whose XLA FFI headers it compiles with).
-	$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=3.1" cmake ninja "jax>=0.10.1,<0.13" "jaxlib>=0.10.1,<0.13" $(PIP_C)
-	$(PY) -m pip install -q --no-build-isolation -e ".[test,experiments]" $(PIP_C)
-	rm -f $(CHECKOUT_PTH)
-	touch $(STAMP)
+	$(call STAGE,1/4,a virtual environment in $(VENV) ($(PYTHON)))
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	$(call STAGE,2/4,build tools$(COMMA) jax and jaxlib (pip; downloads on a first build))
+# Build tools first: the extension builds without isolation, against the
+# jaxlib it will run with (whose XLA FFI headers it compiles with).
+	@$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=3.1" cmake ninja "jax>=0.10.1,<0.13" "jaxlib>=0.10.1,<0.13" $(PIP_C)
+	$(call STAGE,3/4,the C++ extension (CMake and Ninja; the longest stage) and the test and experiments extras)
+	@$(PY) -m pip install -q --no-build-isolation -e ".[test,experiments]" $(PIP_C)
+	@rm -f $(CHECKOUT_PTH)
+	@touch $(STAMP)
+	$(call STAGE,4/4,$(VENV) is ready)
 else
 # The checkout goes on sys.path after site-packages (a .pth file), so that
 # experiments/ imports from it and jax_superoffload from the wheel.
 $(STAMP): $(WHEEL) pyproject.toml $(CONSTRAINTS)
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(abspath $(WHEEL))[test,experiments]" $(PIP_C)
-	echo "$(CURDIR)" > $(CHECKOUT_PTH)
-	touch $(STAMP)
+	$(call STAGE,1/3,a virtual environment in $(VENV) ($(PYTHON)))
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	$(call STAGE,2/3,the wheel $(WHEEL) with jax$(COMMA) jaxlib and the test and experiments extras (pip))
+	@$(PY) -m pip install -q "$(abspath $(WHEEL))[test,experiments]" $(PIP_C)
+	@echo "$(CURDIR)" > $(CHECKOUT_PTH)
+	@touch $(STAMP)
+	$(call STAGE,3/3,$(VENV) is ready)
 endif
 
 # With a WHEEL, PYTHONSAFEPATH=1 keeps `python -m` (here, in pytest and in
@@ -57,7 +70,8 @@ endif
 RUN_ENV := $(if $(WHEEL),PYTHONSAFEPATH=1)
 
 demo: $(STAMP)
-	$(RUN_ENV) $(PY) -m experiments.trainer --config configs/demo.py
+	$(call STAGE,demo,training configs/demo.py: 600 steps$(COMMA) a progress bar)
+	@$(RUN_ENV) $(PY) -m experiments.trainer --config configs/demo.py
 
 $(PLUGIN_SO): $(STAMP)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(PLUGIN_DIR) \

@@ -1,20 +1,22 @@
 """~127M parameters (byte vocabulary, tied embeddings)."""
 
-from experiments.trainer import config
+import ml_collections
+
+from experiments.trainer import config_files
 
 
-def get_config() -> config.Config:
+def get_config() -> ml_collections.ConfigDict:
   """Returns the 125m config."""
-  return config.Config(
-    d_model=768,
-    num_layers=18,
-    num_heads=12,
-    mlp_dim=3072,
-    seq_len=1024,
-    batch_size=32,
-    steps=20_000,
-    warmup_steps=1000,
-    learning_rate=6e-4,
-    data_max_bytes=1_000_000_000,
-    checkpoint_every=1000,
-  )
+  cfg = config_files.defaults()
+  cfg.d_model = 768
+  cfg.num_layers = 18
+  cfg.num_heads = 12
+  cfg.mlp_dim = 3072
+  cfg.seq_len = 1024
+  cfg.batch_size = 32
+  cfg.steps = 20_000
+  cfg.warmup_steps = 1000
+  cfg.learning_rate = 6e-4
+  cfg.data_max_bytes = 1_000_000_000
+  cfg.checkpoint_every = 1000
+  return cfg

@@ -1,20 +1,22 @@
 """~353M parameters (byte vocabulary, tied embeddings)."""
 
-from experiments.trainer import config
+import ml_collections
+
+from experiments.trainer import config_files
 
 
-def get_config() -> config.Config:
+def get_config() -> ml_collections.ConfigDict:
   """Returns the 350m config."""
-  return config.Config(
-    d_model=1024,
-    num_layers=28,
-    num_heads=16,
-    mlp_dim=4096,
-    seq_len=1024,
-    batch_size=32,
-    steps=40_000,
-    warmup_steps=2000,
-    learning_rate=3e-4,
-    data_max_bytes=1_000_000_000,
-    checkpoint_every=1000,
-  )
+  cfg = config_files.defaults()
+  cfg.d_model = 1024
+  cfg.num_layers = 28
+  cfg.num_heads = 16
+  cfg.mlp_dim = 4096
+  cfg.seq_len = 1024
+  cfg.batch_size = 32
+  cfg.steps = 40_000
+  cfg.warmup_steps = 2000
+  cfg.learning_rate = 3e-4
+  cfg.data_max_bytes = 1_000_000_000
+  cfg.checkpoint_every = 1000
+  return cfg

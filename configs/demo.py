@@ -2,12 +2,14 @@
 
 The `Config` defaults themselves. Run it, or start from it, with::
 
-  python -m experiments.trainer --config configs/demo.py [--steps 100 ...]
+  python -m experiments.trainer --config configs/demo.py [--config.steps=100]
 """
 
-from experiments.trainer import config
+import ml_collections
+
+from experiments.trainer import config_files
 
 
-def get_config() -> config.Config:
+def get_config() -> ml_collections.ConfigDict:
   """Returns the demo config."""
-  return config.Config()
+  return config_files.defaults()

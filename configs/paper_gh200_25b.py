@@ -11,26 +11,28 @@ Not run: no GH200 was used. The cost model's predictions for this size are
 in experiments/benchmarks/paper_predictions.md.
 """
 
-from experiments.trainer import config
+import ml_collections
+
+from experiments.trainer import config_files
 
 
-def get_config() -> config.Config:
+def get_config() -> ml_collections.ConfigDict:
   """Returns the paper_gh200_25b config."""
-  return config.Config(
-    d_model=6400,
-    num_layers=51,
-    num_heads=50,
-    mlp_dim=4 * 6400,
-    seq_len=4096,
-    batch_size=8,
-    dtype='bfloat16',
-    param_dtype='bfloat16',
-    scan_layers=True,
-    steps=50_000,
-    warmup_steps=2000,
-    learning_rate=1e-4,
-    clip_norm=1.0,
-    cast='auto',
-    data_max_bytes=4_000_000_000,
-    checkpoint_every=500,
-  )
+  cfg = config_files.defaults()
+  cfg.d_model = 6400
+  cfg.num_layers = 51
+  cfg.num_heads = 50
+  cfg.mlp_dim = 4 * 6400
+  cfg.seq_len = 4096
+  cfg.batch_size = 8
+  cfg.dtype = 'bfloat16'
+  cfg.param_dtype = 'bfloat16'
+  cfg.scan_layers = True
+  cfg.steps = 50_000
+  cfg.warmup_steps = 2000
+  cfg.learning_rate = 1e-4
+  cfg.clip_norm = 1.0
+  cfg.cast = 'auto'
+  cfg.data_max_bytes = 4_000_000_000
+  cfg.checkpoint_every = 500
+  return cfg

@@ -27,3 +27,14 @@ def test_help_prints_and_exits_zero(name, monkeypatch, capsys):
     runpy.run_module(f'experiments.{name}', run_name='__main__')
   assert exit_info.value.code in (0, None)
   assert 'usage:' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('module', ['experiments.trainer', 'experiments.train'])
+def test_trainer_help_lists_config_fields(module, monkeypatch, capsys):
+  monkeypatch.setattr(sys, 'argv', ['trainer', '--help'])
+  with pytest.raises(SystemExit) as exit_info:
+    runpy.run_module(module, run_name='__main__')
+  assert exit_info.value.code in (0, None)
+  out = capsys.readouterr().out
+  assert out.startswith('usage: python -m experiments.trainer')
+  assert '--config.steps INT' in out and '--config FILE' in out

@@ -59,27 +59,41 @@ def env(tmp_path_factory):
   return env
 
 
-def _args(run_dir: pathlib.Path, ckpt_dir: pathlib.Path, every: int) -> list:
-  return [
-    '--preset=tiny',
-    f'--steps={_STEPS}',
-    '--mesh-data=2',
-    '--mesh-seq=2',
-    '--zero',
-    f'--checkpoint-every={every}',
-    f'--checkpoint-dir={ckpt_dir}',
-    f'--out-dir={run_dir}',
-    '--peak-tflops=1',  # Skips timing a CPU matmul at startup.
-    '--no-progress',
-  ]
+def _args(
+  run_dir: pathlib.Path, ckpt_dir: pathlib.Path, every: int, old: bool = False
+) -> list:
+  """The run's flags: ``--config.FIELD=VALUE``, or the older spelling."""
+  fields = {
+    'steps': _STEPS,
+    'mesh_data': 2,
+    'mesh_seq': 2,
+    'zero': True,
+    'checkpoint_every': every,
+    'checkpoint_dir': ckpt_dir,
+    'out_dir': run_dir,
+    'peak_tflops': 1,  # A stated peak: no CPU peak looked up.
+    'progress': False,
+  }
+  out = ['--preset=tiny' if old else '--config=tiny']
+  for name, value in fields.items():
+    flag = '--' + name.replace('_', '-') if old else f'--config.{name}'
+    if isinstance(value, bool):
+      no = '--no-' if old else '--no'
+      out.append(flag if value else flag.replace('--', no, 1))
+    else:
+      out.append(f'{flag}={value}')
+  return out
 
 
 def _launch(i: int, port: int, slurm: bool) -> tuple[list[str], dict]:
   """The flags and environment that make a trainer process `i` of 2."""
   if not slurm:
-    coordinator = f'--coordinator=127.0.0.1:{port}'
-    return [coordinator, '--num-processes=2', f'--process-id={i}'], {}
-  return ['--distributed=auto'], {
+    return [
+      f'--config.coordinator=127.0.0.1:{port}',
+      '--config.num_processes=2',
+      f'--config.process_id={i}',
+    ], {}
+  return ['--config.distributed=auto'], {
     'SLURM_JOB_ID': '1',
     'SLURM_STEP_NODELIST': 'localhost',
     'SLURM_NTASKS': '2',
@@ -105,8 +119,8 @@ class Job:
     """Starts both processes; `extra_env[i]` is added to process i's `env`.
 
     With `slurm`, each process finds its place as under `srun` (2 tasks on
-    this host): `--distributed auto` and the variables SLURM sets, instead
-    of the explicit flags.
+    this host): `--config.distributed=auto` and the variables SLURM sets,
+    instead of the explicit flags.
     """
     port = _free_port()
     self.logs = [logs / f'{name}-{i}.log' for i in range(2)]
@@ -116,7 +130,7 @@ class Job:
       with open(log, 'w') as out:
         self.procs.append(
           subprocess.Popen(
-            [*_TRAIN, *args, *launch, '--heartbeat-timeout-s=10'],
+            [*_TRAIN, *args, *launch, '--config.heartbeat_timeout_s=10'],
             cwd=_ROOT,
             stdout=out,
             stderr=out,
@@ -213,18 +227,27 @@ def test_two_processes_train_as_one(tmp_path, env, reference):
 def test_lost_process_caught_then_both_resume(tmp_path, env, reference):
   run_dir, ckpt_dir = tmp_path / 'run', tmp_path / 'ckpt'
   args = _args(run_dir, ckpt_dir, 5)
-  job = Job(args, tmp_path, env, 'victim')
+  # Process 1 parks inside the save of step 25, should the second job below
+  # start so slowly (a loaded machine) that the run would end first.
+  hold = {1: {checkpointing.HOLD_SAVE_ENV: '25'}}
+  job = Job(args, tmp_path, env, 'victim', extra_env=hold)
   deadline = time.monotonic() + _TIMEOUT_S
   while time.monotonic() < deadline and len(_metrics(run_dir)) < 3:
     assert all(p.poll() is None for p in job.procs), job.out(0)
     time.sleep(0.01)
 
   # A second job on the same checkpoint folder is refused, every process.
-  other = Job(_args(tmp_path / 'other', ckpt_dir, 5), tmp_path, env, 'other')
+  # It is spelled the older way: each rank notes that once (its supervisor
+  # does; its trainer child, given the same flags, does not repeat it).
+  other_args = _args(tmp_path / 'other', ckpt_dir, 5, old=True)
+  other = Job(other_args, tmp_path, env, 'other')
   assert other.wait() == [2, 2], other.out(0)[-2000:]
   for i in range(2):
-    err = [x for x in other.out(i).splitlines() if x.startswith('error:')]
+    lines = other.out(i).splitlines()
+    err = [x for x in lines if x.startswith('error:')]
     assert len(err) == 1 and 'in use by another trainer' in err[0], err
+    notes = [x for x in lines if x.startswith('note:')]
+    assert len(notes) == 1 and '--preset, --steps,' in notes[0], notes
 
   while time.monotonic() < deadline and len(_metrics(run_dir)) < 12:
     assert all(p.poll() is None for p in job.procs), job.out(0)
@@ -241,9 +264,9 @@ def test_lost_process_caught_then_both_resume(tmp_path, env, reference):
 
   # Another topology first, from a copy: 1 process x 4 devices.
   ckpt1 = _copy_checkpoints(ckpt_dir, tmp_path / 'ckpt1')
-  one = [*_args(tmp_path / 'one', ckpt1, 5), '--resume']
+  one = [*_args(tmp_path / 'one', ckpt1, 5), '--config.resume']
   assert train.main(one) == 0
-  restarted = Job([*args, '--resume'], tmp_path, env, 'restart')
+  restarted = Job([*args, '--config.resume'], tmp_path, env, 'restart')
   assert restarted.wait() == [0, 0], restarted.out(0)[-3000:]
   assert 'resumed from' in restarted.out(0)
 
@@ -262,7 +285,7 @@ def test_one_process_checkpoint_resumes_on_two(tmp_path, env, reference):
   # mesh, so the same reductions, bit for bit. Launched as under SLURM.
   ckpt = _copy_checkpoints(reference.ckpt, tmp_path / 'ckpt', upto=10)
   run_dir = tmp_path / 'run'
-  args = [*_args(run_dir, ckpt, 10), '--resume']
+  args = [*_args(run_dir, ckpt, 10), '--config.resume']
   job = Job(args, tmp_path, env, 'two', slurm=True)
   assert job.wait() == [0, 0], job.out(0)[-3000:] + job.out(1)[-3000:]
   for i in range(2):
@@ -282,8 +305,10 @@ _U = 2.0**-24
 @pytest.mark.parametrize(
   'split, processes',
   [
-    pytest.param(['--mesh-data=4', '--mesh-seq=1'], 2, id='zero_2_to_4'),
-    pytest.param(['--no-zero'], 1, id='sharded_to_replicated'),
+    pytest.param(
+      ['--config.mesh_data=4', '--config.mesh_seq=1'], 2, id='zero_2_to_4'
+    ),
+    pytest.param(['--noconfig.zero'], 1, id='sharded_to_replicated'),
   ],
 )
 def test_resume_onto_another_zero_split(
@@ -309,7 +334,7 @@ def test_resume_onto_another_zero_split(
   tiny = config_lib.get_config('tiny')
   n = tiny.batch_size * tiny.seq_len
   ckpt = _copy_checkpoints(reference.ckpt, tmp_path / 'ckpt', upto=10)
-  args = [*_args(tmp_path / 'run', ckpt, 10), '--resume', *split]
+  args = [*_args(tmp_path / 'run', ckpt, 10), '--config.resume', *split]
   if processes == 1:
     assert train.main(args) == 0
     out = capsys.readouterr().out
@@ -344,7 +369,7 @@ def test_kill_mid_save_keeps_the_previous_checkpoint(tmp_path, env, reference):
   assert job.wait(60) == [4, -signal.SIGKILL], job.out(0)[-3000:]
   assert not (ckpt_dir / '10').exists() and all(p.exists() for p in partial)
 
-  restarted = Job([*args, '--resume'], tmp_path, env, 'after')
+  restarted = Job([*args, '--config.resume'], tmp_path, env, 'after')
   assert restarted.wait() == [0, 0], restarted.out(0)[-3000:]
   out = restarted.out(0)
   assert f'resumed from {ckpt_dir} at step 5' in out and 'damaged' not in out
@@ -375,3 +400,28 @@ def test_auto_without_a_cluster_is_refused(env):
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert proc.stderr.startswith('error: jax.distributed: ')
   assert proc.stderr.count('\n') == 1, proc.stderr
+
+
+def test_the_single_machine_recipe_runs_as_written(tmp_path):
+  """docs/trainer.md's recipe, pasted into bash: 2 processes equal 1."""
+  text = (_ROOT / 'docs' / 'trainer.md').read_text()
+  block = text.split('# single-machine recipe\n', 1)[1].split('```', 1)[0]
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env.update(
+    OUT=str(tmp_path),
+    PORT=str(_free_port()),
+    PYTHONPATH=str(_ROOT),
+    PATH=f'{pathlib.Path(sys.executable).parent}:{env["PATH"]}',
+  )
+  proc = subprocess.run(
+    ['bash', '-c', block],
+    cwd=_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=3 * _TIMEOUT_S,
+    env=env,
+  )
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 0 and 'same losses' in out, out[-3000:]
+  assert 'process 1: done at step 20' in out
+  assert out.count('done: loss') == 2  # Process 0 of two, and the one.

@@ -10,18 +10,22 @@ A checkpoint is one Orbax step directory with two items:
   position, the run directory (relative to the checkpoint folder, so a
   copied run folder resumes in place), the whole config, a fingerprint of
   the model, the path, shape and dtype of every leaf of ``state`` and a
-  CRC-32 of every stored array's bytes.
+  digest of every stored array (`digests`; checkpoints written before
+  them have CRC-32s of whole arrays, still verified).
 
 Restoring verifies a checkpoint twice: Orbax's own reads (a missing or
-truncated file fails there) and the CRC-32 of every restored array against
+truncated file fails there) and the digest of every restored array against
 the one written at save (bytes changed in place). `restore_newest_intact`
 falls back to older checkpoints past damaged ones.
 
 One job writes a checkpoint folder at a time (`folder_lock.FolderLock`,
 taken by its process 0). Over several processes (`jax.distributed`) every
 process saves and restores its own shards through Orbax's multi-process
-checkpointing (process 0 writes the metadata and commits the step); the
-checksums are of whole arrays, so they do not depend on the topology.
+checkpointing (process 0 writes the metadata and commits the step). Each
+process digests only the shards it holds, and one vote (a small
+all-gather) adds the parts and tells every process whether any could not
+read its shards: a step damaged on any process is rejected by all, so all
+resume from the same step. The digests do not depend on the topology.
 
 The trainer's only random stream after initialization is the data order,
 whose generator is re-derived from the iterator's position (seed, epoch,
@@ -40,9 +44,9 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import sys
 import threading
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +55,7 @@ import numpy as np
 from flax import nnx
 
 from experiments.trainer import config as config_lib
+from experiments.trainer import digests
 from experiments.trainer import model as model_lib
 
 # Model fields that may change between a checkpoint and its resumption:
@@ -237,7 +242,10 @@ class RunCheckpointer:
       **meta,
       'step': step,
       'leaves': leaf_specs(state),
-      'checksums': {k: _crc32(x) for k, x in arrays.items()},
+      'checksum_kind': digests.KIND,
+      'checksums': dict(
+        zip(arrays, digests.global_digests(arrays.values()), strict=True)
+      ),
     }
     ocp = self._ocp
     self._manager.save(
@@ -291,12 +299,7 @@ class RunCheckpointer:
       target[_key(i)] = jax.ShapeDtypeStruct(
         data.shape, data.dtype, sharding=sharding
       )
-    ocp = self._ocp
-    out = self._manager.restore(
-      step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-    )
-    arrays = out['state']
-    _verify_checksums(arrays, meta.get('checksums'))
+    arrays = self._read_verified(step, target, meta)
     restored = []
     for i, x in enumerate(leaves):
       if not _stored(x):
@@ -307,6 +310,43 @@ class RunCheckpointer:
       else:
         restored.append(arrays[_key(i)])
     return Restored(jax.tree.unflatten(treedef, restored), meta)
+
+  def _read_verified(
+    self, step: int, target: dict[str, Any], meta: dict[str, Any]
+  ) -> dict[str, Any]:
+    """Reads this process's shards of `step` and checks them with the others.
+
+    Every process digests the shards it read (none is gathered) and all
+    vote (a collective: every process gets here, even one whose read
+    failed), so a shard damaged on any process rejects the step for all.
+    """
+    ocp = self._ocp
+    error, local = None, [0] * len(target)
+    try:
+      out = self._manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+      )
+      arrays = out['state']
+      if meta.get('checksum_kind') == digests.KIND:
+        local = [digests.local_digest(arrays[k]) for k in target]
+    except Exception as e:  # Voted on below; raised after the vote.
+      error = e
+    if meta.get('checksum_kind') != digests.KIND:  # Written before digests.
+      if error is not None:
+        raise error
+      digests.verify_crc32(arrays, meta.get('checksums'))
+      return arrays
+    sums, failed = digests.vote(local, ok=error is None)
+    if error is not None:
+      raise error
+    if failed:
+      raise DamagedCheckpointError(
+        f'process(es) {failed} could not read their shards'
+      )
+    for key, total in zip(target, sums, strict=True):
+      if meta['checksums'].get(key) != total:
+        raise DamagedCheckpointError(f'array {key} fails its checksum')
+    return arrays
 
   def wait(self) -> None:
     """Blocks until every started save is on disk."""
@@ -329,33 +369,7 @@ def _first_diff(saved: list[Any], now: list[Any]) -> str:
   )
 
 
-class DamagedCheckpointError(Exception):
-  """A checkpoint whose content differs from what was saved."""
-
-
-def _crc32(x: Any) -> int:
-  """CRC-32 of an array's bytes (brought to host memory).
-
-  An array sharded over several processes is gathered whole first (a
-  collective: every process calls this for the same arrays in the same
-  order), so the checksum does not depend on the topology and a restore
-  onto another process count verifies it too.
-  """
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    from jax.experimental import multihost_utils
-
-    x = multihost_utils.process_allgather(x, tiled=True)
-  data = np.ascontiguousarray(np.asarray(x))
-  return zlib.crc32(data.reshape(-1).view(np.uint8))
-
-
-def _verify_checksums(arrays: dict[str, Any], saved: Any) -> None:
-  """Raises `DamagedCheckpointError` on the first array whose CRC differs."""
-  if saved is None:  # Written before checksums existed.
-    return
-  for key, x in arrays.items():
-    if saved.get(key) != _crc32(x):
-      raise DamagedCheckpointError(f'array {key} fails its checksum')
+DamagedCheckpointError = digests.DamagedCheckpointError
 
 
 def _one_line(error: BaseException, limit: int = 160) -> str:
@@ -415,6 +429,7 @@ def restore_newest_intact(
     except Exception as e:
       reasons.append(f'step {step}: {_one_line(e)}')
       damaged.append(step)
+      _quiet_abandoned_reads()
       continue
     if damaged:
       if jax.process_index() == 0:
@@ -442,6 +457,68 @@ def _set_aside(directory: pathlib.Path, step: int) -> None:
   source = directory / str(step)
   if source.exists():
     os.replace(source, directory / f'.damaged-{step}-{stamp}')
+
+
+# What Orbax's reads abandoned by a failed restore raise when they end.
+_ABANDONED_READ_ERRORS = (
+  'Event loop is closed',
+  'Encountered error while reading array index',
+)
+
+
+def _quiet_abandoned_reads() -> None:
+  """Drops the noise of the reads that a failed restore left behind.
+
+  When one array of a restore fails, Orbax returns that error at once and
+  closes its event loop with the other arrays' reads still pending; as they
+  end or are collected, each raises "Event loop is closed" or "Encountered
+  error while reading array index" into `sys.unraisablehook`, an "Exception
+  ignored" traceback apiece, long after `restore_newest_intact` reported the
+  damage in one line. From the first failed restore on, this process's
+  hook drops those two and passes anything else on.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, 'drops_abandoned_reads', False):
+    return
+
+  def hook(unraisable: Any) -> None:
+    if str(unraisable.exc_value).startswith(_ABANDONED_READ_ERRORS):
+      return
+    previous(unraisable)
+
+  hook.drops_abandoned_reads = True
+  sys.unraisablehook = hook
+
+
+# Orbax's temporary step folder, "<step>.orbax-checkpoint-tmp" (with a
+# "-<timestamp>" suffix in some versions): a save stopped before its commit
+# leaves one behind.
+_ABANDONED_SAVE = re.compile(r'^(\d+)\.orbax-checkpoint-tmp')
+
+
+def clean_abandoned_saves(directory: str | os.PathLike[str]) -> list[str]:
+  """Removes the temporary folders of saves that never committed.
+
+  Opening a `RunCheckpointer` removes them too, silently; this names them
+  first, so a resumed run can say that a save was abandoned.
+
+  Args:
+    directory: A checkpoint folder (it may not exist).
+
+  Returns:
+    ``"step N (folder name)"`` per folder removed, by step.
+  """
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    return []
+  found = sorted(
+    (int(m.group(1)), path.name)
+    for path in directory.iterdir()
+    if (m := _ABANDONED_SAVE.match(path.name)) and path.is_dir()
+  )
+  for _, name in found:
+    shutil.rmtree(directory / name)
+  return [f'step {step} ({name})' for step, name in found]
 
 
 def relative_out_dir(

@@ -1,35 +1,33 @@
 """Configuration for the byte-level decoder-only LM trainer.
 
-One flat, typed dataclass holds every knob. Each field carries its help text
-and its group (model, data, optimizer, offload, distributed, checkpoint,
-logging) as field metadata: ``--help`` lists the flags under those groups
-with that text, and ``config.json`` nests the values the same way
-(`grouped`); code reads them flat (``cfg.d_model``).
+Config files follow the `ml_collections` convention of Flax's examples: a
+Python file whose ``get_config()`` returns an `ml_collections.ConfigDict`,
+chosen with ``--config`` and overridden field by field on the command line
+(`experiments.trainer.config_cli`)::
 
-Named configs are Python files under ``configs/`` at the repository root,
-each with a ``get_config()`` returning a `Config` (``configs/demo.py``,
-``configs/1b.py``, ...). A run starts from one of them and overrides fields
-with one flag per field, named after the field::
+    python -m experiments.trainer --config configs/demo.py --config.steps=50
 
-    python -m experiments.trainer --config configs/demo.py --steps 100
-    python -m experiments.trainer --preset tiny --no-tie-embeddings
+A config file starts from `config_files.defaults` (every field at its
+default) and sets the fields it changes; the named ones live under
+``configs/`` at the repository root (``configs/demo.py``, ``configs/1b.py``,
+...).
 
-``--config`` takes any such file; ``--preset NAME`` is short for
-``--config configs/NAME.py``. Without either, the run uses ``demo``.
+The code reads one flat, typed, frozen dataclass, `Config`, built from the
+ConfigDict by `config_files.from_config_dict`, which checks every field's
+type. Each
+field carries its help text and its group (model, data, optimizer, offload,
+distributed, checkpoint, logging) as field metadata: ``--help`` lists the
+fields under those groups with that text, and ``config.json`` nests the
+values the same way (`grouped`).
 
-`validate` checks a config for mistakes that can be found without touching a
-device; it, the parser and `get_config` raise `ConfigError` with a one-line
-message.
+`validate` (`experiments.trainer.config_checks`) checks a config for
+mistakes that can be found without touching a device; it, the parser and
+`get_config` raise `ConfigError` with a one-line message.
 """
 
-import argparse
 import dataclasses
 import functools
-import importlib.util
-import math
-import os
 import pathlib
-import re
 import types
 import typing
 from collections.abc import Sequence
@@ -46,6 +44,8 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / 'configs'
 DEFAULT_PRESET = 'demo'
 # Older names of configs, still accepted (sweep files use "small").
 PRESET_ALIASES = {'small': 'demo'}
+# Its file.
+DEFAULT_CONFIG_FILE = CONFIG_DIR / f'{DEFAULT_PRESET}.py'
 # The `--help` groups of the fields, in the order they are listed.
 GROUPS = (
   'model',
@@ -83,8 +83,8 @@ class Config:
   preset: str = dataclasses.field(
     default=DEFAULT_PRESET,
     metadata={
-      'help': 'Config the other fields started from: a name of a file under '
-      'configs/ (see --preset) or the path given to --config.'
+      'help': 'Config file the other fields started from: its name for a '
+      'file under configs/, else the path given to --config.'
     },
   )
 
@@ -223,7 +223,7 @@ class Config:
   # Distributed.
   distributed: str = _distributed(
     'off',
-    'jax.distributed: "off" (one process unless --coordinator is given)'
+    'jax.distributed: "off" (one process unless coordinator is set)'
     ' or "auto" (the cluster auto-detection of '
     'jax.distributed.initialize: SLURM, Open MPI, Cloud TPU; explicit '
     'flags below override it).',
@@ -231,17 +231,23 @@ class Config:
   coordinator: str | None = _distributed(
     None, 'Coordinator "host:port" (process 0\'s host); starts jax.distributed.'
   )
+  coordinator_bind: str | None = _distributed(
+    None,
+    'Where process 0\'s coordination service listens, "host:port" (it has '
+    'no authentication); None: $JAX_COORDINATOR_BIND_ADDRESS if set, else '
+    'loopback for a loopback coordinator, else every interface.',
+  )
   num_processes: int | None = _distributed(
-    None, 'Number of processes of the run (with --coordinator).'
+    None, 'Number of processes of the run (with coordinator).'
   )
   process_id: int | None = _distributed(
-    None, "This process's id in [0, num_processes) (with --coordinator)."
+    None, "This process's id in [0, num_processes) (with coordinator)."
   )
   heartbeat_timeout_s: int = _distributed(
     100,
-    'Seconds without heartbeats after which XLA declares a process dead'
-    ' and aborts the others (a killed process is caught at once by the '
-    'watchdog).',
+    'Seconds of silence after which a process counts as hung and every '
+    "process stops (exit 4; a dead one is caught at once); XLA's own "
+    'heartbeat timeout is twice this.',
   )
   shutdown_timeout_s: int = _distributed(
     300, 'Seconds a finishing process waits for the others at shutdown.'
@@ -270,7 +276,7 @@ class Config:
 
   # Logging.
   out_dir: str | None = _logging(
-    None, "Run folder; None: runs/<timestamp>, or on --resume the checkpoint's."
+    None, "Run folder; None: runs/<timestamp>, or on resume the checkpoint's."
   )
   eval_every: int = _logging(
     100,
@@ -331,79 +337,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def preset_names() -> list[str]:
-  """The names of the configs under `CONFIG_DIR` (their file stems)."""
-  return sorted(
-    p.stem for p in CONFIG_DIR.glob('*.py') if not p.name.startswith('_')
-  )
-
-
-def _config_path(preset: str) -> pathlib.Path:
-  """The file of a config name, or `preset` itself where it is a path."""
-  if preset.endswith('.py') or os.sep in preset or os.path.isfile(preset):
-    return pathlib.Path(preset).expanduser()
-  return CONFIG_DIR / f'{PRESET_ALIASES.get(preset, preset)}.py'
-
-
-def load_config_file(path: str | os.PathLike[str]) -> Config:
-  """Runs a config file and returns what its ``get_config()`` returns.
-
-  Args:
-    path: A Python file defining ``get_config() -> Config``.
-
-  Returns:
-    The file's `Config`, its `preset` as the file set it.
-
-  Raises:
-    ConfigError: If the file cannot be run or defines no such function.
-  """
-  path = pathlib.Path(path)
-  spec = importlib.util.spec_from_file_location(f'_config_{path.stem}', path)
-  if spec is None or spec.loader is None or not path.is_file():
-    raise ConfigError(f'config file {str(path)!r} is not a readable .py file')
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-  except Exception as e:  # A config file is user code: report any error.
-    message = f'{type(e).__name__}: {e}'.replace('\n', ' ')
-    raise ConfigError(f'config file {path}: {message}') from e
-  get = getattr(module, 'get_config', None)
-  cfg = get() if callable(get) else None
-  if not isinstance(cfg, Config):
-    raise ConfigError(f'config file {path}: get_config() must return a Config')
-  return cfg
-
-
-def get_config(preset: str = DEFAULT_PRESET, **overrides: Any) -> Config:
-  """Returns a named config, or a config file's, with field overrides.
-
-  Args:
-    preset: The name of a file under `CONFIG_DIR` (``"demo"``, ``"1b"``,
-      ...; see `preset_names`) or the path of any config file.
-    **overrides: Field values that replace the config's.
-
-  Returns:
-    The resulting `Config`; its `preset` is the name (for a file under
-    `CONFIG_DIR`, also when given as a path) or else the path.
-
-  Raises:
-    ConfigError: If there is no such config or its file fails.
-  """
-  path = _config_path(preset)
-  if not path.is_file():
-    raise ConfigError(
-      f'unknown preset {preset!r}; one of {preset_names()}, or the path of '
-      'a .py config file'
-    )
-  if path.resolve().parent == CONFIG_DIR:
-    preset = path.stem
-  return dataclasses.replace(load_config_file(path), preset=preset, **overrides)
-
-
 def field_groups() -> dict[str, list[str]]:
   """Maps each group of `GROUPS` to its fields, in definition order.
 
-  The groups are what ``--help`` shows the flags under and what
+  The groups are what ``--help`` shows the fields under and what
   ``config.json`` nests the values in; `preset` belongs to none.
   """
   groups: dict[str, list[str]] = {group: [] for group in GROUPS}
@@ -416,6 +353,15 @@ def field_groups() -> dict[str, list[str]]:
 def field_help(name: str) -> str:
   """The help text of a `Config` field (its metadata)."""
   return {f.name: f.metadata['help'] for f in dataclasses.fields(Config)}[name]
+
+
+def field_type(name: str) -> tuple[type, bool]:
+  """A field's type without ``| None``, and whether it may be None."""
+  tp = typing.get_type_hints(Config)[name]
+  if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0], True
+  return tp, False
 
 
 def grouped(cfg: Config) -> dict[str, Any]:
@@ -431,294 +377,22 @@ def grouped(cfg: Config) -> dict[str, Any]:
   return out
 
 
-def _base_type(tp: Any) -> Any:
-  """Strips `| None` from an annotation."""
-  if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    return args[0]
-  return tp
+def validate(cfg: Config) -> None:
+  """Checks a config without a device: `config_checks.validate`."""
+  from experiments.trainer import config_checks  # It imports this module.
 
-
-def _none_or(tp: type) -> Any:
-  """Returns an argparse type that also maps "none" to None."""
-
-  def parse(s: str) -> Any:
-    return None if s.lower() == 'none' else tp(s)
-
-  parse.__name__ = tp.__name__
-  return parse
-
-
-class _Parser(argparse.ArgumentParser):
-  """An `ArgumentParser` whose errors raise `ConfigError` (one line)."""
-
-  def error(self, message: str) -> typing.NoReturn:
-    """Raises instead of printing the usage and exiting."""
-    raise ConfigError(message.replace('\n', ' '))
-
-
-def _add_start_flags(parser: argparse.ArgumentParser) -> None:
-  """``--config FILE`` or ``--preset NAME``: the config a run starts from."""
-  start = parser.add_mutually_exclusive_group()
-  start.add_argument(
-    '--config',
-    metavar='FILE',
-    help='Python file whose get_config() returns the Config to start from '
-    '(e.g. configs/1b.py); the flags below override its fields.',
-  )
-  start.add_argument(
-    '--preset',
-    choices=[*preset_names(), *PRESET_ALIASES],
-    help=f'A config under configs/ by name: --preset NAME is --config '
-    f'configs/NAME.py (default: {DEFAULT_PRESET}).',
-  )
-
-
-def build_parser() -> argparse.ArgumentParser:
-  """Builds a CLI parser: the start config, then one flag per `Config` field.
-
-  Flags are listed by group (model, data, optimizer, ...), each with its
-  field's help text (field metadata) and type (its annotation). Bad flags
-  raise `ConfigError` instead of exiting.
-  """
-  parser = _Parser(
-    prog='python -m experiments.trainer',
-    description='Train a byte-level decoder-only LM.',
-  )
-  _add_start_flags(parser)
-  hints = typing.get_type_hints(Config)
-  defaults = Config()
-  for group_name, names in field_groups().items():
-    group = parser.add_argument_group(group_name)
-    for name in names:
-      flag = '--' + name.replace('_', '-')
-      # Flags default to None ("keep the config file's value").
-      help_ = (
-        f'{field_help(name)} ({DEFAULT_PRESET}: {getattr(defaults, name)})'
-      )
-      help_ = help_.replace('%', '%%')
-      tp = _base_type(hints[name])
-      if tp is bool:
-        action = argparse.BooleanOptionalAction
-        group.add_argument(flag, action=action, default=None, help=help_)
-      else:
-        group.add_argument(
-          flag,
-          type=_none_or(tp),
-          default=None,
-          choices=CHOICES.get(name),
-          help=help_,
-        )
-  return parser
+  config_checks.validate(cfg)
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> Config:
-  """Parses command-line flags into a `Config`.
+  """Parses command-line flags: `config_cli.config_from_args`."""
+  from experiments.trainer import config_cli  # It imports this module.
 
-  Args:
-    argv: The flags, without the program name; None reads `sys.argv`.
-
-  Returns:
-    The config of ``--config`` or ``--preset`` (default: demo) with every
-    given field flag applied.
-  """
-  args = vars(build_parser().parse_args(argv))
-  start = args.pop('config') or args.pop('preset') or DEFAULT_PRESET
-  args.pop('preset', None)
-  overrides = {k: v for k, v in args.items() if v is not None}
-  return get_config(start, **overrides)
+  return config_cli.config_from_args(argv)
 
 
-def validate(cfg: Config) -> None:
-  """Checks a config for mistakes that need no device to find.
+def get_config(preset: str = DEFAULT_PRESET, **overrides: Any) -> Config:
+  """A named config or a config file's: `config_files.get_config`."""
+  from experiments.trainer import config_files  # It imports this module.
 
-  Besides values the trainer or the library would reject, it refuses values
-  that cannot train: a learning rate that is not a finite positive number,
-  betas outside [0, 1), a negative epsilon, a non-finite weight decay.
-
-  Args:
-    cfg: The configuration.
-
-  Raises:
-    ConfigError: On the first problem found, with a one-line message.
-  """
-  if not _config_path(cfg.preset).is_file():
-    raise ConfigError(
-      f'unknown preset {cfg.preset!r}; one of {preset_names()}, or the path '
-      'of a .py config file'
-    )
-  for field, choices in CHOICES.items():
-    if getattr(cfg, field) not in choices:
-      raise ConfigError(
-        f'{field}={getattr(cfg, field)!r} is not one of {list(choices)}'
-      )
-  _validate_counts(cfg)
-  _validate_optimizer(cfg)
-  _validate_model_and_mesh(cfg)
-  _validate_run(cfg)
-  _validate_distributed(cfg)
-
-
-def _validate_distributed(cfg: Config) -> None:
-  """The launch flags: all three explicit ones together, or auto."""
-  explicit = {
-    'coordinator': cfg.coordinator,
-    'num_processes': cfg.num_processes,
-    'process_id': cfg.process_id,
-  }
-  given = [k for k, v in explicit.items() if v is not None]
-  if cfg.distributed == 'off' and given and len(given) < 3:
-    missing = ', '.join(
-      '--' + k.replace('_', '-') for k in explicit if k not in given
-    )
-    raise ConfigError(
-      f'--{given[0].replace("_", "-")} needs {missing} too (or '
-      '--distributed auto)'
-    )
-  if cfg.num_processes is not None and cfg.num_processes < 1:
-    raise ConfigError(
-      f'num_processes must be at least 1, got {cfg.num_processes}'
-    )
-  if cfg.process_id is not None and not (
-    0 <= cfg.process_id < (cfg.num_processes or cfg.process_id + 1)
-  ):
-    raise ConfigError(
-      f'process_id ({cfg.process_id}) must be in [0, num_processes '
-      f'({cfg.num_processes}))'
-    )
-  if cfg.coordinator is not None and ':' not in cfg.coordinator:
-    raise ConfigError(
-      f'coordinator must be "host:port", got {cfg.coordinator!r}'
-    )
-
-
-def _validate_counts(cfg: Config) -> None:
-  """Integer sizes and periods."""
-  positive = (
-    'vocab_size',
-    'd_model',
-    'num_layers',
-    'num_heads',
-    'mlp_dim',
-    'seq_len',
-    'batch_size',
-    'grad_accum',
-    'steps',
-    'mesh_data',
-    'mesh_seq',
-    'checkpoint_keep',
-    'data_max_bytes',
-    'eval_batches',
-    'final_loss_window',
-    'heartbeat_timeout_s',
-    'shutdown_timeout_s',
-    'init_timeout_s',
-  )
-  for field in positive:
-    if getattr(cfg, field) < 1:
-      raise ConfigError(
-        f'{field} must be at least 1, got {getattr(cfg, field)}'
-      )
-  for field in ('checkpoint_every', 'warmup_steps', 'eval_every'):
-    if getattr(cfg, field) < 0:
-      raise ConfigError(f'{field} must be >= 0, got {getattr(cfg, field)}')
-
-
-def _finite(field: str, value: float) -> None:
-  if not math.isfinite(value):
-    raise ConfigError(f'{field} must be finite, got {value}')
-
-
-def _validate_optimizer(cfg: Config) -> None:
-  """Hyperparameters that would fail in the optimizer or cannot train."""
-  _finite('learning_rate', cfg.learning_rate)
-  if cfg.learning_rate <= 0:
-    raise ConfigError(
-      f'learning_rate must be positive, got {cfg.learning_rate}'
-    )
-  for field in ('b1', 'b2'):
-    value = getattr(cfg, field)
-    if not 0.0 <= value < 1.0:  # Also false for NaN.
-      raise ConfigError(f'{field} must be in [0, 1), got {value}')
-  for field in ('eps', 'weight_decay'):
-    _finite(field, getattr(cfg, field))
-    if getattr(cfg, field) < 0:
-      raise ConfigError(f'{field} must be >= 0, got {getattr(cfg, field)}')
-  for field in ('min_lr_ratio', 'decay_fraction', 'device_buckets'):
-    value = getattr(cfg, field)
-    if not 0.0 <= value <= 1.0:
-      raise ConfigError(f'{field} must be in [0, 1], got {value}')
-  if cfg.clip_norm is not None and not cfg.clip_norm > 0:
-    raise ConfigError(f'clip_norm must be positive, got {cfg.clip_norm}')
-  if cfg.clip_norm is not None:
-    _finite('clip_norm', cfg.clip_norm)
-  if cfg.bucket_mib is not None and not cfg.bucket_mib * 2**20 >= 4:
-    raise ConfigError(f'bucket_mib must be positive, got {cfg.bucket_mib}')
-  if cfg.bucket_mib is not None:
-    _finite('bucket_mib', cfg.bucket_mib)
-  if cfg.zero and cfg.optimizer == 'optax':
-    raise ConfigError('--zero needs --optimizer superoffload or device')
-  if cfg.moments != 'fp32' and cfg.optimizer != 'superoffload':
-    raise ConfigError('--moments bf16/8bit needs --optimizer superoffload')
-
-
-def _validate_model_and_mesh(cfg: Config) -> None:
-  """Shapes that must divide each other."""
-  if cfg.d_model % cfg.num_heads:
-    raise ConfigError(
-      f'num_heads ({cfg.num_heads}) must divide d_model ({cfg.d_model})'
-    )
-  if cfg.pos_encoding == 'rope' and (cfg.d_model // cfg.num_heads) % 2:
-    raise ConfigError(
-      f'rope needs an even head width, got d_model/num_heads = '
-      f'{cfg.d_model // cfg.num_heads}'
-    )
-  if cfg.weights_policy == 'flow' and not cfg.scan_layers:
-    raise ConfigError('weights_policy=flow needs --scan-layers')
-  if cfg.batch_size % cfg.mesh_data:
-    raise ConfigError(
-      f'batch_size ({cfg.batch_size}) must be divisible by the data-parallel '
-      f'size mesh_data ({cfg.mesh_data})'
-    )
-  if cfg.seq_len % cfg.mesh_seq:
-    raise ConfigError(
-      f'seq_len ({cfg.seq_len}) must be divisible by the sequence-parallel '
-      f'size mesh_seq ({cfg.mesh_seq})'
-    )
-  if cfg.num_heads % cfg.mesh_seq:
-    raise ConfigError(
-      f'num_heads ({cfg.num_heads}) must be divisible by the '
-      f'sequence-parallel size mesh_seq ({cfg.mesh_seq})'
-    )
-
-
-def parse_profile_steps(text: str) -> tuple[int, int]:
-  """Parses ``"a:b"`` into ``(a, b)`` with ``0 <= a < b``.
-
-  Raises:
-    ConfigError: If `text` is not of that form.
-  """
-  m = re.fullmatch(r'\s*(\d+)\s*:\s*(\d+)\s*', text)
-  if not m or int(m.group(1)) >= int(m.group(2)):
-    raise ConfigError(
-      f'profile_steps must be "a:b" with 0 <= a < b, got {text!r}'
-    )
-  return int(m.group(1)), int(m.group(2))
-
-
-def _validate_run(cfg: Config) -> None:
-  """Paths, evaluation and profiling."""
-  if not 0.0 <= cfg.eval_fraction < 1.0:
-    raise ConfigError(
-      f'eval_fraction must be in [0, 1), got {cfg.eval_fraction}'
-    )
-  if cfg.eval_every and cfg.eval_fraction == 0:
-    raise ConfigError('--eval-every needs --eval-fraction > 0')
-  if cfg.profile_steps is not None:
-    parse_profile_steps(cfg.profile_steps)
-  if cfg.data is not None and not os.path.exists(os.path.expanduser(cfg.data)):
-    raise ConfigError(f'--data: no such file or folder: {cfg.data}')
-  if cfg.resume and cfg.checkpoint_dir is None and cfg.out_dir is None:
-    raise ConfigError('--resume needs --checkpoint-dir (or --out-dir)')
-  if cfg.peak_tflops is not None and not cfg.peak_tflops > 0:
-    raise ConfigError(f'peak_tflops must be positive, got {cfg.peak_tflops}')
+  return config_files.get_config(preset, **overrides)

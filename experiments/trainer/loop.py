@@ -13,10 +13,14 @@ stops.
 import dataclasses
 import datetime
 import math
+import os
 import pathlib
 import signal
+import sys
 import threading
 import time
+import typing
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,6 +31,7 @@ from tqdm import tqdm
 
 from experiments.trainer import checkpointing
 from experiments.trainer import config as config_lib
+from experiments.trainer import config_checks
 from experiments.trainer import perf
 from experiments.trainer import run_log
 from experiments.trainer import steps as steps_lib
@@ -40,18 +45,27 @@ class NonFiniteError(RuntimeError):
   """The loss or the parameters became non-finite (message: one line)."""
 
 
+def eval_text(record: dict[str, Any]) -> str:
+  """``eval 2.1234 (3.063 bpb) at step 100`` for a record with an eval."""
+  return (
+    f'eval {record["eval_loss"]:.4f} ({record["eval_bpb"]:.3f} bpb) at step '
+    f'{record["eval_step"]}'
+  )
+
+
 class StopOnSignal:
   """Turns SIGINT and SIGTERM into a request to stop after the current step.
 
-  Installed only in the main thread. The first signal is recorded and the
-  previous handlers are put back, so a second one acts as it would have
-  (SIGINT raises KeyboardInterrupt, SIGTERM terminates).
+  Installed only in the main thread. The first signal is recorded (the loop
+  then saves a checkpoint and stops); a second one calls `on_again` with
+  its number: the user does not want to wait for that save.
   """
 
   SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-  def __init__(self):
+  def __init__(self, on_again: Callable[[int], None]):
     self.signum: int | None = None
+    self._on_again = on_again
     self._previous: dict[int, Any] = {}
 
   def __enter__(self) -> 'StopOnSignal':
@@ -65,8 +79,10 @@ class StopOnSignal:
 
   def _handle(self, signum: int, frame: Any) -> None:
     del frame
-    self.signum = signum
-    self._restore()
+    if self.signum is None:
+      self.signum = signum
+    else:
+      self._on_again(signum)
 
   def _restore(self) -> None:
     for sig, handler in self._previous.items():
@@ -87,7 +103,8 @@ class Profiler:
   """Traces steps a:b of ``--profile-steps`` with `jax.profiler`."""
 
   def __init__(self, spec: str | None, out_dir: pathlib.Path):
-    self.window = None if spec is None else config_lib.parse_profile_steps(spec)
+    parse = config_checks.parse_profile_steps
+    self.window = None if spec is None else parse(spec)
     self.path = out_dir / PROFILE_DIR
     self.active = False
 
@@ -131,13 +148,19 @@ class TrainLoop:
       self.out_dir, start.step, cfg.tensorboard, plan.topology.primary
     )
     self.eval_result: dict[str, float] = {}
-    self.stop = StopOnSignal()
+    self.stop = StopOnSignal(self._abandon)
+    if plan.topology.distributed:  # The watchdog's handlers stop at once.
+      self.stop.SIGNALS = ()
+    # The step whose checkpoint is being saved, if any.
+    self.saving: int | None = None
     self.sharding = NamedSharding(
       plan.mesh, P(steps_lib.DATA_AXIS, steps_lib.SEQ_AXIS)
     )
     self.tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
     devices = list(plan.mesh.devices.flat)
-    self.peak, self.peak_source = perf.peak_flops(devices, cfg.peak_tflops)
+    self.peak, self.peak_source = perf.peak_flops(
+      devices, cfg.peak_tflops, cfg.dtype
+    )
     self.flops_token = perf.flops_per_token(
       trainable.num_params, cfg.num_layers, cfg.d_model, cfg.seq_len
     )
@@ -163,10 +186,40 @@ class TrainLoop:
       'fingerprint': self._fingerprint,
       'time': datetime.datetime.now().isoformat(timespec='seconds'),
     }
+    self.saving = step
     self.saver.save(step, self.t.state, meta)
     # The next step donates the state, whose buffers the save may still read.
     self.saver.wait()
+    self.saving = None
     self.last_saved = step
+
+  def _abandon(self, signum: int) -> typing.NoReturn:
+    """A second SIGINT or SIGTERM: one line, then exits at once.
+
+    A save in progress is abandoned where it is: Orbax leaves its temporary
+    folder, which the next ``--resume`` names and removes. Leaving by
+    `os._exit` skips the wait for Orbax's background thread (and the
+    traceback from inside it); the metrics are flushed line by line.
+    """
+    name = signal.Signals(signum).name
+    if self.saving is not None:
+      what = (
+        f'abandoned the save of step {self.saving} (the next --resume '
+        'removes what it wrote)'
+      )
+    else:
+      what = 'stopped without saving'
+    kept = (
+      f'the newest complete checkpoint is step {self.last_saved}'
+      if self.last_saved is not None
+      else 'no checkpoint was saved'
+    )
+    sys.stdout.flush()
+    sys.stderr.write(f'{name} again: {what}; {kept}\n')
+    sys.stderr.flush()
+    if self.plan.lock is not None:
+      self.plan.lock.release()
+    os._exit(128 + signum)
 
   def train_one(self) -> dict[str, Any]:
     """Runs one optimizer step (its micro-steps) and returns its record."""
@@ -216,14 +269,23 @@ class TrainLoop:
     )
 
   def evaluate(self) -> dict[str, float]:
-    """Mean loss over the held-out batches, in nats and bits per byte."""
+    """Mean held-out loss, in nats and bits per byte, after `done` steps.
+
+    ``eval_step`` is the number of steps done, the x of the point in
+    ``loss_curve.png`` (the step whose training loss would be computed
+    with the same parameters).
+    """
     losses = [
       self.t.eval_step(self.t.state, *map(self._place, b))
       for b in self.plan.eval_batches
     ]
     loss = float(np.mean(jax.device_get(losses)))
     # Byte-level tokens: nats per token / ln 2 is bits per byte.
-    self.eval_result = {'eval_loss': loss, 'eval_bpb': loss / math.log(2)}
+    self.eval_result = {
+      'eval_loss': loss,
+      'eval_bpb': loss / math.log(2),
+      'eval_step': self.done,
+    }
     return self.eval_result
 
   def check_finite(self, record: dict[str, Any]) -> None:
@@ -264,6 +326,8 @@ class TrainLoop:
         done = self.done
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
           record.update(self.evaluate())
+          if self.plan.topology.primary:
+            bar.write(eval_text(record))
         self.log.write(record)
         self.check_finite(record)
         bar.update(1)
@@ -272,12 +336,16 @@ class TrainLoop:
           self.save(done)
         if self.stop.signum is not None and done < cfg.steps:
           name = signal.Signals(self.stop.signum).name
-          bar.write(f'{name}: saving a checkpoint at step {done} and stopping')
+          again = 'Ctrl-C' if name == 'SIGINT' else name
+          bar.write(
+            f'{name}: saving a checkpoint at step {done} and stopping '
+            f'({again} again abandons the save)'
+          )
           self.save(done)
           break
-    bar.close()
-    if self.completed and (cfg.checkpoint_every or cfg.checkpoint_dir):
-      self.save(self.done)
+      bar.close()
+      if self.completed and (cfg.checkpoint_every or cfg.checkpoint_dir):
+        self.save(self.done)
 
   @property
   def completed(self) -> bool:

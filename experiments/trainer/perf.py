@@ -1,47 +1,61 @@
 """Throughput bookkeeping: model FLOPs, peak FLOP/s, MFU and memory use.
 
-MFU (model FLOPs utilization) is the model's FLOPs per second divided by the
-hardware's peak. The model FLOPs of one token, forward and backward, are
+MFU (model FLOPs utilization) is the model's FLOPs per second divided by a
+stated peak. The model FLOPs of one token, forward and backward, are
 ``6 * num_params`` for the matrix multiplies plus ``12 * layers * d_model *
 seq_len`` for attention's score and value products (the PaLM paper's
-estimate; it ignores the causal mask's saving). The peak comes from the
-config, from a small table of accelerators keyed by `jax.Device.device_kind`,
-or, on the CPU backend, from a float32 matmul timed once at startup.
+estimate; it ignores the causal mask's saving). The peak, named wherever
+MFU is shown, is ``--config.peak_tflops`` if set; else, for an accelerator,
+its vendor's datasheet figure for the compute dtype (`DATASHEET_TFLOPS`);
+else, on a CPU, the matmul peak recorded for this machine in
+``results/cpu_peak.json`` (`experiments.trainer.cpu_peak`). Nothing is
+timed at start-up.
 """
 
-import functools
 import math
-import time
+import typing
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-# Dense bf16 peak TFLOP/s per chip, matched by substring of the lowercased
-# `device_kind`; the first match wins, so specific names come first.
-PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-  ('gh200', 989.0),
-  ('h200', 989.0),
-  ('h100 pcie', 756.0),
-  ('h100', 989.0),
-  ('h800', 989.0),
-  ('b200', 2250.0),
-  ('a100', 312.0),
-  ('a800', 312.0),
-  ('l40s', 362.0),
-  ('l4', 121.0),
-  ('a10', 125.0),
-  ('v100', 125.0),
-  ('tpu v6 lite', 918.0),
-  ('tpu v6e', 918.0),
-  ('tpu v5 lite', 197.0),
-  ('tpu v5e', 197.0),
-  ('tpu v5p', 459.0),
-  ('tpu v5', 459.0),
-  ('tpu v4', 275.0),
+from experiments.trainer import cpu_peak
+
+# Dense (no structured sparsity) peak TFLOP/s per chip from its vendor's
+# datasheet: (16-bit, float32 or None, source). 16-bit is the BF16/FP16
+# tensor-core figure; float32 is TF32's, which XLA uses for float32 matmuls
+# at JAX's default precision on these GPUs (None: not stated for the chip).
+# NVIDIA's datasheets print the sparse figures, twice the dense ones. The
+# lowercased `device_kind` is matched by substring, in order.
+DATASHEET_TFLOPS: tuple[tuple[str, float, float | None, str], ...] = (
+  ('gh200', 989.0, 494.5, 'NVIDIA GH200 datasheet (H100/H200 SXM GPU)'),
+  ('h200', 989.0, 494.5, 'NVIDIA H200 datasheet, SXM'),
+  ('h100 pcie', 756.0, 378.0, 'NVIDIA H100 datasheet, PCIe'),
+  ('h100', 989.0, 494.5, 'NVIDIA H100 datasheet, SXM'),
+  ('h800', 989.0, 494.5, 'NVIDIA H800 datasheet, SXM'),
+  ('b200', 2250.0, None, 'NVIDIA HGX B200 datasheet, per GPU'),
+  ('a100', 312.0, 156.0, 'NVIDIA A100 datasheet'),
+  ('a800', 312.0, 156.0, 'NVIDIA A800 datasheet'),
+  ('l40s', 362.0, 183.0, 'NVIDIA L40S datasheet'),
+  ('l4', 121.0, 60.0, 'NVIDIA L4 datasheet'),
+  ('a10', 125.0, 62.5, 'NVIDIA A10 datasheet'),
+  ('v100', 125.0, None, 'NVIDIA V100 datasheet, SXM2 (FP16)'),
+  ('tpu v6 lite', 918.0, None, 'Google Cloud TPU v6e documentation'),
+  ('tpu v6e', 918.0, None, 'Google Cloud TPU v6e documentation'),
+  ('tpu v5 lite', 197.0, None, 'Google Cloud TPU v5e documentation'),
+  ('tpu v5e', 197.0, None, 'Google Cloud TPU v5e documentation'),
+  ('tpu v5p', 459.0, None, 'Google Cloud TPU v5p documentation'),
+  ('tpu v5', 459.0, None, 'Google Cloud TPU v5p documentation'),
+  ('tpu v4', 275.0, None, 'Google Cloud TPU v4 documentation'),
 )
 
-HOST_MEMORY_KINDS = ('pinned_host', 'unpinned_host')
+
+class Peak(typing.NamedTuple):
+  """A peak FLOP/s and what it is (shown beside every MFU)."""
+
+  # FLOP/s of all devices together; None when unknown.
+  flops: float | None
+  # Where the figure comes from, in words.
+  source: str
 
 
 def flops_per_token(
@@ -62,70 +76,60 @@ def flops_per_token(
   return 6.0 * num_params + 12.0 * num_layers * d_model * seq_len
 
 
-def table_peak_tflops(device_kind: str) -> float | None:
-  """Looks up the dense bf16 peak of a known accelerator, or None."""
+def datasheet_peak(device_kind: str, dtype: str) -> tuple[float, str] | None:
+  """A known accelerator's dense datasheet TFLOP/s for `dtype`, and source.
+
+  Args:
+    device_kind: `jax.Device.device_kind` ("NVIDIA H100 80GB HBM3", ...).
+    dtype: The compute dtype ("bfloat16", "float16" or "float32").
+
+  Returns:
+    ``(tflops, source)``, or None for an unknown chip or dtype.
+  """
   kind = device_kind.lower()
-  for key, tflops in PEAK_TFLOPS:
+  for key, half, single, source in DATASHEET_TFLOPS:
     if key in kind:
-      return tflops
+      tflops = single if dtype == 'float32' else half
+      if tflops is None:
+        return None
+      name = 'TF32' if dtype == 'float32' else dtype
+      return tflops, f'{source}: {tflops:g} TFLOP/s dense {name}'
   return None
 
 
-@functools.cache
-def measure_cpu_peak_tflops(seconds: float = 1.0, n: int = 512) -> float:
-  """Times a float32 ``n x n`` matmul on the first CPU device.
-
-  Cached: the first call of a process takes about `seconds` (plus a small
-  compilation); later calls return the same number.
-
-  Args:
-    seconds: Time budget of the measurement.
-    n: Matrix size.
-
-  Returns:
-    The best observed rate over batches of calls, in TFLOP/s.
-  """
-  device = jax.devices('cpu')[0]
-  a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
-  matmul = jax.jit(lambda x, y: x @ y)
-  matmul(a, a).block_until_ready()  # Compile.
-  calls, best = 4, math.inf
-  deadline = time.perf_counter() + seconds
-  while time.perf_counter() < deadline:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-      out = matmul(a, a)
-    out.block_until_ready()
-    best = min(best, (time.perf_counter() - t0) / calls)
-  return 2.0 * n**3 / best / 1e12
-
-
 def peak_flops(
-  devices: list[jax.Device], peak_tflops: float | None = None
-) -> tuple[float | None, str]:
-  """Peak FLOP/s of a set of devices working together.
+  devices: list[jax.Device],
+  peak_tflops: float | None = None,
+  dtype: str = 'bfloat16',
+) -> Peak:
+  """The stated peak FLOP/s of a set of devices working together.
 
   Args:
     devices: The devices of the mesh.
-    peak_tflops: Per-device peak TFLOP/s; None looks it up (accelerators)
-      or measures it (CPU).
+    peak_tflops: Per-device peak TFLOP/s from the config; None looks it
+      up (the datasheet table, or this CPU's recorded peak).
+    dtype: The compute dtype of the model.
 
   Returns:
-    ``(flops, source)``: the peak in FLOP/s (None when unknown) and where
-    it came from (``"config"``, ``"table"``, ``"measured"`` or
-    ``"unknown"``). CPU devices are one host's cores however many devices
-    XLA shows, so a CPU peak is not multiplied by the device count.
+    The peak and its source. CPU devices are one host's cores however many
+    devices XLA shows, so a CPU peak is not multiplied by the device count.
   """
   on_cpu = devices[0].platform == 'cpu'
   count = 1 if on_cpu else len(devices)
+  times = f' x {count} devices' if count > 1 else ''
   if peak_tflops is not None:
-    return peak_tflops * 1e12 * count, 'config'
+    return Peak(peak_tflops * 1e12 * count, f'--config.peak_tflops{times}')
   if on_cpu:
-    return measure_cpu_peak_tflops() * 1e12, 'measured'
-  tflops = table_peak_tflops(devices[0].device_kind)
-  if tflops is None:
-    return None, 'unknown'
-  return tflops * 1e12 * count, 'table'
+    tflops, source = cpu_peak.recorded_peak(dtype)
+    return Peak(None if tflops is None else tflops * 1e12, source)
+  found = datasheet_peak(devices[0].device_kind, dtype)
+  if found is None:
+    return Peak(
+      None,
+      f'no datasheet {dtype} figure for {devices[0].device_kind!r}: set '
+      '--config.peak_tflops',
+    )
+  return Peak(found[0] * 1e12 * count, found[1] + times)
 
 
 def mfu(
@@ -135,6 +139,9 @@ def mfu(
   if not peak or not math.isfinite(tokens_per_s):
     return math.nan
   return tokens_per_s * flops_per_token / peak
+
+
+HOST_MEMORY_KINDS = ('pinned_host', 'unpinned_host')
 
 
 def bytes_by_memory_kind(tree: Any, device: jax.Device) -> dict[str, int]:

@@ -16,17 +16,39 @@ def _moving_average(values: Sequence[float], window: int) -> list[float]:
   return out
 
 
+def _plot_evals(ax, evals: Sequence[tuple[int, float]]) -> None:
+  """Held-out losses as markers; the last one labelled with its step."""
+  evals = [(s, v) for s, v in evals if math.isfinite(v)]
+  if not evals:
+    return
+  xs, ys = zip(*evals, strict=True)
+  ax.plot(xs, ys, 'o-', color='tab:orange', lw=1.2, ms=4, label='held-out eval')
+  ax.annotate(
+    f'eval {ys[-1]:.3f} at step {xs[-1]}',
+    (xs[-1], ys[-1]),
+    textcoords='offset points',
+    xytext=(-6, 12),
+    ha='right',
+    fontsize=8,
+    color='tab:orange',
+    bbox={'boxstyle': 'round,pad=0.2', 'fc': 'white', 'ec': 'none'},
+  )
+
+
 def plot_loss_curve(
   steps: Sequence[int],
   losses: Sequence[float],
   path: str | pathlib.Path,
   title: str = '',
   resumed_at: Sequence[int] = (),
+  evals: Sequence[tuple[int, float]] = (),
 ) -> pathlib.Path:
   """Writes a PNG of the training loss against the step.
 
   Draws the per-step loss, a trailing moving average over about 4% of the
-  steps (from 20 steps on), and a dotted line where the run was resumed.
+  steps (from 20 steps on), the held-out evaluations at their steps (the
+  last one labelled with its value and step), and a dotted line where the
+  run was resumed.
 
   Args:
     steps: Step numbers.
@@ -34,6 +56,7 @@ def plot_loss_curve(
     path: Where to write the PNG.
     title: The plot's title.
     resumed_at: Steps at which the run was resumed from a checkpoint.
+    evals: ``(step, eval loss)`` of each evaluation.
 
   Returns:
     `path`.
@@ -63,6 +86,7 @@ def plot_loss_curve(
         lw=1.8,
         label=f'mean of {window} steps',
       )
+  _plot_evals(ax, evals)
   for step in resumed_at:
     ax.axvline(step, color='gray', ls=':', lw=1)
   if resumed_at:
@@ -71,7 +95,7 @@ def plot_loss_curve(
   ax.set_ylabel('loss (nats/token)')
   ax.set_title(title, fontsize=10)
   ax.grid(True, alpha=0.3)
-  if points:
+  if points or evals:
     ax.legend(loc='upper right', fontsize=8)
   fig.tight_layout()
   path = pathlib.Path(path)

@@ -15,7 +15,7 @@ from typing import Any
 METRICS_FILE = 'metrics.jsonl'
 
 # Record keys that are not curves.
-_NOT_SCALARS = frozenset({'step', 'resumed'})
+_NOT_SCALARS = frozenset({'step', 'resumed', 'eval_step'})
 # TensorBoard tag prefixes: eval curves apart from the training ones.
 _EVAL_PREFIX = 'eval_'
 
@@ -55,6 +55,18 @@ def read_metrics(
     if isinstance(record, dict) and record.get('step', math.inf) < before_step:
       records.append(record)
   return records
+
+
+def last_eval(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+  """The newest record with an evaluation, ``eval_step`` filled in.
+
+  Records written before ``eval_step`` existed get ``step + 1``: the eval
+  follows the step.
+  """
+  for record in reversed(records):
+    if record.get('eval_loss') is not None:
+      return {'eval_step': record['step'] + 1, **record}
+  return None
 
 
 def write_jsonl(path: pathlib.Path, records: list[dict[str, Any]]) -> None:

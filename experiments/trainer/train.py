@@ -3,42 +3,47 @@ r"""Trains a byte-level decoder-only LM with SuperOffload, optax or device Adam.
 Usage (from the repository root)::
 
     python -m experiments.trainer --config configs/demo.py   # the default
-    python -m experiments.trainer --optimizer optax --steps 100
-    python -m experiments.trainer --preset tiny --data README.md
-    python -m experiments.trainer --steps 2000 --checkpoint-every 100 \
-        --checkpoint-dir ckpt
-    python -m experiments.trainer --steps 2000 --checkpoint-every 100 \
-        --checkpoint-dir ckpt --resume             # after a crash or SIGTERM
-    python -m experiments.trainer --preset tiny --mesh-data 2 --mesh-seq 2
+    python -m experiments.trainer --config.optimizer=optax --config.steps=100
+    python -m experiments.trainer --config tiny --config.data=README.md
+    python -m experiments.trainer --config.steps=2000 \
+        --config.checkpoint_every=100 --config.checkpoint_dir=ckpt
+    python -m experiments.trainer --config.steps=2000 \
+        --config.checkpoint_every=100 --config.checkpoint_dir=ckpt \
+        --config.resume                # after a crash, SIGINT or SIGTERM
+    python -m experiments.trainer --config tiny --config.mesh_data=2 \
+        --config.mesh_seq=2
 
-The run starts from a config file (``--config FILE``, or ``--preset NAME``
-for ``configs/NAME.py``; see `experiments.trainer.config`); each field flag
-overrides one field of it.
+The run starts from an ml_collections config file (``--config FILE``, or a
+name of ``configs/``); each ``--config.FIELD=VALUE`` overrides one field
+(see `experiments.trainer.config_cli`).
 
-Writes to the run folder (``--out-dir``, default ``runs/<timestamp>``):
-``config.json`` (grouped as ``--help`` groups the flags);
+Writes to the run folder (``out_dir``, default ``runs/<timestamp>``):
+``config.json`` (grouped as ``--help`` groups the fields);
 ``metrics.jsonl`` (one strict-JSON line per step: step, loss, lr,
 gradient, update and parameter norms, tokens/s, step time, MFU, and every
-``--eval-every`` steps the held-out loss and bits per byte;
+``eval_every`` steps the held-out loss and bits per byte;
 non-finite values are ``null``); TensorBoard event files beside it;
-``loss_curve.png``; with ``--profile-steps a:b`` a ``jax.profiler`` trace
-in ``profile/``; and, once all ``--steps`` are done, ``summary.json``.
+``loss_curve.png`` (with the evaluations); with ``profile_steps`` "a:b" a
+``jax.profiler`` trace in ``profile/``; and, once all ``steps`` are done,
+``summary.json``.
 
 Checkpoints (Orbax; model, optimizer state in its own memory kind and
 sharding, step, data position, config, checksums) go to
-``--checkpoint-dir`` (default ``<out_dir>/checkpoints``) every
-``--checkpoint-every`` steps, at the end when either flag is given, and
+``checkpoint_dir`` (default ``<out_dir>/checkpoints``) every
+``checkpoint_every`` steps, at the end when either flag is given, and
 whenever SIGINT or SIGTERM arrives (after the current step; the process then
-exits with 128 + the signal number). One trainer writes a checkpoint folder
-at a time (a lock file names the owner). ``--resume`` continues from the
-newest intact checkpoint (a damaged one is set aside, with one line saying
-so), in its run folder unless ``--out-dir`` says otherwise, bit-identically
-on CPU: ``--steps`` is the total, and ``metrics.jsonl`` is appended to,
-after dropping the lines of steps the checkpoint does not include.
+exits with 128 + the signal number; a second signal abandons that save, in
+one line, and the next ``resume`` names it as it removes its folder). One
+trainer writes a checkpoint folder at a time (a lock file names the owner).
+``resume`` continues from the newest intact checkpoint (a damaged one is set
+aside, with one line saying so), in its run folder unless ``out_dir`` says
+otherwise, bit-identically on CPU: ``steps`` is the total, and
+``metrics.jsonl`` is appended to, after dropping the lines of steps the
+checkpoint does not include.
 
-Mesh: ``--mesh-data`` x ``--mesh-seq`` devices with axes ``('data', 'seq')``;
+Mesh: ``mesh_data`` x ``mesh_seq`` devices with axes ``('data', 'seq')``;
 the batch is sharded over 'data', sequences over 'seq' (Ulysses attention),
-parameters are replicated, and ``--zero`` shards SuperOffload's host state
+parameters are replicated, and ``zero`` shards SuperOffload's host state
 over 'data'.
 
 Processes: with ``--coordinator HOST:PORT --num-processes N --process-id
@@ -46,7 +51,9 @@ I`` (or ``--distributed auto`` under SLURM and the like) the run is N
 `jax.distributed` processes whose devices form one mesh; process 0 writes
 the run folder and holds the checkpoint folder's lock, every process saves
 its own shards, and a lost process stops the others at once (exit 4, one
-line; see `experiments.trainer.distributed`).
+line; see `experiments.trainer.supervisor`, which runs each process's
+trainer as its child). SIGINT or SIGTERM stops a process of such a run at
+once, without saving (one process cannot save alone).
 
 Exit status: 0 when all steps are done; 2 for a configuration refused before
 any compilation (one line, ``error: ...``, on stderr; nothing left on
@@ -61,11 +68,13 @@ signal number after SIGINT or SIGTERM.
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import signal
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -77,6 +86,7 @@ from flax import nnx
 import jax_superoffload as superoffload
 from experiments.trainer import checkpointing
 from experiments.trainer import config as config_lib
+from experiments.trainer import config_cli
 from experiments.trainer import distributed
 from experiments.trainer import loop as loop_lib
 from experiments.trainer import optim
@@ -84,6 +94,7 @@ from experiments.trainer import perf
 from experiments.trainer import preflight
 from experiments.trainer import run_log
 from experiments.trainer import steps as steps_lib
+from experiments.trainer import supervisor
 from experiments.trainer import switch_optimizer as switch
 
 ConfigError = config_lib.ConfigError
@@ -145,6 +156,13 @@ def _restore(
   if not cfg.resume:
     return loop_lib.Start()
   fingerprint = checkpointing.model_fingerprint(cfg)
+  if plan.topology.primary and (
+    abandoned := checkpointing.clean_abandoned_saves(plan.checkpoint_dir)
+  ):
+    log(
+      'note: removed the unfinished save of an interrupted run: '
+      f'{"; ".join(abandoned)}'
+    )
   checkpointer = checkpointing.RunCheckpointer(
     plan.checkpoint_dir, cfg.checkpoint_keep
   )
@@ -219,6 +237,7 @@ def _summarize(
     stopped_by = signal.Signals(loop.stop.signum).name
   tokens_per_s = loop.tokens_per_s()
   step_times = loop.step_times
+  last_eval = run_log.last_eval(loop.log.records) or {}
   return {
     'preset': cfg.preset,
     'optimizer': cfg.optimizer,
@@ -227,13 +246,16 @@ def _summarize(
     'steps': loop.done,
     'first_loss': losses[0] if losses else math.nan,
     'final_loss': float(np.mean(window)) if losses else math.nan,
-    'eval_loss': loop.eval_result.get('eval_loss'),
-    'eval_bpb': loop.eval_result.get('eval_bpb'),
+    'eval_loss': last_eval.get('eval_loss'),
+    'eval_bpb': last_eval.get('eval_bpb'),
+    'eval_step': last_eval.get('eval_step'),
     'tokens_per_s': tokens_per_s,
     'step_time_s_median': (
       statistics.median(step_times) if step_times else math.nan
     ),
     'mfu': perf.mfu(tokens_per_s, loop.flops_token, loop.peak),
+    'peak_tflops': loop.peak / 1e12 if loop.peak else None,
+    'peak_source': loop.peak_source,
     'host_bytes_per_param': by_kind['host'] / num_params,
     'device_bytes_per_param': by_kind['device'] / num_params,
     'wall_time_s': wall_s,
@@ -300,7 +322,8 @@ def train(
     device, by memory kind), `wall_time_s`, `out_dir`, and also
     `total_tokens`, `start_step`, `completed`, `stopped_by` (the signal
     name, or None), `checkpoint_dir` and `data_state` (the iterator
-    position after training).
+    position after training). Over several processes, process 0's is the
+    run's summary (it alone prints one and writes ``summary.json``).
 
   Raises:
     ConfigError: For a bad configuration, before any compilation.
@@ -318,24 +341,39 @@ def train(
       f'{jax.device_count()} devices here)'
     )
     watchdog = distributed.Watchdog(
-      topology, distributed.coordinator_host(topology)
+      topology, distributed.coordinator_host(topology), cfg.heartbeat_timeout_s
     )
   try:
-    plan = preflight.plan_run(cfg, log, topology)
-    try:
-      trainable = steps_lib.build(cfg, plan.mesh)
-      start = _restore(cfg, plan, trainable, log)
-    except BaseException:
-      plan.undo()
-      raise
-    try:
-      return _train_from(cfg, plan, trainable, start, log, wall_start)
-    finally:
-      if plan.lock is not None:
-        plan.lock.release()
-  finally:
+    summary = _plan_and_train(cfg, topology, log, wall_start)
+  except (ConfigError, NonFiniteError):  # Every process raises the same.
     if watchdog is not None:
       watchdog.close()
+    raise
+  # Any other exception: no goodbye, so the peers stop too.
+  if watchdog is not None:
+    watchdog.close()
+  return summary
+
+
+def _plan_and_train(
+  cfg: config_lib.Config,
+  topology: distributed.Topology,
+  log: Callable[[str], None],
+  wall_start: float,
+) -> dict[str, Any]:
+  """Checks the run, builds and restores it, trains it."""
+  plan = preflight.plan_run(cfg, log, topology)
+  try:
+    trainable = steps_lib.build(cfg, plan.mesh)
+    start = _restore(cfg, plan, trainable, log)
+  except BaseException:
+    plan.undo()
+    raise
+  try:
+    return _train_from(cfg, plan, trainable, start, log, wall_start)
+  finally:
+    if plan.lock is not None:
+      plan.lock.release()
 
 
 def _train_from(
@@ -355,17 +393,23 @@ def _train_from(
     )
     (out_dir / SUMMARY_FILE).unlink(missing_ok=True)  # Stale once resumed.
   loop = loop_lib.TrainLoop(cfg, plan, trainable, start)
-  log(_start_line(cfg, plan, trainable, loop))
+  # Process 0 alone prints the start and summary lines: the metrics, losses
+  # and peak FLOP/s are process 0's (the others' would differ or be empty).
+  if primary:
+    log(_start_line(cfg, plan, trainable, loop))
   if start.step:
     log(f'resumed from {plan.checkpoint_dir} at step {start.step}')
-  if loop.peak is None:
-    log('note: unknown peak FLOP/s for this device; MFU needs --peak-tflops')
+  if loop.peak is None and primary:
+    log(f'note: MFU not shown: {loop.peak_source}')
   try:
     loop.run(cfg.progress and primary)
-  finally:
-    loop.close()
-    if primary:
-      _write_plot(cfg, out_dir)
+  except BaseException:
+    # Over several processes the peers stop too, and waiting here for a
+    # save in flight (or its commit, which needs them) could hang.
+    if not plan.topology.distributed:
+      _close(loop, cfg, primary)
+    raise
+  _close(loop, cfg, primary)
   nnx.update((trainable.model, trainable.optimizer), trainable.state)
   summary = _summarize(
     cfg, plan, trainable, loop, time.perf_counter() - wall_start
@@ -374,21 +418,47 @@ def _train_from(
     (out_dir / SUMMARY_FILE).write_text(
       json.dumps(run_log.json_safe(summary), indent=2) + '\n'
     )
+  if not primary:
+    log(
+      f'process {plan.topology.process_id}: '
+      f'{"done" if loop.completed else "stopped"} at step {loop.done} '
+      '(process 0 prints the summary)'
+    )
+    return summary
+  log(_end_line(cfg, loop, summary))
+  return summary
+
+
+def _end_line(
+  cfg: config_lib.Config, loop: loop_lib.TrainLoop, summary: dict[str, Any]
+) -> str:
+  """The ``done:`` (or ``stopped:``) line: losses, eval, speed, MFU."""
   eval_text = ''
   if summary['eval_loss'] is not None:
-    eval_text = (
-      f' | eval {summary["eval_loss"]:.4f} ({summary["eval_bpb"]:.3f} bpb)'
+    eval_text = ' | ' + loop_lib.eval_text(summary)
+  mfu_text = 'mfu n/a (no stated peak)'
+  if summary['peak_tflops']:
+    mfu_text = (
+      f'mfu {100 * summary["mfu"]:.2f}% of {summary["peak_tflops"]:,.3g} '
+      'TFLOP/s'
     )
-  log(
+  return (
     f'{"done" if loop.completed else "stopped"}: loss '
     f'{summary["first_loss"]:.4f} -> {summary["final_loss"]:.4f} (mean of '
     f'last {min(len(loop.log.records), cfg.final_loss_window)}){eval_text} | '
     f'steps {loop.done} | tokens {summary["total_tokens"]:,} | '
-    f'{summary["tokens_per_s"]:,.0f} tokens/s | mfu '
-    f'{100 * summary["mfu"]:.2f}% | {summary["wall_time_s"]:.1f}s | '
-    f'{loop.log.path}'
+    f'{summary["tokens_per_s"]:,.0f} tokens/s | {mfu_text} | '
+    f'{summary["wall_time_s"]:.1f}s | {loop.log.path}'
   )
-  return summary
+
+
+def _close(
+  loop: loop_lib.TrainLoop, cfg: config_lib.Config, primary: bool
+) -> None:
+  """Closes the loop (waits for saves) and draws the loss curve."""
+  loop.close()
+  if primary:
+    _write_plot(cfg, loop.out_dir)
 
 
 def _write_plot(cfg: config_lib.Config, out_dir: pathlib.Path) -> None:
@@ -396,10 +466,16 @@ def _write_plot(cfg: config_lib.Config, out_dir: pathlib.Path) -> None:
   from experiments.trainer import plotting
 
   records = run_log.read_metrics(out_dir / METRICS_FILE, math.inf)
+  evals = [
+    (r.get('eval_step', r['step'] + 1), r['eval_loss'])
+    for r in records
+    if r.get('eval_loss') is not None
+  ]
   plotting.plot_loss_curve(
     [r['step'] for r in records],
     [math.nan if r.get('loss') is None else r['loss'] for r in records],
     out_dir / PLOT_FILE,
+    evals=evals,
     title=(
       f'{cfg.preset} preset, {cfg.optimizer}, batch {cfg.batch_size}x'
       f'{cfg.seq_len}, mesh {cfg.mesh_data}x{cfg.mesh_seq}'
@@ -417,14 +493,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     the signal number when SIGINT or SIGTERM stopped the run (after saving
     a checkpoint).
   """
+  argv = sys.argv[1:] if argv is None else list(argv)
   try:
-    summary = train(config_lib.config_from_args(argv))
+    cfg = config_lib.config_from_args(argv)
+    # Once per rank: a supervisor's trainer child leaves it to the supervisor
+    # (same argv); flushed, since the supervisor ends with os._exit.
+    if (old := config_cli.old_flags(argv)) and not distributed.supervised():
+      print(
+        f'note: {", ".join(old)}: the older spelling, accepted in this '
+        'release only; use --config FILE and --config.FIELD=VALUE',
+        flush=True,
+      )
+    if distributed.wanted(cfg) and not distributed.supervised():
+      config_lib.validate(cfg)  # Refused here, before any child starts.
+      return supervisor.supervise(argv, cfg.heartbeat_timeout_s)
+    summary = train(cfg)
   except ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   except NonFiniteError as e:
     print(f'error: {e}', file=sys.stderr)
     return NONFINITE_EXIT
+  except Exception:
+    if distributed.supervised():  # jax's exit would wait for the peers.
+      traceback.print_exc()
+      sys.stderr.flush()
+      os._exit(1)
+    raise
   if summary['stopped_by']:
     return 128 + signal.Signals[summary['stopped_by']].value
   return 0
