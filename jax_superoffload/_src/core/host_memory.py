@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.experimental import compute_on as _compute_on
 
 HOST_MEMORY_KIND = 'pinned_host'
@@ -49,6 +50,32 @@ def kind_for(on_host: bool) -> str | None:
   if on_host and host_memory_available():
     return HOST_MEMORY_KIND
   return None  # The default: device memory.
+
+
+def single_device_sharding(
+  device: jax.Device, on_host: bool, named: bool = True
+) -> jax.sharding.Sharding:
+  """All of an array on `device`, in host memory or in device memory.
+
+  `named`: a `NamedSharding` over a mesh of that one device, else a
+  `SingleDeviceSharding`. An array that Orbax restores with the latter
+  (`jax.make_array_from_callback`) reports `pinned_host` but is typed as
+  device memory, and optax's wrappers (`MultiSteps`, `apply_if_finite`)
+  then `select` between two types; with the former its type says host.
+  """
+  kind = kind_for(on_host)
+  if not named:
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+  mesh = jax.sharding.Mesh(np.array(device).reshape(()), ())
+  return jax.sharding.NamedSharding(
+    mesh, jax.sharding.PartitionSpec(), memory_kind=kind
+  )
+
+
+def typed_on_device(x: Any) -> bool:
+  """Whether `x`'s type (concrete or traced) says device memory."""
+  space = getattr(jax.typeof(x), 'memory_space', None)
+  return space == jax.memory.Space.Device
 
 
 def memory_kind(x: jax.Array) -> str | None:

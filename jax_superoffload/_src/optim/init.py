@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jax_superoffload._src.core import host_memory
@@ -76,6 +77,22 @@ def _device_of(params: Any) -> jax.Device:
   return jax.devices()[0]
 
 
+def _sharding_type_of(params: Any) -> type | None:
+  """The sharding type of the first committed parameter, if any.
+
+  A jitted step gives its outputs the sharding type of its first committed
+  argument (usually a parameter; else the state): a state of that type
+  compiles once. Uncommitted parameters leave the choice to the state,
+  which then takes a `NamedSharding`, the type an Orbax restore keeps in
+  host memory (`host_memory.single_device_sharding`).
+  """
+  for x in jax.tree.leaves(params):
+    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    if concrete and x.committed:
+      return type(x.sharding)
+  return None
+
+
 def _state_shardings(
   opts, params: Any, placement
 ) -> state_lib.SuperOffloadState:
@@ -89,11 +106,11 @@ def _state_shardings(
   zero = opts.zero
   if zero is None:
     device = _device_of(params)
+    named = _sharding_type_of(params) is not jax.sharding.SingleDeviceSharding
 
     def sharding(spec, host):
       del spec
-      kind = host_memory.kind_for(host)
-      return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+      return host_memory.single_device_sharding(device, host, named)
   else:
     sharding = zero.sharding
   master, kept, scales = [], [], []
@@ -129,10 +146,27 @@ def _state_shardings(
   )
 
 
+def _stand_in(leaf: Any) -> Any:
+  """A parameter as `init` reads it: abstract ones as zeros.
+
+  optax's init needs only the parameters' shapes and dtypes, so it takes
+  `jax.ShapeDtypeStruct`s; ours copies their values into the master, which
+  starts from zeros then: the first `update` given the parameters starts
+  from them, as from any parameters that no longer match the master.
+  Python and NumPy scalars become the arrays optax's math makes of them.
+  """
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return jnp.zeros(leaf.shape, leaf.dtype, device=leaf.sharding)
+  if isinstance(leaf, (bool, int, float, complex, np.generic)):
+    return jnp.asarray(leaf)
+  return leaf
+
+
 def init(
   opts: options_lib.Options, params: optax.Params
 ) -> state_lib.SuperOffloadState:
   """`init` of the transformation: the state for `params`."""
+  params = jax.tree.map(_stand_in, params)
   # Chosen once per tree ("auto" plans), kept in the state for `update`.
   placement = opts.decide_placement(opts.layout(params), params)
   if not jax.tree.leaves(params):  # Say optax.tree_map_params' placeholder.
