@@ -21,6 +21,8 @@ import numpy as np
 from jax.experimental import compute_on as _compute_on
 
 HOST_MEMORY_KIND = 'pinned_host'
+# The one axis of the one-device mesh of a state in host memory.
+_HOST_AXIS = 'superoffload_host'
 
 
 @functools.cache
@@ -53,23 +55,56 @@ def kind_for(on_host: bool) -> str | None:
 
 
 def single_device_sharding(
-  device: jax.Device, on_host: bool, named: bool = True
+  device: jax.Device, on_host: bool, ndim: int
 ) -> jax.sharding.Sharding:
-  """All of an array on `device`, in host memory or in device memory.
+  """All of an `ndim`-dimensional array on `device`, host or device memory.
 
-  `named`: a `NamedSharding` over a mesh of that one device, else a
-  `SingleDeviceSharding`. An array that Orbax restores with the latter
-  (`jax.make_array_from_callback`) reports `pinned_host` but is typed as
-  device memory, and optax's wrappers (`MultiSteps`, `apply_if_finite`)
-  then `select` between two types; with the former its type says host.
+  In device memory, a `SingleDeviceSharding`. In host memory, a
+  `NamedSharding` over a one-device mesh with an explicit axis, its spec
+  one `None` per dimension. JAX types an array that Orbax restores
+  (`jax.make_array_from_single_device_arrays`) from its sharding, and only
+  a `NamedSharding` carries the memory kind into the type: with a
+  `SingleDeviceSharding` the restored array lives in pinned host memory
+  but is typed as device memory, and a jitted step that is donated it may
+  alias that host buffer to a device output, which aborts the process in
+  PJRT ("PjRtBuffer's memory kind does not match sharding's memory
+  kind"). The explicit axis keeps the `NamedSharding` on a jitted step's
+  outputs (without it, JAX turns them into the sharding type of the
+  step's first committed argument), so a trained state restores as the
+  fresh one does, and the step, given the same sharding back, compiles
+  once.
   """
   kind = kind_for(on_host)
-  if not named:
+  if kind is None:
     return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
-  mesh = jax.sharding.Mesh(np.array(device).reshape(()), ())
-  return jax.sharding.NamedSharding(
-    mesh, jax.sharding.PartitionSpec(), memory_kind=kind
+  mesh = jax.sharding.Mesh(
+    np.array([device]),
+    (_HOST_AXIS,),
+    axis_types=(jax.sharding.AxisType.Explicit,),
   )
+  spec = jax.sharding.PartitionSpec(*([None] * ndim))
+  return jax.sharding.NamedSharding(mesh, spec, memory_kind=kind)
+
+
+def typed_like(y: Any, x: Any) -> Any:
+  """`y`, typed with the sharding of `x` where only `x`'s type has ours.
+
+  A state leaf in host memory comes in typed with the one-device mesh of
+  `single_device_sharding`; the host computations that step it (FFI
+  calls, host compute) return it typed without a mesh, and a jitted step
+  would then return a `SingleDeviceSharding`. Resharding to the same one
+  device moves nothing: it only puts the mesh back in the type.
+  """
+  tx, ty = jax.typeof(x), jax.typeof(y)
+  sx, sy = getattr(tx, 'sharding', None), getattr(ty, 'sharding', None)
+  if sx is None or sy is None or not sy.mesh.empty:
+    return y
+  if tuple(sx.mesh.axis_names) != (_HOST_AXIS,) or tx.shape != ty.shape:
+    return y
+  host = jax.memory.Space.Host
+  if tx.memory_space != host or ty.memory_space != host:
+    return y
+  return jax.sharding.reshard(y, sx)
 
 
 def typed_on_device(x: Any) -> bool:

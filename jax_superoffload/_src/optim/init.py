@@ -77,22 +77,6 @@ def _device_of(params: Any) -> jax.Device:
   return jax.devices()[0]
 
 
-def _sharding_type_of(params: Any) -> type | None:
-  """The sharding type of the first committed parameter, if any.
-
-  A jitted step gives its outputs the sharding type of its first committed
-  argument (usually a parameter; else the state): a state of that type
-  compiles once. Uncommitted parameters leave the choice to the state,
-  which then takes a `NamedSharding`, the type an Orbax restore keeps in
-  host memory (`host_memory.single_device_sharding`).
-  """
-  for x in jax.tree.leaves(params):
-    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    if concrete and x.committed:
-      return type(x.sharding)
-  return None
-
-
 def _state_shardings(
   opts, params: Any, placement
 ) -> state_lib.SuperOffloadState:
@@ -106,13 +90,15 @@ def _state_shardings(
   zero = opts.zero
   if zero is None:
     device = _device_of(params)
-    named = _sharding_type_of(params) is not jax.sharding.SingleDeviceSharding
 
-    def sharding(spec, host):
+    def sharding(spec, host, ndim):
       del spec
-      return host_memory.single_device_sharding(device, host, named)
+      return host_memory.single_device_sharding(device, host, ndim)
   else:
-    sharding = zero.sharding
+
+    def sharding(spec, host, ndim):
+      del ndim
+      return zero.sharding(spec, host)
   master, kept, scales = [], [], []
   for i, (shape, *_, paired) in enumerate(
     state_lib.leaf_state_types(opts, plan)
@@ -122,15 +108,18 @@ def _state_shardings(
     if zero is not None:
       spec = zero.spec_for(i, plan.lay.shapes[i])
     state_spec = zero_lib.pair_spec(spec) if paired else spec
-    master.append(sharding(state_spec, host and len(shape) > 0))
+    master.append(sharding(state_spec, host and len(shape) > 0, len(shape)))
     kept_host = host and (not paired or len(shape) > 1)
-    kept.append(sharding(spec if paired else zero_lib.P(), kept_host))
+    kept_ndim = len(shape) - 1 if paired else len(shape) + 2
+    kept.append(
+      sharding(spec if paired else zero_lib.P(), kept_host, kept_ndim)
+    )
     scales_spec = zero_lib.P()
     if zero is not None and i in plan.bucket_of:
       scales_spec = zero.scales_spec(spec)
-    scales.append(sharding(scales_spec, host))
+    scales.append(sharding(scales_spec, host, 1))
   tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
-  counter = sharding(zero_lib.P(), False)
+  counter = sharding(zero_lib.P(), False, 0)
   return state_lib.SuperOffloadState(
     count=counter,
     mu=tree(master),

@@ -340,8 +340,10 @@ def _kept_in_place(old, new):
   moved = []
 
   def keep(path, x, y):
-    if x is None or not host_memory.typed_on_device(x):
+    if x is None:
       return y
+    if not host_memory.typed_on_device(x):
+      return host_memory.typed_like(y, x)
     if host_memory.typed_on_device(y):
       return y
     moved.append(jax.tree_util.keystr(path))
