@@ -23,6 +23,8 @@ from jax.experimental import compute_on as _compute_on
 HOST_MEMORY_KIND = 'pinned_host'
 # The one axis of the one-device mesh of a state in host memory.
 _HOST_AXIS = 'superoffload_host'
+_EXPLICIT = jax.sharding.AxisType.Explicit
+_AUTO = jax.sharding.AxisType.Auto
 
 
 @functools.cache
@@ -80,10 +82,35 @@ def single_device_sharding(
   mesh = jax.sharding.Mesh(
     np.array([device]),
     (_HOST_AXIS,),
-    axis_types=(jax.sharding.AxisType.Explicit,),
+    axis_types=(_EXPLICIT,),
   )
   spec = jax.sharding.PartitionSpec(*([None] * ndim))
   return jax.sharding.NamedSharding(mesh, spec, memory_kind=kind)
+
+
+def _host_mesh_sharding(x: Any) -> Any:
+  """The sharding in `x`'s type if on `single_device_sharding`'s mesh."""
+  sharding = getattr(jax.typeof(x), 'sharding', None)
+  if sharding is None or tuple(sharding.mesh.axis_names) != (_HOST_AXIS,):
+    return None
+  return sharding
+
+
+def auto_typed(x: Any) -> Any:
+  """`x`, its host mesh's axis made `Auto` in its type.
+
+  An explicit axis would carry the mesh into the type of every value
+  computed from `x` (the new weights of the host executors, which jit
+  would then return with this `NamedSharding`, and compile again). A
+  reshard on the same one device moves nothing.
+  """
+  sharding = _host_mesh_sharding(x)
+  if sharding is None or sharding.mesh.axis_types != (_EXPLICIT,):
+    return x
+  mesh = sharding.mesh.update_axis_types({_HOST_AXIS: _AUTO})
+  return jax.sharding.reshard(
+    x, jax.sharding.NamedSharding(mesh, sharding.spec)
+  )
 
 
 def typed_like(y: Any, x: Any) -> Any:
@@ -91,18 +118,21 @@ def typed_like(y: Any, x: Any) -> Any:
 
   A state leaf in host memory comes in typed with the one-device mesh of
   `single_device_sharding`; the host computations that step it (FFI
-  calls, host compute) return it typed without a mesh, and a jitted step
-  would then return a `SingleDeviceSharding`. Resharding to the same one
-  device moves nothing: it only puts the mesh back in the type.
+  calls, host compute, `auto_typed` values) return it typed without that
+  explicit axis, and a jitted step would then return a
+  `SingleDeviceSharding`. Resharding to the same one device moves
+  nothing: it only puts the axis back in the type.
   """
   tx, ty = jax.typeof(x), jax.typeof(y)
-  sx, sy = getattr(tx, 'sharding', None), getattr(ty, 'sharding', None)
-  if sx is None or sy is None or not sy.mesh.empty:
+  sx, sy = _host_mesh_sharding(x), getattr(ty, 'sharding', None)
+  if sx is None or sy is None or sx.mesh.axis_types != (_EXPLICIT,):
     return y
-  if tuple(sx.mesh.axis_names) != (_HOST_AXIS,) or tx.shape != ty.shape:
+  if not sy.mesh.empty and _host_mesh_sharding(y) is None:
     return y
   host = jax.memory.Space.Host
-  if tx.memory_space != host or ty.memory_space != host:
+  if tx.shape != ty.shape or tx.memory_space != host:
+    return y
+  if ty.memory_space != host or sy == sx:
     return y
   return jax.sharding.reshard(y, sx)
 

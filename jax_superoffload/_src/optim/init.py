@@ -99,6 +99,7 @@ def _state_shardings(
     def sharding(spec, host, ndim):
       del ndim
       return zero.sharding(spec, host)
+
   master, kept, scales = [], [], []
   for i, (shape, *_, paired) in enumerate(
     state_lib.leaf_state_types(opts, plan)

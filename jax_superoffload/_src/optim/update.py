@@ -299,6 +299,7 @@ def _split_blockwise(opts, state, new: dict) -> dict:
 
 def update(opts, updates, state, params):
   """One step: the updates and the new state."""
+  typed, state = state, _auto_typed(state)
   inputs = _inputs(opts, updates, state, params)
   cast_on_device = inputs.plan.placement.cast_on_device
   buckets = _schedule(opts, inputs, state.count, cast_on_device)
@@ -319,11 +320,21 @@ def update(opts, updates, state, params):
   new_state = _new_state(
     opts, inputs, state, buckets, results, kept, optax_new, verdict
   )
-  new_state = _kept_in_place(state, new_state)
+  new_state = _kept_in_place(typed, new_state)
   return jax.tree.unflatten(inputs.plan.lay.treedef, out), new_state
 
 
 _ARRAY_FIELDS = ('master', 'mu', 'nu', 'kept_grads', 'mu_scales', 'nu_scales')
+
+
+def _auto_typed(state):
+  """`state`, its host leaves typed without an explicit mesh axis."""
+  fields = {
+    name: jax.tree.map(host_memory.auto_typed, getattr(state, name))
+    for name in _ARRAY_FIELDS
+    if getattr(state, name) is not None
+  }
+  return state._replace(**fields)
 
 
 def _kept_in_place(old, new):
