@@ -68,13 +68,15 @@ def _run(tx, params, state, steps):
   return params, state
 
 
-def _target(kind: str, tx):
+def _target(kind: str, tx, trained):
+  if kind == 'trained':  # A trained state's own shardings.
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, trained)
   if kind == 'concrete':
     return {'params': _PARAMS, 'state': tx.init(_PARAMS)}
   if kind == 'abstract':  # With the shardings of a fresh state.
     fresh = {'params': _PARAMS, 'state': tx.init(_PARAMS)}
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh)
-  if kind == 'committed':  # A SingleDeviceSharding'd state (docs/orbax.md).
+  if kind == 'committed':  # Of parameters with a SingleDeviceSharding.
     params = jax.device_put(_PARAMS, jax.devices()[0])
     return {'params': params, 'state': tx.init(params)}
   # eval_shape: no shardings at all.
@@ -93,15 +95,16 @@ def _host_leaves(state) -> list:
   return [x for x in jax.tree.leaves(state) if np.ndim(x) > 0]
 
 
-@pytest.mark.parametrize('kind', ['concrete', 'abstract'])
+@pytest.mark.parametrize(
+  'kind', ['concrete', 'abstract', 'committed', 'trained']
+)
 @pytest.mark.parametrize('name', sorted(_WRAPPERS))
 def test_restored_state_steps_as_the_uninterrupted_run(tmp_path, name, kind):
   tx = _WRAPPERS[name]()
   want, _ = _run(tx, _PARAMS, tx.init(_PARAMS), range(6))
   params, state = _run(tx, _PARAMS, tx.init(_PARAMS), range(3))
-  restored = _save_and_restore(
-    tmp_path, {'params': params, 'state': state}, _target(kind, tx)
-  )
+  trained = {'params': params, 'state': state}
+  restored = _save_and_restore(tmp_path, trained, _target(kind, tx, trained))
   got, state = _run(tx, restored['params'], restored['state'], range(3, 6))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(a, b)
@@ -116,21 +119,20 @@ def test_restored_state_steps_as_the_uninterrupted_run(tmp_path, name, kind):
   assert any(x.sharding.memory_kind == HOST for x in _host_leaves(state))
 
 
-@pytest.mark.parametrize('kind', ['eval_shape', 'committed'])
+@pytest.mark.parametrize('kind', ['eval_shape'])
 @pytest.mark.parametrize('name', ['multi_steps', 'apply_if_finite'])
 def test_state_restored_as_device_memory_steps_and_says_so(
   tmp_path, name, kind
 ):
   # A target without shardings (jax.eval_shape, nnx.eval_shape) restores
-  # in device memory, and one with SingleDeviceShardings is typed so; the
-  # wrapper's select between the state it holds and ours needs one type,
-  # so the state stays in device memory, with a warning.
+  # in device memory; the wrapper's select between the state it holds and
+  # ours needs one type, so the state stays in device memory, with a
+  # warning.
   tx = _WRAPPERS[name]()
   want, _ = _run(tx, _PARAMS, tx.init(_PARAMS), range(6))
   params, state = _run(tx, _PARAMS, tx.init(_PARAMS), range(3))
-  restored = _save_and_restore(
-    tmp_path, {'params': params, 'state': state}, _target(kind, tx)
-  )
+  trained = {'params': params, 'state': state}
+  restored = _save_and_restore(tmp_path, trained, _target(kind, tx, trained))
   with pytest.warns(UserWarning, match='came in device memory'):
     got, _ = _run(tx, restored['params'], restored['state'], range(3, 6))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
