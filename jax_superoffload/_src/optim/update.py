@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 from typing import NamedTuple
 
@@ -29,6 +28,7 @@ from jax_superoffload._src.host import executors
 from jax_superoffload._src.host import in_place
 from jax_superoffload._src.host import steps
 from jax_superoffload._src.optim import state as state_lib
+from jax_superoffload._src.optim import state_memory
 from jax_superoffload._src.optim import stv
 from jax_superoffload._src.parallel import following
 
@@ -299,7 +299,7 @@ def _split_blockwise(opts, state, new: dict) -> dict:
 
 def update(opts, updates, state, params):
   """One step: the updates and the new state."""
-  typed, state = state, _auto_typed(state)
+  typed, state = state, state_memory.read_typed(state)
   inputs = _inputs(opts, updates, state, params)
   cast_on_device = inputs.plan.placement.cast_on_device
   buckets = _schedule(opts, inputs, state.count, cast_on_device)
@@ -320,61 +320,8 @@ def update(opts, updates, state, params):
   new_state = _new_state(
     opts, inputs, state, buckets, results, kept, optax_new, verdict
   )
-  new_state = _kept_in_place(typed, new_state)
+  new_state = state_memory.kept_in_place(typed, new_state)
   return jax.tree.unflatten(inputs.plan.lay.treedef, out), new_state
-
-
-_ARRAY_FIELDS = ('master', 'mu', 'nu', 'kept_grads', 'mu_scales', 'nu_scales')
-
-
-def _auto_typed(state):
-  """`state`, its host leaves typed without an explicit mesh axis."""
-  fields = {
-    name: jax.tree.map(host_memory.auto_typed, getattr(state, name))
-    for name in _ARRAY_FIELDS
-    if getattr(state, name) is not None
-  }
-  return state._replace(**fields)
-
-
-def _kept_in_place(old, new):
-  """`new`, with each leaf that came in device memory kept there.
-
-  A state restored into a target without shardings (`nnx.eval_shape`,
-  `jax.eval_shape`) comes back in device memory. optax's wrappers
-  (`MultiSteps`, `apply_if_finite`) `select` or `cond` between the state
-  they were given and ours, which must then be of one type: so a leaf
-  stays in the memory it came in, as optax's states do, and a warning
-  says so (the numbers are the same; the step moves it to the host and
-  back). A target with the state's shardings keeps it in host memory.
-  """
-  moved = []
-
-  def keep(path, x, y):
-    if x is None:
-      return y
-    if not host_memory.typed_on_device(x):
-      return host_memory.typed_like(y, x)
-    if host_memory.typed_on_device(y):
-      return y
-    moved.append(jax.tree_util.keystr(path))
-    return host_memory.to_device(y)
-
-  fields = {}
-  for name in _ARRAY_FIELDS:
-    if getattr(new, name) is not None:
-      fields[name] = jax.tree.map_with_path(
-        keep, getattr(old, name), getattr(new, name)
-      )
-  if moved:
-    warnings.warn(
-      f'{len(moved)} optimizer state leaves (e.g. {moved[0]}) came in device '
-      'memory, not host memory (restored into a target without shardings?):'
-      ' they stay there; restore into tx.init(params), or a target with its '
-      'shardings, to keep them in host memory',
-      stacklevel=2,
-    )
-  return new._replace(**fields)
 
 
 def _state_split(opts, state: Any, reference: Any):
