@@ -17,9 +17,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.experimental import compute_on as _compute_on
 
 HOST_MEMORY_KIND = 'pinned_host'
+# The one axis of the one-device mesh of a state in host memory.
+_HOST_AXIS = 'superoffload_host'
+_EXPLICIT = jax.sharding.AxisType.Explicit
+_AUTO = jax.sharding.AxisType.Auto
 
 
 @functools.cache
@@ -49,6 +54,93 @@ def kind_for(on_host: bool) -> str | None:
   if on_host and host_memory_available():
     return HOST_MEMORY_KIND
   return None  # The default: device memory.
+
+
+def single_device_sharding(
+  device: jax.Device, on_host: bool, ndim: int
+) -> jax.sharding.Sharding:
+  """All of an `ndim`-dimensional array on `device`, host or device memory.
+
+  In device memory, a `SingleDeviceSharding`. In host memory, a
+  `NamedSharding` over a one-device mesh with an explicit axis, its spec
+  one `None` per dimension. JAX types an array that Orbax restores
+  (`jax.make_array_from_single_device_arrays`) from its sharding, and only
+  a `NamedSharding` carries the memory kind into the type: with a
+  `SingleDeviceSharding` the restored array lives in pinned host memory
+  but is typed as device memory, and a jitted step that is donated it may
+  alias that host buffer to a device output, which aborts the process in
+  PJRT ("PjRtBuffer's memory kind does not match sharding's memory
+  kind"). The explicit axis keeps the `NamedSharding` on a jitted step's
+  outputs (without it, JAX turns them into the sharding type of the
+  step's first committed argument), so a trained state restores as the
+  fresh one does, and the step, given the same sharding back, compiles
+  once.
+  """
+  kind = kind_for(on_host)
+  if kind is None:
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+  mesh = jax.sharding.Mesh(
+    np.array([device]),
+    (_HOST_AXIS,),
+    axis_types=(_EXPLICIT,),
+  )
+  spec = jax.sharding.PartitionSpec(*([None] * ndim))
+  return jax.sharding.NamedSharding(mesh, spec, memory_kind=kind)
+
+
+def _host_mesh_sharding(x: Any) -> Any:
+  """The sharding in `x`'s type if on `single_device_sharding`'s mesh."""
+  sharding = getattr(jax.typeof(x), 'sharding', None)
+  if sharding is None or tuple(sharding.mesh.axis_names) != (_HOST_AXIS,):
+    return None
+  return sharding
+
+
+def auto_typed(x: Any) -> Any:
+  """`x`, its host mesh's axis made `Auto` in its type.
+
+  An explicit axis would carry the mesh into the type of every value
+  computed from `x` (the new weights of the host executors, which jit
+  would then return with this `NamedSharding`, and compile again). A
+  reshard on the same one device moves nothing.
+  """
+  sharding = _host_mesh_sharding(x)
+  if sharding is None or sharding.mesh.axis_types != (_EXPLICIT,):
+    return x
+  mesh = sharding.mesh.update_axis_types({_HOST_AXIS: _AUTO})
+  return jax.sharding.reshard(
+    x, jax.sharding.NamedSharding(mesh, sharding.spec)
+  )
+
+
+def typed_like(y: Any, x: Any) -> Any:
+  """`y`, typed with the sharding of `x` where only `x`'s type has ours.
+
+  A state leaf in host memory comes in typed with the one-device mesh of
+  `single_device_sharding`; the host computations that step it (FFI
+  calls, host compute, `auto_typed` values) return it typed without that
+  explicit axis, and a jitted step would then return a
+  `SingleDeviceSharding`. Resharding to the same one device moves
+  nothing: it only puts the axis back in the type.
+  """
+  tx, ty = jax.typeof(x), jax.typeof(y)
+  sx, sy = _host_mesh_sharding(x), getattr(ty, 'sharding', None)
+  if sx is None or sy is None or sx.mesh.axis_types != (_EXPLICIT,):
+    return y
+  if not sy.mesh.empty and _host_mesh_sharding(y) is None:
+    return y
+  host = jax.memory.Space.Host
+  if tx.shape != ty.shape or tx.memory_space != host:
+    return y
+  if ty.memory_space != host or sy == sx:
+    return y
+  return jax.sharding.reshard(y, sx)
+
+
+def typed_on_device(x: Any) -> bool:
+  """Whether `x`'s type (concrete or traced) says device memory."""
+  space = getattr(jax.typeof(x), 'memory_space', None)
+  return space == jax.memory.Space.Device
 
 
 def memory_kind(x: jax.Array) -> str | None:

@@ -90,6 +90,20 @@ def resolve_mask(mask: Any, tree: Any) -> list[bool]:
   return [bool(f) for f in flags]
 
 
+def shape_dtype(leaf: Any) -> tuple[tuple[int, ...] | None, np.dtype | None]:
+  """The shape and dtype of a parameter, as optax reads them.
+
+  Arrays, tracers and `jax.ShapeDtypeStruct`s by their own; Python and
+  NumPy scalars as `jnp.asarray` makes them (a Python float is float32).
+  (None, None) for anything else.
+  """
+  if hasattr(leaf, 'shape') and hasattr(leaf, 'dtype'):
+    return tuple(leaf.shape), np.dtype(leaf.dtype)
+  if isinstance(leaf, (bool, int, float, complex, np.generic)):
+    return (), np.dtype(jnp.result_type(leaf))
+  return None, None
+
+
 def build_layout(
   tree: Any, decay: Sequence[bool], *, bucket_elements: int, use_kernel: bool
 ) -> Layout:
@@ -98,16 +112,16 @@ def build_layout(
   paths = tuple(_path_str(p) for p, _ in leaves_with_paths)
   shapes, dtypes = [], []
   for path, (_, leaf) in zip(paths, leaves_with_paths, strict=True):
-    if not hasattr(leaf, 'shape') or not hasattr(leaf, 'dtype'):
+    shape, dtype = shape_dtype(leaf)
+    if shape is None:
       raise TypeError(f'parameter {path} is not an array: {type(leaf)}')
-    dtype = np.dtype(leaf.dtype)
     if not jnp.issubdtype(dtype, jnp.inexact):
       raise TypeError(
         f'parameter {path} has dtype {dtype}{list(leaf.shape)}; Adam needs '
         'floating-point parameters (exclude integer leaves, e.g. with '
         'optax.multi_transform or nnx.Optimizer(wrt=nnx.Param))'
       )
-    shapes.append(tuple(leaf.shape))
+    shapes.append(shape)
     dtypes.append(dtype)
   members: dict[tuple[np.dtype, bool], list[int]] = {}
   fallback = []
@@ -183,4 +197,5 @@ def check_tree(layout: Layout, tree: Any, what: str) -> list[Any]:
       raise TypeError(
         f'{what} leaf {path} has non-floating dtype {jnp.result_type(leaf)}'
       )
-  return leaves
+  # Python and NumPy scalars as the arrays optax's math makes of them.
+  return [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in leaves]

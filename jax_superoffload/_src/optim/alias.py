@@ -5,8 +5,6 @@ The offload choices, which optax's optimizers do not have, are one
 more release, with a `DeprecationWarning` naming the new spelling.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 import inspect
@@ -14,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import optax
 
 from jax_superoffload._src.optim import init as init_lib
@@ -80,10 +79,10 @@ def _from_keywords(name: str, old: dict[str, Any], kwargs: dict) -> Offload:
 @_offload_keywords
 def adam(
   learning_rate: optax.ScalarOrSchedule,
-  b1: float = 0.9,
-  b2: float = 0.999,
-  eps: float = 1e-8,
-  eps_root: float = 0.0,
+  b1: jax.typing.ArrayLike = 0.9,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  eps_root: jax.typing.ArrayLike = 0.0,
   mu_dtype: Any | None = None,
   *,
   nesterov: bool = False,
@@ -180,13 +179,13 @@ def adam(
 @_offload_keywords
 def adamw(
   learning_rate: optax.ScalarOrSchedule,
-  b1: float = 0.9,
-  b2: float = 0.999,
-  eps: float = 1e-8,
-  eps_root: float = 0.0,
+  b1: jax.typing.ArrayLike = 0.9,
+  b2: jax.typing.ArrayLike = 0.999,
+  eps: jax.typing.ArrayLike = 1e-8,
+  eps_root: jax.typing.ArrayLike = 0.0,
   mu_dtype: Any | None = None,
   weight_decay: optax.ScalarOrSchedule = 1e-4,
-  mask: Any | None = None,
+  mask: Any | Callable[[optax.Params], Any] | None = None,
   *,
   nesterov: bool = False,
   offload: Offload | None = None,

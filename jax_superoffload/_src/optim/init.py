@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jax_superoffload._src.core import host_memory
@@ -90,12 +91,15 @@ def _state_shardings(
   if zero is None:
     device = _device_of(params)
 
-    def sharding(spec, host):
+    def sharding(spec, host, ndim):
       del spec
-      kind = host_memory.kind_for(host)
-      return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+      return host_memory.single_device_sharding(device, host, ndim)
   else:
-    sharding = zero.sharding
+
+    def sharding(spec, host, ndim):
+      del ndim
+      return zero.sharding(spec, host)
+
   master, kept, scales = [], [], []
   for i, (shape, *_, paired) in enumerate(
     state_lib.leaf_state_types(opts, plan)
@@ -105,15 +109,18 @@ def _state_shardings(
     if zero is not None:
       spec = zero.spec_for(i, plan.lay.shapes[i])
     state_spec = zero_lib.pair_spec(spec) if paired else spec
-    master.append(sharding(state_spec, host and len(shape) > 0))
+    master.append(sharding(state_spec, host and len(shape) > 0, len(shape)))
     kept_host = host and (not paired or len(shape) > 1)
-    kept.append(sharding(spec if paired else zero_lib.P(), kept_host))
+    kept_ndim = len(shape) - 1 if paired else len(shape) + 2
+    kept.append(
+      sharding(spec if paired else zero_lib.P(), kept_host, kept_ndim)
+    )
     scales_spec = zero_lib.P()
     if zero is not None and i in plan.bucket_of:
       scales_spec = zero.scales_spec(spec)
-    scales.append(sharding(scales_spec, host))
+    scales.append(sharding(scales_spec, host, 1))
   tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
-  counter = sharding(zero_lib.P(), False)
+  counter = sharding(zero_lib.P(), False, 0)
   return state_lib.SuperOffloadState(
     count=counter,
     mu=tree(master),
@@ -129,10 +136,27 @@ def _state_shardings(
   )
 
 
+def _stand_in(leaf: Any) -> Any:
+  """A parameter as `init` reads it: abstract ones as zeros.
+
+  optax's init needs only the parameters' shapes and dtypes, so it takes
+  `jax.ShapeDtypeStruct`s; ours copies their values into the master, which
+  starts from zeros then: the first `update` given the parameters starts
+  from them, as from any parameters that no longer match the master.
+  Python and NumPy scalars become the arrays optax's math makes of them.
+  """
+  if isinstance(leaf, jax.ShapeDtypeStruct):
+    return jnp.zeros(leaf.shape, leaf.dtype, device=leaf.sharding)
+  if isinstance(leaf, (bool, int, float, complex, np.generic)):
+    return jnp.asarray(leaf)
+  return leaf
+
+
 def init(
   opts: options_lib.Options, params: optax.Params
 ) -> state_lib.SuperOffloadState:
   """`init` of the transformation: the state for `params`."""
+  params = jax.tree.map(_stand_in, params)
   # Chosen once per tree ("auto" plans), kept in the state for `update`.
   placement = opts.decide_placement(opts.layout(params), params)
   if not jax.tree.leaves(params):  # Say optax.tree_map_params' placeholder.

@@ -132,6 +132,25 @@ class Options:
     return self if zero is None else dataclasses.replace(self, zero=zero)
 
 
+def _check_number(name: str, value: Any) -> None:
+  """A scalar argument is a real number (or a schedule), not a string."""
+  if value is None or callable(value):
+    return
+  dtype = getattr(value, 'dtype', None)
+  if dtype is None and isinstance(value, (int, float, complex, np.number)):
+    dtype = np.result_type(value)
+  if dtype is None or not jnp.issubdtype(dtype, np.number):
+    raise TypeError(
+      f'{name} must be a number or an optax schedule, got '
+      f'{type(value).__name__} {value!r}'
+    )
+  if jnp.issubdtype(dtype, np.complexfloating):
+    raise TypeError(f'{name} must be a real number, got {value!r}')
+  known = hyperparams.concrete(value)
+  if name == 'weight_decay' and known is not None and known < 0:
+    raise ValueError(f'weight_decay must be non-negative, got {known}')
+
+
 def _check_mu_dtype(mu_dtype: Any) -> None:
   if mu_dtype is None:
     return
@@ -179,6 +198,7 @@ def build(
   values = (learning_rate, b1, b2, eps, eps_root, weight_decay)
   scalars = dict(zip(_SCALARS, values, strict=True))
   for name, value in scalars.items():  # Schedules are not checked.
+    _check_number(name, value)
     hyperparams.check_scalar(name, value)
   _check_mu_dtype(mu_dtype)
   _check_moments(mu_dtype, offload)

@@ -28,6 +28,7 @@ from jax_superoffload._src.host import executors
 from jax_superoffload._src.host import in_place
 from jax_superoffload._src.host import steps
 from jax_superoffload._src.optim import state as state_lib
+from jax_superoffload._src.optim import state_memory
 from jax_superoffload._src.optim import stv
 from jax_superoffload._src.parallel import following
 
@@ -301,6 +302,7 @@ def _split_blockwise(opts, state, new: dict) -> dict:
 
 def update(opts, updates, state, params):
   """One step: the updates and the new state."""
+  typed, state = state, state_memory.read_typed(state)
   inputs = _inputs(opts, updates, state, params)
   cast_on_device = inputs.plan.placement.cast_on_device
   buckets = _schedule(opts, inputs, state.count, cast_on_device)
@@ -321,6 +323,7 @@ def update(opts, updates, state, params):
   new_state = _new_state(
     opts, inputs, state, buckets, results, kept, optax_new, verdict
   )
+  new_state = state_memory.kept_in_place(typed, new_state)
   return jax.tree.unflatten(inputs.plan.lay.treedef, out), new_state
 
 
