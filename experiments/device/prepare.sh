@@ -22,7 +22,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 IMAGE_PYTHON="${IMAGE_PYTHON:-3.12}"
 JAXLIB="${JAXLIB:-0.11.2}"
-CARRY=(nanobind-backend tqdm)
+CARRY=(nanobind-backend tqdm ml_collections)
 rm -rf .gpu
 mkdir -p .gpu/site
 if [[ -n "${WHEEL:-}" ]]; then

@@ -18,7 +18,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then DRY="--dry-run"; fi
 # What prepare.sh carried (the extension, and the modules the image lacks),
 # used only where the library or those modules do not import without it: a
 # checkout with a working build keeps its own extension.
-if [[ -d .gpu ]] && ! python3 -c 'import jax_superoffload, tqdm' 2>/dev/null
+if [[ -d .gpu ]] && ! python3 -c 'import jax_superoffload, tqdm, ml_collections' 2>/dev/null
 then
   cp .gpu/_grace_adam*.so jax_superoffload/
   export PYTHONPATH="$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH}"
