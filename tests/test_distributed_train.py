@@ -410,7 +410,6 @@ def test_the_single_machine_recipe_runs_as_written(tmp_path):
   env.update(
     OUT=str(tmp_path),
     PORT=str(_free_port()),
-    PYTHONPATH=str(_ROOT),
     PATH=f'{pathlib.Path(sys.executable).parent}:{env["PATH"]}',
   )
   proc = subprocess.run(

@@ -74,7 +74,6 @@ def child_env(cache: pathlib.Path | None = None) -> dict[str, str]:
   env.update(
     XLA_FLAGS='--xla_force_host_platform_device_count=1',
     JAX_PLATFORMS='cpu',
-    PYTHONPATH=str(_ROOT),
     PYTHONUNBUFFERED='1',  # Lines land in the logs in the order printed.
   )
   if cache is not None:
