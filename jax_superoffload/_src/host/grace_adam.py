@@ -246,8 +246,8 @@ class StreamPlace:
   host step, on a side stream and a worker thread (the compute stream
   waits for its copies to staging, not for the step), so its device
   results must stay untouched until the join has waited for the worker.
-  The join takes them (aliased, nothing copied), copies results the step
-  wrote in host memory to the device, and takes `barrier`, a scalar that
+  The join takes them (aliased, nothing copied), and the host results read
+  after the call (see `_joined`), and takes `barrier`, a scalar that
   exists only once every gradient does, so XLA cannot place it before the
   backward pass is over: the compute stream waits for host steps once.
   """
