@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a lent GPU machine's image lacks, into .gpu/ (device calls carry it:
-# the device tool's run with carry [".gpu"]; .git/info/exclude keeps it out
-# of git). The H200 image of 2026-12-04 holds Python 3.12, jax, jaxlib and
+# the device tool's run with carry [".gpu"]; .gitignore keeps it out of
+# git). The H200 image of 2026-12-04 holds Python 3.12, jax, jaxlib and
 # the CUDA 13 plugin 0.11.2, optax 0.2.8, flax 0.12.10 (with their own
 # dependencies) and nothing else, and has no registry to install from.
 #
@@ -44,8 +44,4 @@ fi
   --python-version "$IMAGE_PYTHON" --implementation cp --only-binary=:all: \
   --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
   "${CARRY[@]}"
-if [[ -d .git ]]; then
-  grep -qx '/.gpu/' .git/info/exclude 2>/dev/null ||
-    echo '/.gpu/' >>.git/info/exclude
-fi
 ls .gpu .gpu/site
