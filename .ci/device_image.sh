@@ -32,18 +32,12 @@ env PATH="$venv/bin:/usr/bin:/bin" OUT="$tree/out" PART_TIMEOUT_S=600 PARTS=all 
   2>&1 || true
 parts=$(grep -cE '^== .*: [0-9]+ s$' "$tree/log" || true)
 results=$(wc -l <"$tree/out/parts.jsonl" 2>/dev/null || echo 0)
-"$venv/bin/python" - "$tree/out/parts.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])] if sys.argv[1] else []
-for r in rows:
-  print(f"{r['part']:9} {str(r.get('case', '')):16} "
-        f"{'ok' if 'error' not in r else 'ERROR ' + str(r['error'])[:80]}")
-bad = [r for r in rows if 'error' in r]
-sys.exit(1 if bad else 0)
-PY
+# Every result judged as the suite judges the dry run (check_parts.py).
+"$venv/bin/python" experiments/device/check_parts.py "$tree/out/parts.jsonl" \
+  --dry-run || bad=1
 echo "parts run: $parts, results: $results"
-if ((results == 0 || results != parts)); then
-  echo "== some parts printed no result; the log's tail:" >&2
+if ((results == 0 || results != parts || ${bad:-0})); then
+  echo "== some parts failed or printed no result; the log's tail:" >&2
   tail -n 60 "$tree/log" >&2
   exit 1
 fi
