@@ -73,8 +73,16 @@ HOW_TO_CONVERT = (
 
 
 def is_legacy(tree: Any) -> bool:
-  """Whether `tree` is one state of the old layout (a dict of its fields)."""
-  return isinstance(tree, Mapping) and set(tree) == set(LEGACY_FIELDS)
+  """Whether `tree` is one state of the old layout (a dict of its fields).
+
+  As Orbax restores it without a target: every field, or (from a Flax
+  `nnx.State`) those that were not None.
+  """
+  return (
+    isinstance(tree, Mapping)
+    and set(tree) <= set(LEGACY_FIELDS)
+    and {'count', 'mu', 'nu', 'master'} <= set(tree)
+  )
 
 
 def _read_only(part: str, name: str) -> property:
