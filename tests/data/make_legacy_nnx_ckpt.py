@@ -14,11 +14,10 @@ same old code, into `legacy_nnx_next_params.npz`.
 import pathlib
 import sys
 
-import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from make_legacy_trainer_ckpt import build
+from make_legacy_trainer_ckpt import save_params
 from make_legacy_trainer_ckpt import step
 
 
@@ -30,14 +29,7 @@ def main(folder: pathlib.Path) -> None:
   ckptr.save(folder / 'legacy_nnx_ckpt', nnx.state((model, optimizer)))
   ckptr.wait_until_finished()
   step(model, optimizer, 2)
-  params = nnx.state(model, nnx.Param)
-  np.savez(
-    folder / 'legacy_nnx_next_params.npz',
-    **{
-      jax.tree_util.keystr(p): np.asarray(x)
-      for p, x in jax.tree_util.tree_leaves_with_path(params)
-    },
-  )
+  save_params(model, folder / 'legacy_nnx_next_params.npz')
 
 
 if __name__ == '__main__':

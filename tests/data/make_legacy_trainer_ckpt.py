@@ -45,9 +45,14 @@ def main(folder: pathlib.Path) -> None:
   ckpt.save(2, nnx.state((model, optimizer)), {})
   ckpt.close()
   step(model, optimizer, 2)
+  save_params(model, folder / 'legacy_trainer_next_params.npz')
+
+
+def save_params(model, path: pathlib.Path) -> None:
+  """The model's parameters, keyed by their paths, into `path`."""
   params = nnx.state(model, nnx.Param)
   np.savez(
-    folder / 'legacy_trainer_next_params.npz',
+    path,
     **{
       jax.tree_util.keystr(p): np.asarray(x)
       for p, x in jax.tree_util.tree_leaves_with_path(params)
