@@ -1,8 +1,9 @@
 """The state of `adam` / `adamw`, and its check against a parameter tree.
 
-The state is shaped like the parameters, as optax's `ScaleByAdamState` is:
-`mu`, `nu` and the fp32 `master` have the parameters' tree structure and
-leaf shapes and live in pinned host memory. Buckets are only the schedule:
+The state is laid out as optax's adamw state, a tuple whose first element
+is its `ScaleByAdamState`, and shaped like the parameters as that is: `mu`,
+`nu` and the fp32 `master` have the parameters' tree structure and leaf
+shapes and live in pinned host memory. Buckets are only the schedule:
 one kernel call steps the leaves of one bucket, each on its own arrays.
 """
 
