@@ -16,7 +16,10 @@ from jax_superoffload._src.optim.alias import adam
 from jax_superoffload._src.optim.alias import adamw
 from jax_superoffload._src.optim.interchange import export_adam_state
 from jax_superoffload._src.optim.interchange import import_adam_state
+from jax_superoffload._src.optim.legacy import from_legacy_layout
+from jax_superoffload._src.optim.legacy import legacy_layout
 from jax_superoffload._src.optim.offload import Offload
+from jax_superoffload._src.optim.state import OffloadState
 from jax_superoffload._src.optim.state import SuperOffloadState
 from jax_superoffload._src.parallel.weight_flow import WEIGHT_POLICIES
 from jax_superoffload._src.parallel.weight_flow import fetch_stacked
@@ -68,6 +71,7 @@ __all__ = [
   'HardwareProfile',
   'ModelSpec',
   'Offload',
+  'OffloadState',
   'Plan',
   'SuperOffloadState',
   'adam',
@@ -75,9 +79,11 @@ __all__ = [
   'compiling_for',
   'export_adam_state',
   'fetch_stacked',
+  'from_legacy_layout',
   'host_registration',
   'import_adam_state',
   'kernels',
+  'legacy_layout',
   'match_placement',
   'measure_host_bandwidth',
   'memory_spaces',

@@ -302,7 +302,7 @@ def test_stale_non_finite_kept_padding_never_drops_a_step():
   sequence = []
   for g in [grads[0], huge, grads[1], huge]:
     # Poison the kept buffers as an older step could have left them.
-    state = state._replace(kept_grads=poisoned(state.kept_grads))
+    state = state.replace(kept_grads=poisoned(state.kept_grads))
     row = int(state.row)
     p, state = step(p, state, g)
     sequence.append((row, int(state.skipped)))
@@ -324,8 +324,8 @@ def test_stale_non_finite_kept_padding_never_drops_a_step():
   clean, _, clean_state = run(tx, params, [grads[0], huge, grads[1], huge])
   assert_same_bits(p, clean[-1], 'poisoned vs clean params')
   assert_same_bits(
-    state._replace(kept_grads=None),
-    clean_state._replace(kept_grads=None),
+    state.replace(kept_grads=None),
+    clean_state.replace(kept_grads=None),
     'poisoned vs clean state',
   )
 
@@ -402,7 +402,7 @@ def test_zero_stale_padding_with_overflowing_norm():
   params = jax.device_put(make_params(sizes), rep)
   tx = stv_tx(bucket_bytes, mesh=mesh, shard_axis='data')
   state = tx.init(params)
-  state = state._replace(kept_grads=poisoned(state.kept_grads))
+  state = state.replace(kept_grads=poisoned(state.kept_grads))
   huge = jax.tree.map(lambda x: jnp.full_like(x, 3e19), params)
   _, _, state = run(tx, params, [huge], state)
   assert (int(state.skipped), int(state.count)) == (0, 1)
@@ -600,7 +600,7 @@ def test_row_parity_changes_a_clipped_step_in_its_last_bits_only():
   tx = stv_tx(4 * n)
   step = step_fn(tx)
   s0 = tx.init(params)
-  s1 = s0._replace(row=jnp.ones_like(s0.row))
+  s1 = s0.replace(row=jnp.ones_like(s0.row))
   for seed in range(40):
     g = {
       'w': jnp.asarray(

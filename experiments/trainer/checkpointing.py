@@ -16,7 +16,9 @@ A checkpoint is one Orbax step directory with two items:
 Restoring verifies a checkpoint twice: Orbax's own reads (a missing or
 truncated file fails there) and the digest of every restored array against
 the one written at save (bytes changed in place). `restore_newest_intact`
-falls back to older checkpoints past damaged ones.
+falls back to older checkpoints past damaged ones. Checkpoints written
+before SuperOffload's state held optax's `ScaleByAdamState` (issue 34)
+restore too: their leaves are found by their paths as they were then.
 
 One job writes a checkpoint folder at a time (`folder_lock.FolderLock`,
 taken by its process 0). Over several processes (`jax.distributed`) every
@@ -284,7 +286,8 @@ class RunCheckpointer:
     """
     meta = self.read_meta(step)
     saved, now = meta['leaves'], leaf_specs(like)
-    if saved != now:
+    keys = _saved_keys(saved, now)
+    if keys is None:
       raise config_lib.ConfigError(
         f'--resume: the checkpoint {self.directory / str(step)} does not '
         f"match this run's model and optimizer state: {_first_diff(saved, now)}"
@@ -296,7 +299,7 @@ class RunCheckpointer:
         continue
       data = jax.random.key_data(x) if _is_key(x) else x
       sharding = getattr(x, 'sharding', None)
-      target[_key(i)] = jax.ShapeDtypeStruct(
+      target[keys[i]] = jax.ShapeDtypeStruct(
         data.shape, data.dtype, sharding=sharding
       )
     arrays = self._read_verified(step, target, meta)
@@ -306,9 +309,9 @@ class RunCheckpointer:
         restored.append(x)
       elif _is_key(x):
         impl = jax.random.key_impl(x)
-        restored.append(jax.random.wrap_key_data(arrays[_key(i)], impl=impl))
+        restored.append(jax.random.wrap_key_data(arrays[keys[i]], impl=impl))
       else:
-        restored.append(arrays[_key(i)])
+        restored.append(arrays[keys[i]])
     return Restored(jax.tree.unflatten(treedef, restored), meta)
 
   def _read_verified(
@@ -356,6 +359,35 @@ class RunCheckpointer:
     """Waits for pending saves and releases the manager."""
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+# The parts of a `SuperOffloadState` since it holds optax's ScaleByAdamState
+# (issue 34), followed by their fields: dropped, a path is as it was before.
+_STATE_PARTS = re.compile(
+  r"(?:\['adam'\]|\.adam)(?=(?:\['|\.)(?:count|mu|nu)\b)"
+  r"|(?:\['offload'\]|\.offload)(?=(?:\['|\.)"
+  r'(?:master|redone|skipped|row|kept_grads|mu_scales|nu_scales)\b)'
+)
+
+
+def _saved_keys(saved: list[Any], now: list[Any]) -> list[str] | None:
+  """The checkpoint's key of each leaf of `now`, None if they differ.
+
+  A checkpoint of the optimizer state's layout before issue 34 holds the
+  same arrays under paths without the state's two parts (and, in a Flax
+  state, whose keys are sorted, in another order): each leaf is found by
+  its path as it was then.
+  """
+  if saved == now:
+    return [_key(i) for i in range(len(now))]
+  where = {spec[0]: i for i, spec in enumerate(saved)}
+  keys = []
+  for path, shape, dtype in now:
+    i = where.get(_STATE_PARTS.sub('', path))
+    if i is None or saved[i][1:] != [shape, dtype]:
+      return None
+    keys.append(_key(i))
+  return keys if len(set(keys)) == len(saved) else None
 
 
 def _first_diff(saved: list[Any], now: list[Any]) -> str:

@@ -53,7 +53,7 @@ def _build_state(opts, params: Any, placement) -> state_lib.SuperOffloadState:
       else:
         out.append(host_memory.to_host(jnp.zeros(sh, dt)))
   tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
-  return state_lib.SuperOffloadState(
+  return state_lib.SuperOffloadState.of(
     count=jnp.zeros([], jnp.int32),
     mu=tree(mu),
     nu=tree(nu),
@@ -121,7 +121,7 @@ def _state_shardings(
     scales.append(sharding(scales_spec, host, 1))
   tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
   counter = sharding(zero_lib.P(), False, 0)
-  return state_lib.SuperOffloadState(
+  return state_lib.SuperOffloadState.of(
     count=counter,
     mu=tree(master),
     nu=tree(master),

@@ -141,7 +141,7 @@ def import_adam_state(
   count = jax.device_put(
     jnp.asarray(adam.count, jnp.int32), state.count.sharding
   )
-  return state._replace(count=count, **fields)
+  return state.replace(count=count, **fields)
 
 
 def _encoded(state, treedef, moments_in: dict) -> dict:

@@ -1,19 +1,22 @@
 """The state of `adam` / `adamw`, and its check against a parameter tree.
 
-The state is shaped like the parameters, as optax's `ScaleByAdamState` is:
-`mu`, `nu` and the fp32 `master` have the parameters' tree structure and
-leaf shapes and live in pinned host memory. Buckets are only the schedule:
+The state is laid out as optax's adamw state, a tuple whose first element
+is its `ScaleByAdamState`, and shaped like the parameters as that is: `mu`,
+`nu` and the fp32 `master` have the parameters' tree structure and leaf
+shapes and live in pinned host memory. Buckets are only the schedule:
 one kernel call steps the leaves of one bucket, each on its own arrays.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import numpy as np
+import optax
 
 from jax_superoffload._src.core import layout
 from jax_superoffload._src.core import moments
@@ -22,14 +25,10 @@ from jax_superoffload._src.optim import placement as placement_lib
 from jax_superoffload._src.optim import stv
 
 
-class SuperOffloadState(NamedTuple):
-  """State of `superoffload.adam` / `adamw`, shaped like the parameters.
+class OffloadState(NamedTuple):
+  """What `SuperOffloadState` keeps beside optax's `ScaleByAdamState`.
 
   Attributes:
-    count: Steps taken (int32 scalar), as in optax's `ScaleByAdamState`.
-    mu: First moments, a tree like the parameters (fp32, or `mu_dtype`), in
-      host memory.
-    nu: Second moments, a tree like the parameters, in host memory.
     master: The weights the step starts from, a tree like the parameters:
       fp32 for the leaves the kernel steps, the parameters' own dtype for
       the others (float64, complex, or every leaf with a non-fp32
@@ -50,17 +49,8 @@ class SuperOffloadState(NamedTuple):
     placement: The device buckets and casting side `init` chose for this
       tree (a static node: no arrays), which `update` reads; None in a
       state made otherwise, for which `update` decides them itself.
-
-  With STV on the "ffi" executor, the host leaves of `master`, `mu` and
-  `nu` have shape `(2, *param.shape)`: row `row` is the current state, the
-  other the spare the next speculative step writes (see stv.py), so
-  `optax.tree_map_params` does not apply to them. `current()` (or
-  `export_adam_state`) gives the current state either way.
   """
 
-  count: jax.Array
-  mu: Any
-  nu: Any
   master: Any
   redone: jax.Array
   skipped: jax.Array
@@ -69,6 +59,101 @@ class SuperOffloadState(NamedTuple):
   mu_scales: Any = None
   nu_scales: Any = None
   placement: placement_lib.Placement | None = None
+
+
+ADAM_FIELDS = optax.ScaleByAdamState._fields
+OFFLOAD_FIELDS = OffloadState._fields
+# The fields of the one flat NamedTuple the state was before it held
+# optax's ScaleByAdamState (checkpoints written then have these names).
+LEGACY_FIELDS = ADAM_FIELDS + OFFLOAD_FIELDS
+HOW_TO_CONVERT = (
+  'restore a checkpoint written before the state held optax.ScaleByAdamState'
+  ' into superoffload.legacy_layout(target), then convert it with '
+  'superoffload.from_legacy_layout(restored, target) (docs/state.md)'
+)
+
+
+def is_legacy(tree: Any) -> bool:
+  """Whether `tree` is one state of the old layout (a dict of its fields).
+
+  As Orbax restores it without a target: every field, or (from a Flax
+  `nnx.State`) those that were not None.
+  """
+  return (
+    isinstance(tree, Mapping)
+    and set(tree) <= set(LEGACY_FIELDS)
+    and {'count', 'mu', 'nu', 'master'} <= set(tree)
+  )
+
+
+def _read_only(part: str, name: str) -> property:
+  return property(
+    lambda self: getattr(getattr(self, part), name),
+    doc=f'`{part}.{name}` (read-only; `replace` makes a changed state).',
+  )
+
+
+class SuperOffloadState(NamedTuple):
+  """State of `superoffload.adam` / `adamw`, shaped like the parameters.
+
+  Laid out as optax's adam/adamw state is: a tuple whose first element is
+  an `optax.ScaleByAdamState(count, mu, nu)`, so code written for optax
+  (`opt_state[0].mu`, `optax.tree_utils.tree_get(state, 'mu')`,
+  `optax.tree_map_params`, `isinstance(..., optax.ScaleByAdamState)`)
+  reads the moments; the rest is beside it. `state.count`, `state.mu`,
+  `state.master` and every other field of either part read as attributes
+  of the state too; `replace(**fields)` gives a changed state.
+
+  Attributes:
+    adam: `optax.ScaleByAdamState`: `count`, the steps taken (int32
+      scalar); `mu`, the first moments, a tree like the parameters (fp32,
+      or `mu_dtype`, in host memory); `nu`, the second moments, likewise.
+    offload: `OffloadState`: the fp32 `master` weights, the STV counters
+      and rows, the 8-bit scales and the placement.
+
+  With STV on the "ffi" executor, the host leaves of `master`, `mu` and
+  `nu` have shape `(2, *param.shape)`: row `row` is the current state, the
+  other the spare the next speculative step writes (see stv.py), so
+  `optax.tree_map_params` does not apply to them. `current()` (or
+  `export_adam_state`) gives the current state either way.
+  """
+
+  adam: optax.ScaleByAdamState
+  offload: OffloadState
+
+  count = _read_only('adam', 'count')
+  mu = _read_only('adam', 'mu')
+  nu = _read_only('adam', 'nu')
+  master = _read_only('offload', 'master')
+  redone = _read_only('offload', 'redone')
+  skipped = _read_only('offload', 'skipped')
+  row = _read_only('offload', 'row')
+  kept_grads = _read_only('offload', 'kept_grads')
+  mu_scales = _read_only('offload', 'mu_scales')
+  nu_scales = _read_only('offload', 'nu_scales')
+  placement = _read_only('offload', 'placement')
+
+  @classmethod
+  def of(cls, **fields: Any) -> SuperOffloadState:
+    """A state from the fields of both parts, by name."""
+    unknown = sorted(set(fields) - set(LEGACY_FIELDS))
+    if unknown:
+      raise TypeError(f'SuperOffloadState has no field(s) {unknown}')
+    return cls(
+      optax.ScaleByAdamState(*(fields[n] for n in ADAM_FIELDS)),
+      OffloadState(**{n: fields[n] for n in OFFLOAD_FIELDS if n in fields}),
+    )
+
+  def replace(self, **fields: Any) -> SuperOffloadState:
+    """This state with the named fields (of either part) replaced."""
+    unknown = sorted(set(fields) - set(LEGACY_FIELDS))
+    if unknown:
+      raise TypeError(f'SuperOffloadState has no field(s) {unknown}')
+    pick = lambda names: {n: fields[n] for n in names if n in fields}  # noqa: E731
+    return SuperOffloadState(
+      self.adam._replace(**pick(ADAM_FIELDS)),
+      self.offload._replace(**pick(OFFLOAD_FIELDS)),
+    )
 
   def current(self) -> stv.HostState:
     """The current master, mu and nu, trees like the parameters."""
@@ -162,10 +247,20 @@ def lives_on_host(x: jax.Array, host: bool) -> bool:
   return host and np.ndim(x) > 0
 
 
-def check_state(opts, plan: Bucketing, state: Any, from_grads: bool):
-  """The state's leaves, checked against the parameters leaf by leaf."""
+def check_type(state: Any) -> None:
+  """Refuses what is not a `SuperOffloadState`, in one line."""
+  if is_legacy(state):
+    raise TypeError(
+      'optimizer state is a dict of the fields of the old flat layout: '
+      + HOW_TO_CONVERT
+    )
   if not isinstance(state, SuperOffloadState):
     raise TypeError(f'expected a SuperOffloadState, got {type(state).__name__}')
+
+
+def check_state(opts, plan: Bucketing, state: Any, from_grads: bool):
+  """The state's leaves, checked against the parameters leaf by leaf."""
+  check_type(state)
   hint = (
     ' (without params, the layout comes from the gradients: give them the '
     "parameters' dtypes, or pass params)"

@@ -26,7 +26,7 @@ def read_typed(state: Any) -> Any:
     for name in _ARRAY_FIELDS
     if getattr(state, name) is not None
   }
-  return state._replace(**fields)
+  return state.replace(**fields)
 
 
 def kept_in_place(old: Any, new: Any) -> Any:
@@ -66,4 +66,4 @@ def kept_in_place(old: Any, new: Any) -> Any:
       'shardings, to keep them in host memory',
       stacklevel=2,
     )
-  return new._replace(**fields)
+  return new.replace(**fields)

@@ -268,7 +268,7 @@ def _new_state(opts, inputs, state, buckets, results, kept, optax_new, verdict):
   scales = _split_blockwise(opts, state, new)
   tree = lambda xs: jax.tree.unflatten(inputs.plan.lay.treedef, xs)  # noqa: E731
   count, redone, skipped, row = stv.counters(state, verdict)
-  return state_lib.SuperOffloadState(
+  return state_lib.SuperOffloadState.of(
     count=count,
     mu=tree(new['mu']),
     nu=tree(new['nu']),
@@ -302,6 +302,7 @@ def _split_blockwise(opts, state, new: dict) -> dict:
 
 def update(opts, updates, state, params):
   """One step: the updates and the new state."""
+  state_lib.check_type(state)
   typed, state = state, state_memory.read_typed(state)
   inputs = _inputs(opts, updates, state, params)
   cast_on_device = inputs.plan.placement.cast_on_device
