@@ -32,6 +32,7 @@ from tqdm import tqdm
 from experiments.trainer import checkpointing
 from experiments.trainer import config as config_lib
 from experiments.trainer import config_checks
+from experiments.trainer import distributed
 from experiments.trainer import perf
 from experiments.trainer import run_log
 from experiments.trainer import steps as steps_lib
@@ -322,6 +323,7 @@ class TrainLoop:
     )
     with self.stop:
       while self.done < cfg.steps:
+        distributed.raise_if_asked()
         record = self.train_one()
         done = self.done
         if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
