@@ -16,6 +16,9 @@ Expected failures, each a documented difference (strict: they must fail):
   the parameters' dtype in optax (see `adam`'s `mu_dtype`).
 """
 
+import ast
+import collections
+import functools
 import importlib.util
 import pathlib
 import re
@@ -38,10 +41,15 @@ _FP32_MOMENTS = (
 )
 
 
+def optax_source(name: str) -> str:
+  """The source of the installed optax's module `name` (nothing downloaded)."""
+  spec = importlib.util.find_spec(name)
+  assert spec is not None and spec.origin, f'optax ships no {name}'
+  return pathlib.Path(spec.origin).read_text()
+
+
 def _source(recompile_check: bool = True) -> str:
-  spec = importlib.util.find_spec('optax._src.alias_test')
-  assert spec is not None and spec.origin, 'optax ships no alias_test.py'
-  text = pathlib.Path(spec.origin).read_text()
+  text = optax_source('optax._src.alias_test')
   # Only AliasTest: the rest (L-BFGS) needs scikit-learn and tests no adam.
   text = text[: text.index('class LBFGSTest')]
   text = re.sub(r'^from sklearn import .*$', '', text, flags=re.M)
@@ -72,6 +80,83 @@ def _ours() -> types.ModuleType:
   ours.adam = superoffload.adam
   ours.adamw = superoffload.adamw
   return ours
+
+
+# How many superoffload adam/adamw each peer case built (reset per case).
+BUILT: collections.Counter = collections.Counter()
+
+
+def _counted(factory):
+  @functools.wraps(factory)  # inspect.signature still reads factory's.
+  def build(*args, **kwargs):
+    BUILT[factory.__name__] += 1
+    return factory(*args, **kwargs)
+
+  return build
+
+
+def swapped(base: types.ModuleType) -> types.ModuleType:
+  """A copy of module `base` whose adam and adamw are superoffload's.
+
+  Each one built is counted in `BUILT`, so that a peer case can check that
+  it ran ours.
+  """
+  ours = types.ModuleType(f'superoffload_{base.__name__}')
+  ours.__dict__.update(base.__dict__)
+  ours.adam = _counted(superoffload.adam)
+  ours.adamw = _counted(superoffload.adamw)
+  return ours
+
+
+def load_peer(name: str, **names) -> types.ModuleType:
+  """Installed optax's test module `name`, with `names` swapped into it.
+
+  The module's source is executed as is (less its `__main__` block); the
+  globals its tests look up when they run (`alias`, `optax`) are then
+  replaced by `names`.
+  """
+  text = optax_source(name)
+  text = text[: text.index("if __name__ == '__main__':")]
+  module = types.ModuleType(f'{name}_peer')
+  exec(compile(text, name.replace('.', '/') + '.py', 'exec'), module.__dict__)
+  module.__dict__.update(names)
+  module.source = text
+  return module
+
+
+def _method_of(case: str, methods: list[str]) -> str | None:
+  """The method that made `case` (a parameterized one adds a suffix)."""
+  made = [m for m in methods if re.fullmatch(rf'{m}(\d+|_.+)?', case)]
+  return max(made, key=len, default=None)
+
+
+def cases_using(module: types.ModuleType, cls: str, pattern: str) -> list[str]:
+  """The cases of `module.cls` whose test method's source matches `pattern`."""
+  (node,) = (
+    n for n in ast.parse(module.source).body if getattr(n, 'name', '') == cls
+  )
+  methods = {
+    f.name: ast.get_source_segment(module.source, f)
+    for f in node.body
+    if isinstance(f, ast.FunctionDef)
+  }
+  cases = [n for n in dir(getattr(module, cls)) if n.startswith('test')]
+  return sorted(
+    c
+    for c in cases
+    if (m := _method_of(c, list(methods))) and re.search(pattern, methods[m])
+  )
+
+
+def run_peer(test_class: type[unittest.TestCase], case: str) -> None:
+  """Run one case; it must pass (no skip) and build ours at least once."""
+  BUILT.clear()
+  result = unittest.TestResult()
+  test_class(case).run(result)
+  problems = result.failures + result.errors
+  assert not problems, problems[0][1]
+  assert not result.skipped, result.skipped[0][1]
+  assert BUILT, f'{case} built no superoffload adam/adamw'
 
 
 def _load(recompile_check: bool = True) -> type[unittest.TestCase]:
