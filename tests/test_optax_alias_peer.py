@@ -82,15 +82,20 @@ def _ours() -> types.ModuleType:
   return ours
 
 
-# How many superoffload adam/adamw each peer case built (reset per case).
+# How many times each peer case ran the init of superoffload's adam/adamw.
 BUILT: collections.Counter = collections.Counter()
 
 
 def _counted(factory):
   @functools.wraps(factory)  # inspect.signature still reads factory's.
   def build(*args, **kwargs):
-    BUILT[factory.__name__] += 1
-    return factory(*args, **kwargs)
+    tx = factory(*args, **kwargs)
+
+    def init(params):
+      BUILT[factory.__name__] += 1
+      return tx.init(params)
+
+    return tx._replace(init=init)
 
   return build
 
@@ -98,8 +103,8 @@ def _counted(factory):
 def swapped(base: types.ModuleType) -> types.ModuleType:
   """A copy of module `base` whose adam and adamw are superoffload's.
 
-  Each one built is counted in `BUILT`, so that a peer case can check that
-  it ran ours.
+  Each init of one is counted in `BUILT`, so that a peer case can check
+  that it ran ours.
   """
   ours = types.ModuleType(f'superoffload_{base.__name__}')
   ours.__dict__.update(base.__dict__)
@@ -108,18 +113,28 @@ def swapped(base: types.ModuleType) -> types.ModuleType:
   return ours
 
 
-def load_peer(name: str, **names) -> types.ModuleType:
-  """Installed optax's test module `name`, with `names` swapped into it.
+def load_peer(
+  name: str, edits: tuple[tuple[str, str], ...] = (), **names
+) -> types.ModuleType:
+  """Installed optax's test module `name`, run with `names` in it.
 
-  The module's source is executed as is (less its `__main__` block); the
-  globals its tests look up when they run (`alias`, `optax`) are then
-  replaced by `names`.
+  The module's source is executed (less its `__main__` block) with its
+  imports of `names` (`from optax._src import alias`, `import optax`)
+  replaced by the given objects, so that tables built at import hold ours,
+  and each `(old, new)` of `edits` made (`old` must be in it).
   """
   text = optax_source(name)
   text = text[: text.index("if __name__ == '__main__':")]
+  for old, new in edits:
+    assert old in text, f'{name} has no {old!r}'
+    text = text.replace(old, new)
+  for key in names:
+    pattern = rf'^(from [\w.]+ import {key}|import {key})\n'
+    text, found = re.subn(pattern, '\n', text, flags=re.M)  # Same lines.
+    assert found == 1, f'{name} does not import {key} once'
   module = types.ModuleType(f'{name}_peer')
-  exec(compile(text, name.replace('.', '/') + '.py', 'exec'), module.__dict__)
   module.__dict__.update(names)
+  exec(compile(text, name.replace('.', '/') + '.py', 'exec'), module.__dict__)
   module.source = text
   return module
 
@@ -149,14 +164,14 @@ def cases_using(module: types.ModuleType, cls: str, pattern: str) -> list[str]:
 
 
 def run_peer(test_class: type[unittest.TestCase], case: str) -> None:
-  """Run one case; it must pass (no skip) and build ours at least once."""
+  """Run one case; it must pass (no skip) and init ours at least once."""
   BUILT.clear()
   result = unittest.TestResult()
   test_class(case).run(result)
   problems = result.failures + result.errors
   assert not problems, problems[0][1]
   assert not result.skipped, result.skipped[0][1]
-  assert BUILT, f'{case} built no superoffload adam/adamw'
+  assert BUILT, f'{case} ran no init of superoffload adam/adamw'
 
 
 def _load(recompile_check: bool = True) -> type[unittest.TestCase]:
