@@ -7,8 +7,8 @@ mesh, checks that the state's types (sharding included) are the same from
 installed optax, its `optax` is optax with our adam and adamw, and only
 the cases of those two run here.
 
-Expected failures (strict), both issue 34 point 3 (Explicit-axes meshes),
-which optax passes:
+Expected failures (each must fail with its cause), both issue 34
+point 3 (Explicit-axes meshes), which optax passes:
 
 - `..._init_match_update_*`: our update moves to host memory inside a
   `shard_map` ("device_put with explicit device not allowed within
@@ -47,19 +47,15 @@ CASES = [
 _EXPLICIT_AXES = {
   'test_state_sharding_type_init_match_update': (
     'update does a device_put to host memory inside shard_map on an '
-    'Explicit-axes mesh (issue 34 point 3)'
+    'Explicit-axes mesh (issue 34 point 3)',
+    'device_put with explicit device not allowed within shard_map',
   ),
   'test_state_sharding_type_preserved_with_jit': (
     "jitted init's state type loses the mesh axis eager init's keeps "
-    '(issue 34 point 3)'
+    '(issue 34 point 3)',
+    r'ACTUAL: .*float32<host>\[2,8@x,4\].*\n DESIRED: .*float32<host>\[2,8,4\]',
   ),
 }
-
-
-def _param(case: str):
-  reason = _EXPLICIT_AXES.get(case.rsplit('_', 1)[0])
-  marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-  return pytest.param(case, marks=marks, id=case)
 
 
 def test_the_adam_cases_are_there():
@@ -68,6 +64,7 @@ def test_the_adam_cases_are_there():
   assert set(CASES) <= set(dir(_PEER.ShardingTest))
 
 
-@pytest.mark.parametrize('case', [_param(c) for c in CASES])
+@pytest.mark.parametrize('case', CASES)
 def test_sharding(case):
-  alias_peer.run_peer(_PEER.ShardingTest, case)
+  fails = _EXPLICIT_AXES.get(case.rsplit('_', 1)[0])
+  alias_peer.run_peer(_PEER.ShardingTest, case, fails)
