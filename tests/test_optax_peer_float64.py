@@ -7,6 +7,7 @@ is read from the installed optax; its table's adam and adamw are ours, and
 only those two cases run here.
 """
 
+import jax
 import pytest
 import test_optax_alias_peer as alias_peer
 from optax._src import alias
@@ -28,4 +29,8 @@ def test_the_adam_cases_are_there():
 
 @pytest.mark.parametrize('case', CASES)
 def test_float64(case):
-  alias_peer.run_peer(_PEER.Float64Test, case)
+  x64 = jax.config.jax_enable_x64
+  try:  # The test turns x64 on, and off only if it passes.
+    alias_peer.run_peer(_PEER.Float64Test, case)
+  finally:
+    jax.config.update('jax_enable_x64', x64)
