@@ -16,6 +16,9 @@ Expected failures, each a documented difference (strict: they must fail):
   the parameters' dtype in optax (see `adam`'s `mu_dtype`).
 """
 
+import ast
+import collections
+import functools
 import importlib.util
 import pathlib
 import re
@@ -38,10 +41,15 @@ _FP32_MOMENTS = (
 )
 
 
+def optax_source(name: str) -> str:
+  """The source of the installed optax's module `name` (nothing downloaded)."""
+  spec = importlib.util.find_spec(name)
+  assert spec is not None and spec.origin, f'optax ships no {name}'
+  return pathlib.Path(spec.origin).read_text()
+
+
 def _source(recompile_check: bool = True) -> str:
-  spec = importlib.util.find_spec('optax._src.alias_test')
-  assert spec is not None and spec.origin, 'optax ships no alias_test.py'
-  text = pathlib.Path(spec.origin).read_text()
+  text = optax_source('optax._src.alias_test')
   # Only AliasTest: the rest (L-BFGS) needs scikit-learn and tests no adam.
   text = text[: text.index('class LBFGSTest')]
   text = re.sub(r'^from sklearn import .*$', '', text, flags=re.M)
@@ -72,6 +80,111 @@ def _ours() -> types.ModuleType:
   ours.adam = superoffload.adam
   ours.adamw = superoffload.adamw
   return ours
+
+
+# How many times each peer case ran the init of superoffload's adam/adamw.
+BUILT: collections.Counter = collections.Counter()
+
+
+def _counted(factory):
+  @functools.wraps(factory)  # inspect.signature still reads factory's.
+  def build(*args, **kwargs):
+    tx = factory(*args, **kwargs)
+
+    def init(params):
+      BUILT[factory.__name__] += 1
+      return tx.init(params)
+
+    return tx._replace(init=init)
+
+  return build
+
+
+def swapped(base: types.ModuleType) -> types.ModuleType:
+  """A copy of module `base` whose adam and adamw are superoffload's.
+
+  Each init of one is counted in `BUILT`, so that a peer case can check
+  that it ran ours.
+  """
+  ours = types.ModuleType(f'superoffload_{base.__name__}')
+  ours.__dict__.update(base.__dict__)
+  ours.adam = _counted(superoffload.adam)
+  ours.adamw = _counted(superoffload.adamw)
+  return ours
+
+
+def load_peer(
+  name: str, edits: tuple[tuple[str, str], ...] = (), **names
+) -> types.ModuleType:
+  """Installed optax's test module `name`, run with `names` in it.
+
+  The module's source is executed (less its `__main__` block) with its
+  imports of `names` (`from optax._src import alias`, `import optax`)
+  replaced by the given objects, so that tables built at import hold ours,
+  and each `(old, new)` of `edits` made (`old` must be in it).
+  """
+  text = optax_source(name)
+  text = text[: text.index("if __name__ == '__main__':")]
+  for old, new in edits:
+    assert old in text, f'{name} has no {old!r}'
+    text = text.replace(old, new)
+  for key in names:
+    pattern = rf'^(from [\w.]+ import {key}|import {key})\n'
+    text, found = re.subn(pattern, '\n', text, flags=re.M)  # Same lines.
+    assert found == 1, f'{name} does not import {key} once'
+  module = types.ModuleType(f'{name}_peer')
+  module.__dict__.update(names)
+  exec(compile(text, name.replace('.', '/') + '.py', 'exec'), module.__dict__)
+  module.source = text
+  return module
+
+
+def _method_of(case: str, methods: list[str]) -> str | None:
+  """The method that made `case` (a parameterized one adds a suffix)."""
+  made = [m for m in methods if re.fullmatch(rf'{m}(\d+|_.+)?', case)]
+  return max(made, key=len, default=None)
+
+
+def cases_using(module: types.ModuleType, cls: str, pattern: str) -> list[str]:
+  """The cases of `module.cls` whose test method's source matches `pattern`."""
+  (node,) = (
+    n for n in ast.parse(module.source).body if getattr(n, 'name', '') == cls
+  )
+  methods = {
+    f.name: ast.get_source_segment(module.source, f)
+    for f in node.body
+    if isinstance(f, ast.FunctionDef)
+  }
+  cases = [n for n in dir(getattr(module, cls)) if n.startswith('test')]
+  return sorted(
+    c
+    for c in cases
+    if (m := _method_of(c, list(methods))) and re.search(pattern, methods[m])
+  )
+
+
+def run_peer(
+  test_class: type[unittest.TestCase],
+  case: str,
+  fails_with: tuple[str, str] | None = None,
+) -> None:
+  """Run one case; it must pass (no skip) and init ours at least once.
+
+  With `fails_with=(reason, pattern)`, a documented difference: the case
+  must instead fail with a message matching `pattern`, and is then
+  reported as an expected failure for `reason`.
+  """
+  BUILT.clear()
+  result = unittest.TestResult()
+  test_class(case).run(result)
+  problems = [text for _, text in result.failures + result.errors]
+  if fails_with:
+    reason, pattern = fails_with
+    assert any(re.search(pattern, p) for p in problems), problems or 'passed'
+    pytest.xfail(reason)
+  assert not problems, problems[0]
+  assert not result.skipped, result.skipped[0][1]
+  assert BUILT, f'{case} ran no init of superoffload adam/adamw'
 
 
 def _load(recompile_check: bool = True) -> type[unittest.TestCase]:

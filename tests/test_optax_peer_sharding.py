@@ -1,0 +1,70 @@
+"""optax's own `ShardingTest`, run on superoffload's `adam` and `adamw`.
+
+The test (optax/_src/sharding_test.py) inits each optimizer of its table on
+abstract params (`jax.ShapeDtypeStruct`) and, on an 8-device Explicit-axes
+mesh, checks that the state's types (sharding included) are the same from
+`init` and `update`, eager and jitted. Its source is read from the
+installed optax, its `optax` is optax with our adam and adamw, and only
+the cases of those two run here.
+
+Expected failures (each must fail with its cause), both issue 34
+point 3 (Explicit-axes meshes), which optax passes:
+
+- `..._init_match_update_*`: our update moves to host memory inside a
+  `shard_map` ("device_put with explicit device not allowed within
+  shard_map-decorated functions").
+- `..._preserved_with_jit_*`: the jitted init's state loses the sharding
+  in its type that the eager init's has (`float32<host>[2,8,4]` against
+  `float32<host>[2,8@x,4]`).
+"""
+
+import os
+
+import optax
+import pytest
+import test_optax_alias_peer as alias_peer
+
+_FLAGS = os.environ.get('XLA_FLAGS')  # The module sets its own at import.
+# Its check compares version strings: '0.10.2' < '0.7.2', so optax's own
+# run skips the sharding-in-types tests on every JAX this project runs on.
+_VERSION_CHECK = ("jax.__version__ < '0.7.2'", 'False')
+_PEER = alias_peer.load_peer(
+  'optax._src.sharding_test', (_VERSION_CHECK,), optax=alias_peer.swapped(optax)
+)
+if _FLAGS is not None:
+  os.environ['XLA_FLAGS'] = _FLAGS
+CASES = [
+  f'{test}_{name}'
+  for test in (
+    'test_init_with_abstract_input',
+    'test_state_sharding_type_init_match_update',
+    'test_state_sharding_type_preserved_with_jit',
+  )
+  for name in alias_peer.SELECTED
+]
+
+
+_EXPLICIT_AXES = {
+  'test_state_sharding_type_init_match_update': (
+    'update does a device_put to host memory inside shard_map on an '
+    'Explicit-axes mesh (issue 34 point 3)',
+    'device_put with explicit device not allowed within shard_map',
+  ),
+  'test_state_sharding_type_preserved_with_jit': (
+    "jitted init's state type loses the mesh axis eager init's keeps "
+    '(issue 34 point 3)',
+    r'ACTUAL: .*float32<host>\[2,8@x,4\].*\n DESIRED: .*float32<host>\[2,8,4\]',
+  ),
+}
+
+
+def test_the_adam_cases_are_there():
+  for name in alias_peer.SELECTED:
+    assert _PEER.OPTIMIZERS[name].init.__qualname__.startswith('_counted')
+  assert set(CASES) <= set(dir(_PEER.ShardingTest))
+
+
+@pytest.mark.parametrize('case', CASES)
+def test_sharding(case):
+  fails = _EXPLICIT_AXES.get(case.rsplit('_', 1)[0])
+  alias_peer.run_peer(_PEER.ShardingTest, case, fails)
