@@ -23,6 +23,9 @@ def test_there_are_scripts():
 @pytest.mark.parametrize('name', _SCRIPTS)
 def test_help_prints_and_exits_zero(name, monkeypatch, capsys):
   monkeypatch.setattr(sys, 'argv', [f'{name}.py', '--help'])
+  # Run as a fresh __main__ even where another test imported it (runpy
+  # warns then that it may behave unpredictably).
+  monkeypatch.delitem(sys.modules, f'experiments.{name}', raising=False)
   with pytest.raises(SystemExit) as exit_info:
     runpy.run_module(f'experiments.{name}', run_name='__main__')
   assert exit_info.value.code in (0, None)
