@@ -50,12 +50,15 @@ import shutil
 import sys
 import threading
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 
+import jax_superoffload as superoffload
 from experiments.trainer import config as config_lib
 from experiments.trainer import digests
 from experiments.trainer import model as model_lib
@@ -361,12 +364,18 @@ class RunCheckpointer:
     self._manager.close()
 
 
+def _part_pattern(part: str, fields: Sequence[str]) -> str:
+  """`part` of a path (`['adam']` or `.adam`) when one of `fields` follows."""
+  names = '|'.join(f for f in fields if f != 'placement')
+  return rf"(?:\['{part}'\]|\.{part})(?=(?:\['|\.)(?:{names})\b)"
+
+
 # The parts of a `SuperOffloadState` since it holds optax's ScaleByAdamState
 # (issue 34), followed by their fields: dropped, a path is as it was before.
 _STATE_PARTS = re.compile(
-  r"(?:\['adam'\]|\.adam)(?=(?:\['|\.)(?:count|mu|nu)\b)"
-  r"|(?:\['offload'\]|\.offload)(?=(?:\['|\.)"
-  r'(?:master|redone|skipped|row|kept_grads|mu_scales|nu_scales)\b)'
+  _part_pattern('adam', optax.ScaleByAdamState._fields)
+  + '|'
+  + _part_pattern('offload', superoffload.OffloadState._fields)
 )
 
 
