@@ -8,7 +8,8 @@ both judge a dry run by it; on a GPU it says whether the run is usable.
 
   python -m experiments.device.check_parts OUT/parts.jsonl [--dry-run]
 
-exits 1 and prints one line per problem, or prints the parts it checked.
+prints one line per problem and a count, and exits 1 if there is any (or
+no result at all).
 """
 
 import argparse
@@ -18,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-# The same steps as optax.adamw (a float64-free peer): fp32 rounding for
+# The same steps as optax.adamw, run beside them in the part: fp32 rounding for
 # fp32 weights, bf16's half unit in the last place (2**-8) for bf16 ones,
 # with room for the few steps the part takes.
 MAX_REL_VS_OPTAX = {'float32': 1e-5, 'bfloat16': 2**-6}
@@ -45,10 +46,9 @@ def _train(r: dict[str, Any]) -> list[str]:
   bad = []
   if len(r.get('losses') or []) < 2:
     bad.append('fewer than 2 losses')
-  want = 'optax' if r.get('case') == 'optax' else r.get('case')
-  got = r.get('executor') or r.get('optimizer')
-  if r.get('case') != 'optax' and got != want:
-    bad.append(f'trained with {got}, not {want}')
+  case, got = r.get('case'), r.get('executor') or r.get('optimizer')
+  if case != 'optax' and got != case:
+    bad.append(f'trained with {got}, not {case}')
   if r.get('layout') not in ('scan', 'noscan'):
     bad.append(f'layout {r.get("layout")}')
   return bad
