@@ -110,20 +110,24 @@ def test_stream_compiles_with_bf16_params_and_zero(fields):
   assert result['compiles'], result.get('error')
 
 
-# Fails on the stream executor before issue 37 (0.53 GB over at 1B): the
-# optimizer state must never take device memory, so the step needs at most
-# what optax's step needs less optax's state. Still over (issue 37 point
-# 2): flattening a column-major gradient copies it, and the new weights
-# come back as device temporaries while the gradients are alive.
-@pytest.mark.xfail(
-  strict=True, reason='issue 37 point 2: flattening copies, weights temps'
-)
+# Issue 37 point 2, failed before it (0.53 GB over scanned at 1B, 0.71
+# unrolled; 0.41 and 6.56 MB here): the optimizer state must never take
+# device memory, so the step needs at most what optax's step needs less
+# optax's state. The allowance is the measure's, not the step's: the bytes
+# are XLA's packed temporary allocation, whose fragmentation differs
+# between two programs whose peak live bytes agree (unrolled here, 21.22 MB
+# allocated against optax's 21.22, 6.8 KB apart, for peak live bytes 64 B
+# apart; 19 KB and 124 KB at 1B).
+PACKING = 1e-3
+
+
 @pytest.mark.parametrize('layout', aot_steps.LAYOUTS)
 def test_stream_state_never_occupies_device_memory(layout):
   mine, theirs = compiled('stream', layout), compiled('optax', layout)
   assert mine['compiles'], mine.get('error')
-  over = _device_bytes(mine) - _goal_bytes(mine, theirs)
-  assert over <= 0, f'{over} bytes over optax less its state'
+  goal = _goal_bytes(mine, theirs)
+  over = _device_bytes(mine) - goal
+  assert over <= PACKING * goal, f'{over} bytes over optax less its state'
 
 
 # Guard: the state is stepped where it lives; no executor but host
@@ -162,9 +166,34 @@ def test_stream_results_are_read_after_their_join(cast, layout):
 # validated step's join took a whole master pair as its ticket: three times
 # the weights' bytes from host to device.
 def test_stv_moves_the_weights_to_the_device_once():
-  plain = compiled('stream', 'noscan', overrides=SMALL)['copies']['H2D']
+  plain = compiled('stream', 'noscan', overrides=SMALL)
   stv = compiled('stream', 'noscan', overrides=SMALL + EXTRA['stv'])
-  assert stv['copies']['H2D']['bytes'] <= plain['bytes'] + 4096, stv['copies']
+  moved = lambda r: sum(c['bytes'] for c in r['to_device'])  # noqa: E731
+  assert 0 < moved(stv) <= moved(plain) + 4096, stv['to_device']
+
+
+# Issue 37 point 2: the new weights reach the device by the library's own
+# copies after each join (stream_to_device), not by XLA's: an asynchronous
+# copy opens a window XLA's scheduler fills with work moved from earlier,
+# which kept activations alive (0.53 GB scanned at 1B). Every such call
+# must read host memory and write device memory, or its handler refuses.
+@pytest.mark.parametrize(
+  'case',
+  [
+    ('noscan', SMALL),
+    ('noscan', SMALL + EXTRA['device']),
+    ('noscan', SMALL + EXTRA['stv']),
+    ('scan', SMALL),
+  ],
+  ids=['host', 'device', 'stv', 'scan'],
+)
+def test_new_weights_reach_the_device_by_the_librarys_copies(case):
+  layout, overrides = case
+  result = compiled('stream', layout, overrides=overrides)
+  calls = result['to_device']
+  assert calls and all(c['from_host'] and c['to_device'] for c in calls)
+  assert sum(c['bytes'] for c in calls) >= 4 * result['num_params'] // 2
+  assert result['copies'].get('H2D', {'bytes': 0})['bytes'] <= 4096
 
 
 # Issue 37 point 4: each stream start carries the plan's staging bound,

@@ -105,3 +105,26 @@ def test_results_of_a_joined_call_reach_only_their_join():
   late = '  %late = f32[64]{0} add(%copy-done.3, %join)\n'
   after = HLO.replace('  ROOT %r', late + '  ROOT %r')
   assert hlo_report.reads_before_join(after) == []
+
+
+def test_copies_to_the_device_read_host_and_write_device_memory():
+  # A copy to the device after the join reads the joined (host) result:
+  # not a read before the join, and from host to device memory.
+  to_device = (
+    '  %new = f32[64]{0} custom-call(%join), '
+    'custom_call_target="jax_superoffload_stream_to_device"\n'
+  )
+  joined_on_host = HLO.replace(
+    '%join = f32[64]{0} custom-call', '%join = f32[64]{0:S(5)} custom-call'
+  )
+  good = joined_on_host.replace('  ROOT %r', to_device + '  ROOT %r')
+  assert hlo_report.reads_before_join(good) == []
+  assert hlo_report.to_device_calls(good) == [
+    {'name': 'new', 'from_host': True, 'to_device': True, 'bytes': 256}
+  ]
+  # Placed in host memory (as XLA places every result of a call that
+  # aliases host memory), or reading device memory: the handler refuses.
+  wrong = good.replace('%new = f32[64]{0}', '%new = f32[64]{0:S(5)}')
+  assert hlo_report.to_device_calls(wrong)[0]['to_device'] is False
+  from_device = HLO.replace('  ROOT %r', to_device + '  ROOT %r')
+  assert hlo_report.to_device_calls(from_device)[0]['from_host'] is False

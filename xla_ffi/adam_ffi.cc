@@ -510,8 +510,42 @@ ffi::Error StreamJoin(void* stream, ffi::RemainingArgs args,
   return StreamLaunches::Process().Join(stream);
 }
 
+// The new weights of joined launches to the device, on the CPU: plain
+// copies (a CPU program joins nothing, so nothing calls it but tests).
+ffi::Error StreamToDeviceOnCpu(ffi::RemainingArgs args,
+                               ffi::RemainingRets rets) {
+  std::vector<StreamLaunches::ToDevice> copies;
+  JSO_RETURN_IF_ERROR(ToDeviceCopies(args, rets, &copies));
+  for (const StreamLaunches::ToDevice& c : copies) {
+    std::memcpy(c.device, c.host, c.bytes);
+  }
+  return ffi::Error::Success();
+}
+
+// From a CUDA stream: enqueued on it after the join, whose results (the
+// pinned new weights) are its operands. Its results are device buffers of
+// its own: XLA keeps every result of a call that aliases host memory (the
+// join) in host memory, and would copy them to the device asynchronously,
+// opening a window its scheduler fills with work moved from earlier.
+ffi::Error StreamToDevice(void* stream, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets) {
+  std::vector<StreamLaunches::ToDevice> copies;
+  JSO_RETURN_IF_ERROR(ToDeviceCopies(args, rets, &copies));
+  return StreamLaunches::Process().CopyToDevice(stream, copies);
+}
+
 }  // namespace
 }  // namespace jax_superoffload
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamToDevice,
+                              jax_superoffload::StreamToDeviceOnCpu,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamToDeviceStream,
+                              jax_superoffload::StreamToDevice,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamJoin, jax_superoffload::StreamJoinOnCpu,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets());

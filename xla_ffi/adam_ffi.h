@@ -20,6 +20,9 @@ XLA_FFI_Error* JsoAdamStepValidatedStream(XLA_FFI_CallFrame* call_frame);
 // for the launches from a CUDA stream.
 XLA_FFI_Error* JsoStreamJoin(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoStreamJoinStream(XLA_FFI_CallFrame* call_frame);
+// The joined launches' new weights copied to the device, after the join.
+XLA_FFI_Error* JsoStreamToDevice(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JsoStreamToDeviceStream(XLA_FFI_CallFrame* call_frame);
 }
 
 namespace jax_superoffload {
@@ -51,6 +54,8 @@ inline constexpr FfiTarget kFfiTargets[] = {
      JsoStreamRoofline},
     {"STREAM_JOIN_TARGET", "jax_superoffload_stream_join", JsoStreamJoin,
      JsoStreamJoinStream},
+    {"STREAM_TO_DEVICE_TARGET", "jax_superoffload_stream_to_device",
+     JsoStreamToDevice, JsoStreamToDeviceStream},
 };
 
 }  // namespace jax_superoffload

@@ -189,6 +189,42 @@ ffi::Error StreamLaunches::Join(void* stream) {
   return ffi::Error::Success();
 }
 
+ffi::Error StreamLaunches::CopyToDevice(void* stream,
+                                        const std::vector<ToDevice>& copies) {
+  if (driver_ == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kUnavailable,
+                      "jax_superoffload: no CUDA driver for a copy to device");
+  }
+  void* cuda_context = nullptr;
+  if (int code = driver_->stream_get_ctx(stream, &cuda_context)) {
+    return DriverFailure(*driver_, "cuStreamGetCtx", code);
+  }
+  CurrentContext current(*driver_, cuda_context);
+  if (!current.ok()) return ffi::Error::Internal(current.error());
+  for (size_t i = 0; i < copies.size(); ++i) {
+    bool to_device = false, from_device = false;
+    JSO_RETURN_IF_ERROR(
+        stream_internal::OnDevice(*driver_, copies[i].device, i, &to_device));
+    JSO_RETURN_IF_ERROR(
+        stream_internal::OnDevice(*driver_, copies[i].host, i, &from_device));
+    if (!to_device || from_device) {
+      return InvalidArgument(
+          "copy " + std::to_string(i) +
+          " to the device must go from host to device memory; it goes from " +
+          (from_device ? "device" : "host") + " to " +
+          (to_device ? "device" : "host") + " memory");
+    }
+  }
+  for (const ToDevice& c : copies) {
+    if (c.bytes == 0) continue;
+    if (int code = driver_->copy_to_device(reinterpret_cast<uint64_t>(c.device),
+                                           c.host, c.bytes, stream)) {
+      return DriverFailure(*driver_, "cuMemcpyHtoDAsync", code);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error CheckJoin(ffi::RemainingArgs args, ffi::RemainingRets rets) {
   if (args.size() < rets.size()) {
     return InvalidArgument("a stream join has " + std::to_string(args.size()) +
@@ -205,6 +241,29 @@ ffi::Error CheckJoin(ffi::RemainingArgs args, ffi::RemainingRets rets) {
                              " of a stream join must alias operand " +
                              std::to_string(i) + " (input_output_aliases)");
     }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ToDeviceCopies(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                          std::vector<StreamLaunches::ToDevice>* copies) {
+  if (args.size() != rets.size()) {
+    return InvalidArgument("a copy to device has " +
+                           std::to_string(args.size()) + " operands and " +
+                           std::to_string(rets.size()) +
+                           " results: it needs a result per operand");
+  }
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto arg = args.get<ffi::AnyBuffer>(i);
+    auto ret = rets.get<ffi::AnyBuffer>(i);
+    if (arg.has_error() || ret.has_error() ||
+        arg->size_bytes() != (*ret)->size_bytes()) {
+      return InvalidArgument("result " + std::to_string(i) +
+                             " of a copy to device must have operand " +
+                             std::to_string(i) + "'s size");
+    }
+    copies->push_back(
+        {(*ret)->untyped_data(), arg->untyped_data(), arg->size_bytes()});
   }
   return ffi::Error::Success();
 }

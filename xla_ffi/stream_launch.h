@@ -123,6 +123,19 @@ class StreamLaunches {
   // (then clears it).
   ffi::Error Join(void* stream);
 
+  // A copy from host memory to the device, of `bytes` bytes.
+  struct ToDevice {
+    void* device;
+    const void* host;
+    size_t bytes;
+  };
+
+  // Enqueues `copies` on `stream` (in its context): the new weights of
+  // joined launches, from the pinned host memory the workers wrote them to.
+  // A copy whose destination is not device memory, or whose source is, is
+  // refused before any is enqueued.
+  ffi::Error CopyToDevice(void* stream, const std::vector<ToDevice>& copies);
+
   const CudaDriver* driver() const { return driver_; }
   // Pinned staging allocations (cuMemHostAlloc calls) so far.
   int64_t staging_allocations() const;
@@ -211,8 +224,13 @@ constexpr auto kOnStream = [](void* stream, auto... operands) {
                                          __VA_ARGS__>()))
 
 // The join's operands and results: results [0, n) alias operands [0, n);
-// the operands after those (a barrier, a ticket) only order the call.
+// the operand after those (the barrier) only orders the call.
 ffi::Error CheckJoin(ffi::RemainingArgs args, ffi::RemainingRets rets);
+
+// The copies of a stream "to device" call: result i, in device memory, is
+// a copy of operand i, in host memory, of its size.
+ffi::Error ToDeviceCopies(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                          std::vector<StreamLaunches::ToDevice>* copies);
 
 }  // namespace jax_superoffload
 

@@ -577,6 +577,44 @@ void TestAdamBucketMatchesTheCpu() {
          "gradients staged in; weights and the sum staged out");
 }
 
+// The new weights (pinned host memory, written by the worker) reach the
+// device by copies on the compute stream after the join's wait for the
+// launch; a copy the wrong way round is refused, none enqueued.
+void TestWeightsCopiedToDeviceAfterTheJoin() {
+  Rig rig;
+  std::vector<float> in(64), host(64, -1.0f), device(64, 9.0f);
+  float sum = 0.0f;
+  for (int i = 0; i < 64; ++i) in[i] = static_cast<float>(i);
+  rig.fake.MarkDevice(device.data(), 4 * 64);
+  Doubling d{in.data(), host.data(), &sum, 64};
+  Expect(Start(rig, d).success(), "started");
+  Expect(rig.launches->Join(rig.stream).success(), "joined");
+  ffi::Error e = rig.launches->CopyToDevice(
+      rig.stream, {{device.data(), host.data(), 4 * 64}});
+  rig.fake.Synchronize();
+  std::vector<std::string> log = rig.fake.Log();
+  int wait = -1, copy = -1;
+  for (int i = 0; i < static_cast<int>(log.size()); ++i) {
+    if (log[i] == "compute: wait event") wait = i;
+    if (log[i].find("compute: copy to device") == 0) copy = i;
+  }
+  Expect(e.success() && device[5] == 10.0f && device[63] == 126.0f,
+         "the device gets the new weights: " + std::to_string(device[5]));
+  Expect(wait >= 0 && copy > wait,
+         "copied on the compute stream after its wait for the launch");
+  std::vector<float> a(8), b(8);
+  rig.fake.MarkDevice(a.data(), 32);
+  const int copies = rig.fake.Count("copy to device");
+  e = rig.launches->CopyToDevice(
+      rig.stream, {{device.data(), b.data(), 32}, {b.data(), a.data(), 32}});
+  rig.fake.Synchronize();
+  Expect(e.failure() &&
+             e.message().find("from device to host") != std::string::npos &&
+             rig.fake.Count("copy to device") == copies,
+         "a copy from device to host memory is refused, none enqueued: " +
+             e.message());
+}
+
 void TestHostPoolResultsDoNotDependOnWorkers() {
   std::vector<double> data(100000);
   for (size_t i = 0; i < data.size(); ++i) data[i] = 1.0 / (1.0 + i);
@@ -625,6 +663,7 @@ int main(int argc, char** argv) {
       {"small_state", TestSmallDeviceStateIsStaged},
       {"driver_failures", TestDriverFailuresAreErrors},
       {"adam_bucket", TestAdamBucketMatchesTheCpu},
+      {"weights_to_device", TestWeightsCopiedToDeviceAfterTheJoin},
       {"host_pool", TestHostPoolResultsDoNotDependOnWorkers},
   };
   std::vector<std::string> names;  // Flags (--quick) name no test.

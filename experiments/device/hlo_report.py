@@ -221,6 +221,7 @@ def timeline(hlo: str) -> list[Event]:
 
 
 JOIN_TARGET = 'jax_superoffload_stream_join'
+TO_DEVICE_TARGET = 'jax_superoffload_stream_to_device'
 
 
 def _placement(events: list[Event], index: int, backward: float) -> dict:
@@ -324,8 +325,8 @@ def reads_before_join(hlo: str) -> list[str]:
   has run: what it returns may be read only through its join, after it
   (by an instruction that depends on that join, such as STV's validated
   step after the norm), or as a result of the step, which ends after every
-  join. Reaching the join through copies is allowed (the ticket). Returns
-  the offenders' names.
+  join. The joined results' copies to the device read them after the
+  join, by their operands. Returns the offenders' names.
   """
   through = {'get-tuple-element', 'bitcast', 'copy', 'copy-start', 'copy-done'}
   target = lambda i: i.attr('custom_call_target') or ''  # noqa: E731
@@ -339,7 +340,10 @@ def reads_before_join(hlo: str) -> list[str]:
     readers = []
     for i in instrs:  # In order: a reader follows what it reads.
       name = target(i)
-      if OPTIMIZER_TARGET.match(name) and name != JOIN_TARGET:
+      if OPTIMIZER_TARGET.match(name) and name not in (
+        JOIN_TARGET,
+        TO_DEVICE_TARGET,
+      ):
         start_of[i.name] = i.name
       for start in {start_of[n] for n in _operands(i) if n in start_of}:
         if target(i) == JOIN_TARGET:
@@ -387,11 +391,41 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
   return out
 
 
+def to_device_calls(hlo: str) -> list[dict[str, Any]]:
+  """Per copy-to-device call: its bytes, and where it reads and writes.
+
+  Its CUDA handler copies host memory to device memory and refuses
+  anything else, so every call must read host memory only (`from_host`)
+  and write device memory only (`to_device`).
+  """
+  module = _Module(hlo)
+  out = []
+  for _, instrs in module.comps.values():
+    for i in instrs:
+      if i.attr('custom_call_target') != TO_DEVICE_TARGET:
+        continue
+      operands = [
+        a for n in _operands(i) for a in arrays(module.shapes.get(n, ''))
+      ]
+      results = arrays(i.shape)
+      out.append(
+        dict(
+          name=i.name,
+          from_host=all(a.on_host for a in operands),
+          to_device=not any(a.on_host for a in results),
+          bytes=sum(a.bytes for a in results),
+        )
+      )
+  return out
+
+
 def summarize(hlo: str, memory: dict[str, int]) -> dict[str, Any]:
   """Everything the harness reports about one compiled step."""
   events = timeline(hlo)
   calls = optimizer_calls(events)
-  starts = [c for c in calls if c['target'] != JOIN_TARGET]
+  starts = [
+    c for c in calls if c['target'] not in (JOIN_TARGET, TO_DEVICE_TARGET)
+  ]
   return {
     **memory_totals(memory),
     'copies': copies(events),
@@ -399,6 +433,7 @@ def summarize(hlo: str, memory: dict[str, int]) -> dict[str, Any]:
     'host_execute_calls': sum(e.kind == 'host_execute' for e in events),
     'reads_before_join': reads_before_join(hlo),
     'stream_staging': stream_staging(hlo),
+    'to_device': to_device_calls(hlo),
     'backward_gemms': sum(e.kind == 'gemm' and e.backward for e in events),
     'optimizer_calls': calls,
     'first_start_at': starts[0]['backward_flops_before'] if starts else None,

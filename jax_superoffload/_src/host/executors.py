@@ -250,8 +250,8 @@ class Stream(_Plain):
     out = steps.kernel_step(
       hyper, dtypes, master, mu, nu, grads, params, place=place, **skip
     )
-    if place.join and b.fp32_weights:
-      weights = steps.joined_weights(b, out.weights, grads, master)
+    if place.join:  # The join copied the new weights to the device.
+      weights = steps.joined_weights(b, out.weights, grads, lambda: master)
       return out._replace(weights=weights)
     return _with_weights(
       b, out, master, lambda ws: steps.weights_to_device(ws, grads)
@@ -371,13 +371,14 @@ class PairedKernel:
 
   def fix(self, zero, b: Bucket, before: LeafState, out, verdict) -> BucketOut:
     stream = self.stream
+    joined = stream and steps.stream_place().join
 
     def fn(hyper, flags, out):
       row, redo, skip, scale = flags
       fixed = steps.validate_pair(
         hyper, out, row, redo, skip, scale, stream, b.staging_bytes
       )
-      return steps.finish_pair(b, fixed, row)
+      return steps.finish_pair(b, fixed, row, joined)
 
     specs, pairs = b.specs, _pair_specs(b.specs)
     in_spec = _speculated_specs(zero, b)

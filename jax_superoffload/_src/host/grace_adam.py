@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ ADAM_STEP_SPECULATIVE_TARGET = _grace_adam.ADAM_STEP_SPECULATIVE_TARGET
 ADAM_STEP_VALIDATED_TARGET = _grace_adam.ADAM_STEP_VALIDATED_TARGET
 # One per step after the bucket starts: every operand aliased to its result.
 STREAM_JOIN_TARGET = _grace_adam.STREAM_JOIN_TARGET
+STREAM_TO_DEVICE_TARGET = _grace_adam.STREAM_TO_DEVICE_TARGET
 # `adam_step` is a Segments call of one leaf, with or without a weights copy
 # and its donated destination.
 ADAM_STEP_TARGET = ADAM_STEP_SEGMENTS_TARGET
@@ -275,21 +277,22 @@ def _joined(
   out: list,
   on_host: set[int],
   read: set[int] = frozenset(),
-  ticket: bool = True,
-) -> list:
-  """`out` through a stream join when `place` asks for one.
+  copy: Sequence[int] = (),
+) -> tuple[list, list]:
+  """`out` through a stream join when `place` asks for one, and copies.
 
   Results at `on_host` (state updated in place in pinned host memory) are
   not joined: their buffers live through the step, and the step ends only
   after the join's wait. Everything in device memory is, and so are the
-  host results at `read`, which the step reads after this call (the new
-  masters it copies to the device): passed through the join, aliased,
-  they cannot be read before the host step has written them. `ticket`:
-  the call's first result is its f32[1] sum of squares (see below).
+  host results at `read`, which the step reads after this call: passed
+  through the join, aliased, they cannot be read before the host step has
+  written them. `copy`: joined host results (the new weights) to
+  copy to the device after the join (`_to_device`). Returns `out` and
+  those copies (none without a join).
   """
   out = list(out)
   if not getattr(place, 'join', False):
-    return out
+    return out, []
   barrier = place.barrier
   if barrier is None:  # Nothing to wait for: the results are needed now.
     barrier = jnp.zeros((), jnp.int32)
@@ -298,18 +301,9 @@ def _joined(
   # The results pass through (aliased). What the step reads from device
   # memory is not kept alive: the start makes the compute stream wait for
   # its copies to host memory (not for the host step), so XLA may reuse
-  # those buffers after it, and frees them early (which is what makes its
-  # scheduler start each bucket as soon as its gradients exist).
-  # A ticket: the first result, moved from host memory to the device by
-  # XLA. XLA starts such a copy as early as it can, and with it the call.
-  # A call made after the backward pass (STV's validated step) needs none.
-  tickets = []
-  if ticket:
-    tickets.append(
-      jax.device_put(
-        jax.device_put(out[0], jax.memory.Space.Host), jax.memory.Space.Device
-      )
-    )
+  # those buffers after it, and frees them early, which is what makes its
+  # scheduler start each bucket as soon as its gradients exist. Nothing
+  # XLA copies asynchronously may hang off a start (see `_to_device`).
   call = jax.ffi.ffi_call(
     STREAM_JOIN_TARGET,
     _like(results),
@@ -317,11 +311,29 @@ def _joined(
     input_output_aliases=_aliases(0, 0, len(results)),
     has_side_effect=True,  # It waits, and must not be dropped when unused.
   )
-  done = call(*results, *tickets, barrier)
+  done = call(*results, barrier)
   for i, x in zip(joined, done, strict=True):
     # XLA keeps a result aliased to a host operand in host memory.
     out[i] = jax.device_put(x, jax.memory.Space.Host) if i in on_host else x
-  return out
+  return out, _to_device([out[i] for i in copy])
+
+
+def _to_device(xs: list[jax.Array]) -> list[jax.Array]:
+  """Joined host results copied to the device by a call of our own.
+
+  XLA keeps every result of a call that aliases host memory (the join)
+  in host memory, and copies such a result to the device asynchronously:
+  a window its scheduler fills with work independent of the copy (the
+  loss, gradient norms), moved to the step's end with the activations it
+  reads (issue 37 point 2). This call's results are device buffers, filled
+  on the compute stream after the join; XLA sees a call, not a copy.
+  """
+  if not xs:
+    return []
+  call = jax.ffi.ffi_call(
+    STREAM_TO_DEVICE_TARGET, _like(xs), vmap_method='sequential'
+  )
+  return list(call(*xs))
 
 
 def _host_results(first: int, state: list[jax.Array]) -> set[int]:
@@ -456,16 +468,22 @@ def _bucket_call(
     ),
   )
   flat_state = [x for run in state for x in run]
-  # Without weight copies the new weights are the new masters, which the
-  # step copies to the device: a joined call's only after its wait.
-  read = set(range(1, 1 + k)) if weight_dtypes is None else set()
-  out = _joined(place, out, _host_results(1, flat_state), read)
   n = len(state)
+  # Without weight copies the new weights are the new masters, which the
+  # step copies to the device: a joined call's only after its wait, by
+  # the join.
+  read = set(range(1, 1 + k)) if weight_dtypes is None else set()
+  weights = (
+    range(1, 1 + k) if weight_dtypes is None else range(1 + n * k, len(out))
+  )
+  out, copies = _joined(
+    place, out, _host_results(1, flat_state), read, copy=weights
+  )
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(n)]
   if place is not _as_is:
     runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]
-  if weight_dtypes is None and getattr(place, 'join', False):
-    return runs, runs[0], out[0]
+  if getattr(place, 'join', False):
+    return runs, copies, out[0]
   return runs, list(out[1 + n * k :]), out[0]
 
 
@@ -572,7 +590,7 @@ def adam_step_speculative(
   )
   state = (master, mu, nu, kept)
   on_host = _host_results(1, [x for run in state for x in run])
-  out = _joined(place, out, on_host)
+  out, _ = _joined(place, out, on_host)
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(4)]
   if place is not _as_is:
     runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]
@@ -640,12 +658,11 @@ def adam_step_validated(
   )
   on_host = _host_results(0, [*master, *mu, *nu, *weights])
   # The weights copies in host memory are read after the call (copied to
-  # the device): through the join.
+  # the device): through the join, which copies them.
   read = {i for i in on_host if i >= 3 * k}
-  # Its first result is a master: no ticket (it runs after validation).
-  out = _joined(place, out, on_host, read, ticket=False)
+  out, copies = _joined(place, out, on_host, read, copy=sorted(read))
   runs = [list(out[r * k : (r + 1) * k]) for r in range(3)]
   if place is not _as_is:
     state = (master, mu, nu)
     runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]
-  return (*runs, list(out[3 * k :]))
+  return (*runs, copies if copies else list(out[3 * k :]))

@@ -228,22 +228,19 @@ def stream_weight_dtypes(b: Bucket, place: Any) -> list | None:
   return dtypes
 
 
-def joined_weights(b: Bucket, weights: list, like: list, old: list) -> list:
-  """A joined call's fp32 new weights, shaped `like`, as `update` wants.
+def joined_weights(b: Bucket, weights: list, like: list, old) -> list:
+  """A joined call's new weights, shaped `like`, as `update` wants.
 
-  The new weights, or with `want_delta` their change from `old` (the
-  master before the step, which XLA reads ahead of the in-place call, or a
-  row the call does not write).
+  The join copied them to the device (flat). With `want_delta` (fp32
+  weights), their change from `old()`, the master before the step (which
+  XLA reads ahead of the in-place call, or a row the call does not write).
   """
-  new = [
-    host_memory.to_device(w).reshape(x.shape)
-    for w, x in zip(weights, like, strict=True)
-  ]
+  new = [w.reshape(x.shape) for w, x in zip(weights, like, strict=True)]
   if not b.want_delta:
     return new
   return [
     n - host_memory.to_device(o).reshape(n.shape)
-    for n, o in zip(new, old, strict=True)
+    for n, o in zip(new, old(), strict=True)
   ]
 
 
@@ -437,19 +434,24 @@ def validate_pair(
   return out._replace(master=m, mu=a, nu=v, weights=weights)
 
 
-def finish_pair(b: Bucket, out: Speculated, row) -> BucketOut:
+def finish_pair(b: Bucket, out: Speculated, row, joined: bool) -> BucketOut:
   """Double-buffered leaves' new weights on the device, per leaf.
 
   The new master is the row the speculative step wrote (after a skipped
   step the weights are discarded, so it does not matter which row).
+  `joined`: a joined stream call's, whose join copied the weights to the
+  device.
   """
   state = (out.master, out.mu, out.nu)
   row = jnp.asarray(row, jnp.int32)
-  if out.weights is not None and b.fp32_weights:  # A joined stream call.
-    current = [
-      jax.lax.dynamic_index_in_dim(host_memory.to_device(p), row, 0, False)
-      for p in out.master
-    ]
+  if out.weights is not None and joined:
+
+    def current():
+      return [
+        jax.lax.dynamic_index_in_dim(host_memory.to_device(p), row, 0, False)
+        for p in out.master
+      ]
+
     return BucketOut(*state, joined_weights(b, out.weights, out.kept, current))
   if out.weights is not None:  # Shaped like the kept gradients' leaves.
     return BucketOut(
