@@ -31,6 +31,7 @@ from jax_superoffload._src.optim import state as state_lib
 from jax_superoffload._src.optim import state_memory
 from jax_superoffload._src.optim import stv
 from jax_superoffload._src.parallel import following
+from jax_superoffload._src.parallel import zero as zero_lib
 
 
 class Inputs(NamedTuple):
@@ -345,12 +346,13 @@ def update_following(opts, updates, state, params=None):
   zero = None if opts.zero is not None else _state_split(opts, state, reference)
   if zero is None:
     return update(opts, updates, state, params)
-  out, new_state = update(
-    opts.with_zero(zero),
-    following.onto(zero, updates),
-    state,
-    following.onto(zero, params),
-  )
+  with zero_lib.on_mesh(zero.mesh):  # A user's set_mesh of auto axes.
+    out, new_state = update(
+      opts.with_zero(zero),
+      following.onto(zero, updates),
+      state,
+      following.onto(zero, params),
+    )
   meshes = map(following.mesh_of, jax.tree.leaves(reference))
   theirs = next(filter(None, meshes), None)
   if theirs is not None:
