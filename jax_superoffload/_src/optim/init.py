@@ -37,11 +37,12 @@ def _build_state(
     state_lib.leaf_state_types(opts, plan)
   ):
     host = state_lib.host_leaf(plan, i)
-    m = typed('master', i, leaves[i].astype(m_t))
+    m = leaves[i].astype(m_t)
     if paired:
       m = jnp.broadcast_to(m[None], shape)
     elif not host:  # jit would hand the parameter itself back otherwise.
       m = jnp.copy(m)
+    m = typed('master', i, m)
     kshape = shape[1:] if paired else (0,) * (len(shape) + 2)
     # Moved to host memory inside too: jit's out_shardings alone leave the
     # arrays typed as device memory (JAX 0.10), which host compute refuses.
@@ -216,6 +217,11 @@ def init(
   placement = opts.decide_placement(opts.layout(params), params)
   if not jax.tree.leaves(params):  # Say optax.tree_map_params' placeholder.
     return _build_state(opts, params, placement)
+  if jax.sharding.get_abstract_mesh().manual_axes:
+    # In a user's shard_map: each shard's state of its own block, in host
+    # memory; a sharding naming devices is refused there. A jit, as eager
+    # shard_map refuses a device_put to host memory.
+    return jax.jit(lambda p: _build_state(opts, p, placement))(params)
   # One traced computation that writes each state leaf where it lives
   # (out_shardings): no leaf is made on the device and copied over, so the
   # peak is the parameters plus the state. Under a mesh every placement is

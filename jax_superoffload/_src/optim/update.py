@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 from typing import NamedTuple
 
@@ -344,6 +345,9 @@ def update_following(opts, updates, state, params=None):
   """`update`, with the state's split read from the arguments (no mesh)."""
   reference = params if params is not None else updates
   zero = None if opts.zero is not None else _state_split(opts, state, reference)
+  if zero is None and jax.sharding.get_abstract_mesh().manual_axes:
+    # In a user's shard_map, whose eager form refuses a move to host memory.
+    return jax.jit(functools.partial(update, opts))(updates, state, params)
   if zero is None:
     return update(opts, updates, state, params)
   with zero_lib.on_mesh(zero.mesh):  # A user's set_mesh of auto axes.
@@ -354,7 +358,9 @@ def update_following(opts, updates, state, params=None):
       following.onto(zero, params),
     )
   meshes = map(following.mesh_of, jax.tree.leaves(reference))
-  theirs = next(filter(None, meshes), None)
+  # Parameters typed on no mesh are on the user's set_mesh, if any.
+  context = jax.sharding.get_abstract_mesh()
+  theirs = next(filter(None, meshes), None if context.empty else context)
   if theirs is not None:
     out = following.onto(zero, out, theirs)
   return out, new_state
