@@ -173,6 +173,10 @@ class _Model(nnx.Module):
     return nnx.relu(self.dot1(x)) @ self.w2[...] + self.b2[...]
 
 
+def _mse(model, x, y):
+  return jnp.mean((model(x) - y) ** 2)
+
+
 def _nnx_run(tx_fn, built, mesh, x, y, steps=10):
   def create():
     model = _Model(nnx.Rngs(0))
@@ -180,10 +184,7 @@ def _nnx_run(tx_fn, built, mesh, x, y, steps=10):
 
   @nnx.jit
   def step(model, optimizer, x, y):
-    def loss_fn(model):
-      return jnp.mean((model(x) - y) ** 2)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    loss, grads = nnx.value_and_grad(_mse)(model, x, y)
     optimizer.update(model, grads)
     return loss
 

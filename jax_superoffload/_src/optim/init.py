@@ -25,7 +25,7 @@ def _build_state(
   """A fresh state: the master from the parameters, zero moments.
 
   Placed by init's out_shardings (`shardings`, from `_state_shardings`);
-  on a mesh each leaf is also typed with its split (`_typed`).
+  on a mesh each leaf is also typed with its split (`_typer`).
   """
   plan = state_lib.bucketing_for(opts, params, placement)
   leaves = jax.tree.leaves(params)

@@ -265,9 +265,9 @@ def per_shard(
 def on_mesh(mesh: Any) -> contextlib.AbstractContextManager:
   """A context whose mesh is `mesh` where another one is set.
 
-  The state's mesh is explicit (see `following.of_params`); a user's
-  `jax.set_mesh` of the same devices with auto axes would otherwise refuse
-  the `shard_map` over it (the context mesh must be its mesh).
+  The state's mesh is explicit (see `following.of_params`); under a user's
+  `jax.set_mesh` of the same devices with auto axes, JAX refuses an op on
+  its arrays, or a `shard_map` over it, unless the context mesh is it.
   """
   context = jax.sharding.get_abstract_mesh()
   target = getattr(mesh, 'abstract_mesh', mesh)
