@@ -267,3 +267,50 @@ def test_nnx_optimizer_with_its_own_optimizer_sharding():
       train_step(model, jnp.ones(4))
     kernels.append(np.asarray(model.kernel[...]))
   _assert_near_optax({'kernel': kernels[0]}, {'kernel': kernels[1]}, 2)
+
+
+@pytest.mark.filterwarnings('ignore:.*came in device memory')
+def test_nnx_optimizer_on_a_one_device_mesh():
+  # Flax's test_logical_rules on a (1, 1, 1) mesh: the state was on our own
+  # one-device mesh, whose shape Flax's sharding constraint refused.
+  mesh = jax.make_mesh(
+    (1, 1, 1),
+    ('layers', 'row', 'col'),
+    axis_types=(AxisType.Auto,) * 3,
+    devices=jax.devices()[:1],
+  )
+
+  class Foo(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(
+        nnx.with_partitioning(
+          lambda: jnp.linspace(-1.0, 1.0, 16).reshape(8, 2),
+          sharding=('row-alias', 'col-alias'),
+          sharding_rules=(('row-alias', 'row'),),
+        )()
+      )
+      self.b = nnx.Param(
+        nnx.with_partitioning(
+          lambda: jnp.zeros((2,)), sharding=('col-alias',)
+        )()
+      )
+
+    def __call__(self, x):
+      return x @ self.w + self.b
+
+  x = jnp.linspace(0.0, 1.0, 24).reshape(3, 8)
+  got = []
+  for tx in (superoffload.adam(1e-2), optax.adam(1e-2)):
+    with jax.set_mesh(mesh), nnx.logical_axis_rules((('col-alias', 'col'),)):
+      model = Foo()
+      optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+      assert (
+        optimizer.opt_state[0]
+        .mu['w']
+        .sharding.is_equivalent_to(NamedSharding(mesh, P('row', 'col')), ndim=2)
+      )
+      for _ in range(STEPS):
+        grads = nnx.grad(_mse)(model, x, 0.0)
+        optimizer.update(model, grads)
+    got.append({'w': np.asarray(model.w[...]), 'b': np.asarray(model.b[...])})
+  _assert_near_optax(got[0], got[1], STEPS)
