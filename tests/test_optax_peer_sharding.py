@@ -7,15 +7,10 @@ mesh, checks that the state's types (sharding included) are the same from
 installed optax, its `optax` is optax with our adam and adamw, and only
 the cases of those two run here.
 
-Expected failures (each must fail with its cause), both issue 34
-point 3 (Explicit-axes meshes), which optax passes:
-
-- `..._init_match_update_*`: our update moves to host memory inside a
-  `shard_map` ("device_put with explicit device not allowed within
-  shard_map-decorated functions").
-- `..._preserved_with_jit_*`: the jitted init's state loses the sharding
-  in its type that the eager init's has (`float32<host>[2,8,4]` against
-  `float32<host>[2,8@x,4]`).
+Every case passes, as optax's do. Before issue 34 point 3 the
+sharding-in-types ones failed: the eager update's `shard_map` refused its
+move to host memory, and a jitted init's zero moments lost the split from
+their types (tests/test_dropin_meshes.py checks both on their own).
 """
 
 import os
@@ -44,20 +39,6 @@ CASES = [
 ]
 
 
-_EXPLICIT_AXES = {
-  'test_state_sharding_type_init_match_update': (
-    'update does a device_put to host memory inside shard_map on an '
-    'Explicit-axes mesh (issue 34 point 3)',
-    'device_put with explicit device not allowed within shard_map',
-  ),
-  'test_state_sharding_type_preserved_with_jit': (
-    "jitted init's state type loses the mesh axis eager init's keeps "
-    '(issue 34 point 3)',
-    r'ACTUAL: .*float32<host>\[2,8@x,4\].*\n DESIRED: .*float32<host>\[2,8,4\]',
-  ),
-}
-
-
 def test_the_adam_cases_are_there():
   for name in alias_peer.SELECTED:
     assert _PEER.OPTIMIZERS[name].init.__qualname__.startswith('_counted')
@@ -66,5 +47,4 @@ def test_the_adam_cases_are_there():
 
 @pytest.mark.parametrize('case', CASES)
 def test_sharding(case):
-  fails = _EXPLICIT_AXES.get(case.rsplit('_', 1)[0])
-  alias_peer.run_peer(_PEER.ShardingTest, case, fails)
+  alias_peer.run_peer(_PEER.ShardingTest, case)

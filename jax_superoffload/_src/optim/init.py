@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,13 +19,19 @@ from jax_superoffload._src.parallel import following
 from jax_superoffload._src.parallel import zero as zero_lib
 
 
-def _build_state(opts, params: Any, placement) -> state_lib.SuperOffloadState:
-  """A fresh state: the master from the parameters, zero moments."""
+def _build_state(
+  opts, params: Any, placement, shardings: Any = None
+) -> state_lib.SuperOffloadState:
+  """A fresh state: the master from the parameters, zero moments.
+
+  Placed by init's out_shardings (`shardings`, from `_state_shardings`);
+  on a mesh each leaf is also typed with its split (`_typer`).
+  """
   plan = state_lib.bucketing_for(opts, params, placement)
   leaves = jax.tree.leaves(params)
+  typed = _typer(opts, shardings)
   if opts.zero is not None:
     leaves = [opts.zero.unshard(x) for x in leaves]
-  # Placed by init's out_shardings (_state_shardings) as well.
   master, mu, nu, kept, mu_scales, nu_scales = [], [], [], [], [], []
   for i, (shape, m_t, mu_t, nu_t, paired) in enumerate(
     state_lib.leaf_state_types(opts, plan)
@@ -35,23 +42,31 @@ def _build_state(opts, params: Any, placement) -> state_lib.SuperOffloadState:
       m = jnp.broadcast_to(m[None], shape)
     elif not host:  # jit would hand the parameter itself back otherwise.
       m = jnp.copy(m)
+    m = typed('master', i, m)
     kshape = shape[1:] if paired else (0,) * (len(shape) + 2)
     # Moved to host memory inside too: jit's out_shardings alone leave the
     # arrays typed as device memory (JAX 0.10), which host compute refuses.
     master.append(
       host_memory.to_host(m) if state_lib.lives_on_host(m, host) else m
     )
-    made = [(mu, shape, mu_t), (nu, shape, nu_t), (kept, kshape, 'f4')]
+    made = [
+      (mu, 'mu', shape, mu_t),
+      (nu, 'nu', shape, nu_t),
+      (kept, 'kept_grads', kshape, 'f4'),
+    ]
     scales_shape = state_lib.scales_shape(opts, plan, i)
     if scales_shape is not None:
-      made += [(mu_scales, scales_shape, 'f4'), (nu_scales, scales_shape, 'f4')]
-    for out, sh, dt in made:
+      made += [
+        (mu_scales, 'mu_scales', scales_shape, 'f4'),
+        (nu_scales, 'nu_scales', scales_shape, 'f4'),
+      ]
+    for out, name, sh, dt in made:
       if not (host and len(sh) > 0):
-        out.append(jnp.zeros(sh, dt))
+        out.append(typed(name, i, jnp.zeros(sh, dt)))
       elif opts.zero is None:  # Made by host compute where they live.
         out.append(host_memory.on_host(functools.partial(jnp.zeros, sh, dt)))
       else:
-        out.append(host_memory.to_host(jnp.zeros(sh, dt)))
+        out.append(host_memory.to_host(typed(name, i, jnp.zeros(sh, dt))))
   tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
   return state_lib.SuperOffloadState.of(
     count=jnp.zeros([], jnp.int32),
@@ -66,6 +81,47 @@ def _build_state(opts, params: Any, placement) -> state_lib.SuperOffloadState:
     nu_scales=tree(nu_scales) if opts.moments_8bit else None,
     placement=plan.placement,
   )
+
+
+def _typer(opts, shardings: Any) -> Callable[[str, int, jax.Array], Any]:
+  """`typed(field, i, x)`: `x` typed with the split of its state leaf.
+
+  A jitted `init` returns its leaves with the types they were made with:
+  out_shardings place them but leave a split over explicit mesh axes out
+  of the type (zeros are typed replicated), which an eager `init`'s
+  concrete arrays have. So each leaf made on a mesh with explicit axes is
+  resharded to its sharding first (on the device: it moves nothing, the
+  zeros are made split); on auto axes it is left as it is.
+  """
+  if opts.zero is None or shardings is None:
+    return lambda name, i, x: x
+  where = {
+    name: jax.tree.leaves(getattr(shardings, name))
+    for name in ('master', 'mu', 'nu', 'kept_grads', 'mu_scales', 'nu_scales')
+    if getattr(shardings, name) is not None
+  }
+
+  def typed(name: str, i: int, x: jax.Array) -> Any:
+    if name not in where:  # Made, then dropped (e.g. no kept_grads).
+      return x
+    sharding = where[name][i]
+    mesh, spec = sharding.mesh, sharding.spec
+    explicit = {
+      a
+      for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+      if t == jax.sharding.AxisType.Explicit
+    }
+    named = {
+      a
+      for entry in spec
+      if entry is not None
+      for a in ((entry,) if isinstance(entry, str) else entry)
+    }
+    if not explicit or not named <= explicit:
+      return x
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
+
+  return typed
 
 
 def _device_of(params: Any) -> jax.Device:
@@ -161,15 +217,25 @@ def init(
   placement = opts.decide_placement(opts.layout(params), params)
   if not jax.tree.leaves(params):  # Say optax.tree_map_params' placeholder.
     return _build_state(opts, params, placement)
+  if jax.sharding.get_abstract_mesh().manual_axes:
+    # In a user's shard_map: each shard's state of its own block, in host
+    # memory; a sharding naming devices is refused there. A jit, as eager
+    # shard_map refuses a device_put to host memory.
+    return jax.jit(lambda p: _build_state(opts, p, placement))(params)
   # One traced computation that writes each state leaf where it lives
   # (out_shardings): no leaf is made on the device and copied over, so the
   # peak is the parameters plus the state. Under a mesh every placement is
   # also a sharding of its global arrays (eager transfers of process-local
   # values to a mesh spanning several processes are not supported).
-  return jax.jit(
-    lambda p: _build_state(opts, p, placement),
-    out_shardings=_state_shardings(opts, params, placement),
-  )(params)
+  shardings = _state_shardings(opts, params, placement)
+  made = jax.jit(
+    lambda p: _build_state(opts, p, placement, shardings),
+    out_shardings=shardings,
+  )
+  if opts.zero is None:
+    return made(params)
+  with zero_lib.on_mesh(opts.zero.mesh):  # A user's set_mesh of auto axes.
+    return made(params)
 
 
 def init_following(opts, params: optax.Params) -> state_lib.SuperOffloadState:
@@ -177,4 +243,30 @@ def init_following(opts, params: optax.Params) -> state_lib.SuperOffloadState:
   if opts.zero is not None:
     return init(opts, params)
   block = moments.BLOCK if opts.moments_8bit else 0
-  return init(opts.with_zero(following.of_params(params, block)), params)
+  zero = following.of_params(params, block)
+  if zero is None:
+    zero = _whole_on_context_mesh(params, block)
+  return init(opts.with_zero(zero), params)
+
+
+def _whole_on_context_mesh(params: Any, block: int) -> zero_lib.Follow | None:
+  """The state of traced parameters on a user's mesh, if their types hide it.
+
+  Traced under `jax.set_mesh` with auto axes (a jitted or `eval_shape`d
+  `nnx.Optimizer`, say), the parameters' types do not say how they are
+  split, and a state on one device cannot be made on the mesh's devices.
+  Then each leaf is whole on every device of the mesh (typed with its axes
+  explicit, as `following.of_params` types a split one): correct, with
+  each device's host memory holding all of it. Inside `shard_map` (manual
+  axes) there is no such mesh.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  leaves = jax.tree.leaves(params)
+  if mesh.empty or mesh.size <= 1 or mesh.manual_axes:
+    return None
+  if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return None
+  explicit = dict.fromkeys(mesh.axis_names, jax.sharding.AxisType.Explicit)
+  return zero_lib.Follow(
+    mesh.update_axis_types(explicit), None, block, (zero_lib.P(),) * len(leaves)
+  )

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 from typing import NamedTuple
 
@@ -31,6 +32,7 @@ from jax_superoffload._src.optim import state as state_lib
 from jax_superoffload._src.optim import state_memory
 from jax_superoffload._src.optim import stv
 from jax_superoffload._src.parallel import following
+from jax_superoffload._src.parallel import zero as zero_lib
 
 
 class Inputs(NamedTuple):
@@ -343,16 +345,22 @@ def update_following(opts, updates, state, params=None):
   """`update`, with the state's split read from the arguments (no mesh)."""
   reference = params if params is not None else updates
   zero = None if opts.zero is not None else _state_split(opts, state, reference)
+  if zero is None and jax.sharding.get_abstract_mesh().manual_axes:
+    # In a user's shard_map, whose eager form refuses a move to host memory.
+    return jax.jit(functools.partial(update, opts))(updates, state, params)
   if zero is None:
     return update(opts, updates, state, params)
-  out, new_state = update(
-    opts.with_zero(zero),
-    following.onto(zero, updates),
-    state,
-    following.onto(zero, params),
-  )
+  with zero_lib.on_mesh(zero.mesh):  # A user's set_mesh of auto axes.
+    out, new_state = update(
+      opts.with_zero(zero),
+      following.onto(zero, updates),
+      state,
+      following.onto(zero, params),
+    )
   meshes = map(following.mesh_of, jax.tree.leaves(reference))
-  theirs = next(filter(None, meshes), None)
+  # Parameters typed on no mesh are on the user's set_mesh, if any.
+  context = jax.sharding.get_abstract_mesh()
+  theirs = next(filter(None, meshes), None if context.empty else context)
   if theirs is not None:
     out = following.onto(zero, out, theirs)
   return out, new_state

@@ -34,19 +34,36 @@ Layout = tuple[Any, P]  # A mesh (concrete or abstract) and a spec on it.
 
 
 def laid_out(x: Any) -> Layout | None:
-  """The mesh of more than one device and the spec `x` is split by, if known."""
+  """The mesh and the spec `x` is split by, if known.
+
+  A mesh of one device counts only as the user's `jax.set_mesh` (say
+  Flax's (1, 1) meshes): else it is one device, as the single-device
+  state's own one-device mesh is.
+  """
   if not isinstance(x, jax.core.Tracer):
     sharding = getattr(x, 'sharding', None)
-    if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+    if isinstance(sharding, NamedSharding) and _spans(sharding.mesh):
       return sharding.mesh, P(*sharding.spec)
     return None
   sharding = getattr(jax.typeof(x), 'sharding', None)
   mesh = getattr(sharding, 'mesh', None)
-  if mesh is None or mesh.empty or mesh.size <= 1:
+  if mesh is None or mesh.empty or not _spans(mesh):
     return None
   if AxisType.Explicit not in tuple(mesh.axis_types):
     return None  # Auto axes: the type names no split.
   return mesh, P(*sharding.spec)
+
+
+def _spans(mesh: Any) -> bool:
+  """Whether the state follows `mesh`: more than one device, or the context."""
+  if mesh.size > 1:
+    return True
+  context = jax.sharding.get_abstract_mesh()
+  return (
+    not context.empty
+    and tuple(context.axis_names) == tuple(mesh.axis_names)
+    and tuple(context.axis_sizes) == tuple(mesh.axis_sizes)
+  )
 
 
 def of_layouts(layouts: Sequence[Layout | None], block: int = 0):

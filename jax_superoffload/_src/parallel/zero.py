@@ -22,6 +22,7 @@ along them holds and updates the same shard.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -251,9 +252,28 @@ def per_shard(
       in_specs=(P(), *in_specs),
       out_specs=out_specs,
     )
+    if not any(
+      isinstance(x, jax.core.Tracer)
+      for x in jax.tree.leaves((hyper, extra, arrays))
+    ):  # Eager shard_map refuses a device_put to a memory space.
+      mapped = jax.jit(mapped)
     return mapped((hyper, extra), *arrays)
 
   return wrapped
+
+
+def on_mesh(mesh: Any) -> contextlib.AbstractContextManager:
+  """A context whose mesh is `mesh` where another one is set.
+
+  The state's mesh is explicit (see `following.of_params`); under a user's
+  `jax.set_mesh` of the same devices with auto axes, JAX refuses an op on
+  its arrays, or a `shard_map` over it, unless the context mesh is it.
+  """
+  context = jax.sharding.get_abstract_mesh()
+  target = getattr(mesh, 'abstract_mesh', mesh)
+  if context.empty or context == target:
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(target)
 
 
 def leaf_state_bytes(n: int, moments: str = 'fp32') -> int:
