@@ -40,6 +40,8 @@ class Inputs(NamedTuple):
   grads: list[jax.Array]
   params: list[jax.Array] | None
   state: dict[str, list[jax.Array]]  # master, mu, nu (, kept_grads).
+  # The leaves as given (Python scalars too), which optax's path reads.
+  given: tuple[list[Any], list[Any] | None]
 
 
 def _inputs(opts, updates, state, params) -> Inputs:
@@ -52,7 +54,14 @@ def _inputs(opts, updates, state, params) -> Inputs:
   leaves = None
   if params is not None:
     leaves = layout.check_tree(plan.lay, params, 'params')
-  return Inputs(plan, grads, leaves, checked)
+  arrays = lambda xs: [layout.as_array(x) for x in xs]  # noqa: E731
+  return Inputs(
+    plan,
+    arrays(grads),
+    None if leaves is None else arrays(leaves),
+    checked,
+    (grads, leaves),
+  )
 
 
 def _kernel_grad(g: jax.Array, cast_on_device: bool) -> jax.Array:
@@ -197,19 +206,27 @@ def _exact_delta(new: jax.Array, old: jax.Array) -> jax.Array:
 
 
 def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
-  """Leaves the kernel does not cover, by optax's own Adam (on device)."""
+  """Leaves the kernel does not cover, by optax's own Adam (on device).
+
+  As `optax.adamw` steps them: from the gradients and parameters as given
+  (Python scalars stay Python numbers, as in optax's eager math); the
+  updates in a floating parameter's dtype, in the dtype of optax's math for
+  integer and bool ones (whose `mu` then turns floating, as optax's does).
+  """
   plan = inputs.plan
   ids = list(plan.lay.fallback)
   st = inputs.state
   if not ids:
     return {}
-  grads = _pick(inputs.grads, ids)
+  given_grads, given_params = inputs.given
+  grads = _pick(given_grads, ids)
+  if verdict is not None:  # Clipped as optax clips arrays.
+    grads = stv.clip_serially(_pick(inputs.grads, ids), verdict, opts.clip_norm)
   old = {
     n: [host_memory.to_device(x) for x in _pick(st[n], ids)]
     for n in ('master', 'mu', 'nu')
   }
-  params = old['master'] if inputs.params is None else _pick(inputs.params, ids)
-  grads = stv.clip_serially(grads, verdict, opts.clip_norm)
+  params = old['master'] if given_params is None else _pick(given_params, ids)
   adam = optax.scale_by_adam(
     opts.b1,
     opts.b2,
@@ -225,7 +242,11 @@ def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
   lr, wd = hyper.learning_rate, hyper.weight_decay
   decay = plan.lay.fallback_decay
   u = [x + wd * p if d else x for x, p, d in zip(u, params, decay, strict=True)]
-  u = [(-lr * x).astype(p.dtype) for x, p in zip(u, params, strict=True)]
+  floating = [jnp.issubdtype(plan.lay.dtypes[i], jnp.inexact) for i in ids]
+  u = [
+    (-lr * x).astype(plan.lay.dtypes[i]) if f else -lr * x
+    for x, i, f in zip(u, ids, floating, strict=True)
+  ]
   new = {
     'master': [
       optax.apply_updates(p, x) for p, x in zip(params, u, strict=True)
@@ -235,8 +256,11 @@ def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
   }
   u = [stv.drop_if_skipped(verdict, x) for x in u]
   new = stv.keep_if_skipped(verdict, old, new)
-  if inputs.params is None:
-    u = [x.astype(jnp.result_type(g)) for x, g in zip(u, grads, strict=True)]
+  if inputs.params is None:  # The gradients' dtype, as the kernel's leaves.
+    u = [
+      x.astype(jnp.result_type(g)) if f else x
+      for x, g, f in zip(u, grads, floating, strict=True)
+    ]
   for i, x in zip(ids, u, strict=True):
     out[i] = x
   return {
