@@ -20,12 +20,15 @@ does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_superoffload._src.core import host_memory
 
 KERNEL_PARAM_DTYPES = (
   np.dtype(np.float32),
@@ -112,6 +115,32 @@ def is_mutable(leaf: Any) -> bool:
   return (_REF is not None and isinstance(leaf, _REF)) or hasattr(
     leaf, '__jax_array__'
   )
+
+
+def is_ref(leaf: Any) -> bool:
+  """Whether `leaf` lives in a `jax.Ref` (Flax's `ref=True` Variables too)."""
+  if isinstance(leaf, jax.core.Tracer):
+    return hasattr(leaf.aval, 'inner_aval')  # An AbstractRef.
+  if _REF is not None and isinstance(leaf, _REF):
+    return True
+  return is_mutable(leaf) and getattr(leaf, 'ref', False) is True
+
+
+@functools.cache
+def refs_hold_host_memory() -> bool:
+  """Whether this JAX keeps an array in pinned host memory in a `jax.Ref`.
+
+  JAX 0.10 refuses to put one there ("Aval memory space MemorySpace.Host
+  does not match the requested memory space None"); JAX 0.12 takes it and
+  reads it back in device memory (on the CPU). True without host memory.
+  """
+  if _REF is None or not host_memory.host_memory_available():
+    return True
+  try:
+    ref = jax.new_ref(host_memory.to_host(jnp.zeros((1,))))
+  except ValueError:
+    return False
+  return not host_memory.typed_on_device(ref[...])
 
 
 def held_value(leaf: Any) -> Any:

@@ -263,8 +263,15 @@ def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
     ]
   for i, x in zip(ids, u, strict=True):
     out[i] = x
+  # Back where each leaf lives: host memory, but for scalars and the
+  # leaves that came in device memory (see alias._on_device).
   return {
-    n: [host_memory.to_host(x) if x.ndim else x for x in xs]
+    n: [
+      host_memory.to_host(x)
+      if x.ndim and not host_memory.typed_on_device(o)
+      else x
+      for x, o in zip(xs, _pick(st[n], ids), strict=True)
+    ]
     for n, xs in new.items()
   }
 
