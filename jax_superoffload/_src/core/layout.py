@@ -102,19 +102,22 @@ _PLAIN = (jax.Array, np.ndarray, jax.ShapeDtypeStruct, *_SCALARS)
 _REF = getattr(jax, 'Ref', None)  # jax.new_ref's arrays (JAX >= 0.7).
 
 
-def is_mutable(leaf: Any) -> bool:
-  """Whether `leaf` holds an array it is read from with `leaf[...]`.
+def held_value(leaf: Any) -> Any:
+  """`leaf`, or the array a mutable or array-like leaf holds.
 
-  A `jax.Ref`, a Flax hijax `Variable` (eager), or a tracer of either
-  (whose abstract value is no `ShapedArray`).
+  A `jax.Ref` (or a tracer of one) and a traced Flax hijax `Variable`
+  (whose abstract value is no `ShapedArray`) are read with `leaf[...]`; an
+  eager hijax `Variable` (any object with `__jax_array__`) as `jnp.asarray`
+  reads it.
   """
   if isinstance(leaf, jax.core.Tracer):
-    return not isinstance(leaf.aval, jax.core.ShapedArray)
+    plain = isinstance(leaf.aval, jax.core.ShapedArray)
+    return leaf if plain else leaf[...]
   if isinstance(leaf, _PLAIN):
-    return False
-  return (_REF is not None and isinstance(leaf, _REF)) or hasattr(
-    leaf, '__jax_array__'
-  )
+    return leaf
+  if _REF is not None and isinstance(leaf, _REF):
+    return leaf[...]
+  return jnp.asarray(leaf) if hasattr(leaf, '__jax_array__') else leaf
 
 
 def is_ref(leaf: Any) -> bool:
@@ -123,7 +126,7 @@ def is_ref(leaf: Any) -> bool:
     return hasattr(leaf.aval, 'inner_aval')  # An AbstractRef.
   if _REF is not None and isinstance(leaf, _REF):
     return True
-  return is_mutable(leaf) and getattr(leaf, 'ref', False) is True
+  return hasattr(leaf, '__jax_array__') and getattr(leaf, 'ref', 0) is True
 
 
 @functools.cache
@@ -141,11 +144,6 @@ def refs_hold_host_memory() -> bool:
   except ValueError:
     return False
   return not host_memory.typed_on_device(ref[...])
-
-
-def held_value(leaf: Any) -> Any:
-  """`leaf`, or the array a mutable leaf holds (see `is_mutable`)."""
-  return leaf[...] if is_mutable(leaf) else leaf
 
 
 def as_array(leaf: Any) -> jax.Array:

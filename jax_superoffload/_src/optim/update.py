@@ -18,7 +18,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jax_superoffload._src.core import backend
 from jax_superoffload._src.core import host_memory
@@ -27,6 +26,7 @@ from jax_superoffload._src.core import moments
 from jax_superoffload._src.host import executors
 from jax_superoffload._src.host import in_place
 from jax_superoffload._src.host import steps
+from jax_superoffload._src.optim import optax_path
 from jax_superoffload._src.optim import state as state_lib
 from jax_superoffload._src.optim import state_memory
 from jax_superoffload._src.optim import stv
@@ -208,13 +208,12 @@ def _exact_delta(new: jax.Array, old: jax.Array) -> jax.Array:
 def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
   """Leaves the kernel does not cover, by optax's own Adam (on device).
 
-  As `optax.adamw` steps them: from the gradients and parameters as given
-  (Python scalars stay Python numbers, as in optax's eager math); the
-  updates in a floating parameter's dtype, in the dtype of optax's math for
-  integer and bool ones (whose `mu` then turns floating, as optax's does).
+  As `optax.adamw` steps them (`optax_path.step`): from the gradients and
+  parameters as given (Python scalars stay Python numbers, as in optax's
+  eager math).
   """
-  plan = inputs.plan
-  ids = list(plan.lay.fallback)
+  lay = inputs.plan.lay
+  ids = list(lay.fallback)
   st = inputs.state
   if not ids:
     return {}
@@ -227,39 +226,13 @@ def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
     for n in ('master', 'mu', 'nu')
   }
   params = old['master'] if given_params is None else _pick(given_params, ids)
-  adam = optax.scale_by_adam(
-    opts.b1,
-    opts.b2,
-    opts.eps,
-    opts.eps_root,
-    mu_dtype=opts.mu_dtype,
-    nesterov=opts.nesterov,
-  )
-  u, adam_state = adam.update(
-    grads, optax.ScaleByAdamState(count, old['mu'], old['nu'])
-  )
-  hyper = opts.hyperparams(count)
-  lr, wd = hyper.learning_rate, hyper.weight_decay
-  decay = plan.lay.fallback_decay
-  u = [x + wd * p if d else x for x, p, d in zip(u, params, decay, strict=True)]
-  floating = [jnp.issubdtype(plan.lay.dtypes[i], jnp.inexact) for i in ids]
-  u = [
-    (-lr * x).astype(plan.lay.dtypes[i]) if f else -lr * x
-    for x, i, f in zip(u, ids, floating, strict=True)
-  ]
-  new = {
-    'master': [
-      optax.apply_updates(p, x) for p, x in zip(params, u, strict=True)
-    ],
-    'mu': list(adam_state.mu),
-    'nu': list(adam_state.nu),
-  }
+  u, new = optax_path.step(opts, lay, ids, count, grads, params, old)
   u = [stv.drop_if_skipped(verdict, x) for x in u]
   new = stv.keep_if_skipped(verdict, old, new)
   if inputs.params is None:  # The gradients' dtype, as the kernel's leaves.
     u = [
-      x.astype(jnp.result_type(g)) if f else x
-      for x, g, f in zip(u, grads, floating, strict=True)
+      x.astype(jnp.result_type(g)) if optax_path.floating(lay, i) else x
+      for x, g, i in zip(u, grads, ids, strict=True)
     ]
   for i, x in zip(ids, u, strict=True):
     out[i] = x
