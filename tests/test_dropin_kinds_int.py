@@ -124,6 +124,55 @@ def test_updates_without_params_as_optax_adam(jit):
   _assert_steps_and_state(ours, theirs, list(params))
 
 
+def test_a_lone_integer_leaf_beside_floats():
+  # One leaf on optax's path in a larger tree. Eagerly exact; under jit
+  # within an ulp: optax's own update of that leaf differs by one between
+  # this tree and the leaf alone, and between eager and jit (XLA fuses
+  # optax's `1 - b1 ** count` into its one consumer or not; optax_path.py).
+  params = {'i': jnp.array([3, 0, -7], jnp.int32), 'w': jnp.linspace(-1, 1, 5)}
+  grads = {'i': jnp.array([0.5, -2.0, 3.0]), 'w': jnp.full(5, 0.3)}
+  make = lambda m: m.adamw(0.1)  # noqa: E731
+  ours = _run(make(superoffload), params, grads, jit=False)
+  theirs = _run(make(optax), params, grads, jit=False)
+  _assert_steps_and_state(ours, theirs, ['i'])
+  ours = _run(make(superoffload), params, grads)
+  theirs = _run(make(optax), params, grads)
+  for (u, p), (v, q) in zip(ours[0], theirs[0], strict=True):
+    np.testing.assert_allclose(u['i'], v['i'], rtol=2 * F32_EPS)
+    np.testing.assert_array_equal(p['i'], q['i'])
+
+
+@pytest.mark.parametrize(
+  'kwargs',
+  [
+    {'learning_rate': optax.linear_schedule(0.1, 0.01, 5)},
+    {'nesterov': True},
+    {'mu_dtype': jnp.bfloat16},
+    {'offload': superoffload.Offload(moments_8bit=True)},
+    {'offload': superoffload.Offload(clip_norm=1.0)},
+  ],
+  ids=['schedule', 'nesterov', 'mu_bf16', 'moments_8bit', 'stv_clip'],
+)
+def test_integer_leaves_under_the_options(kwargs):
+  params = dict(KINDS['jnp'], w=jnp.linspace(-1.0, 1.0, 5, dtype=jnp.float32))
+  grads = _grads(params, scale=2.0)  # Over the clipping norm.
+  theirs_kwargs = {'learning_rate': 0.1, **kwargs}
+  clip = theirs_kwargs.pop('offload', superoffload.Offload()).clip_norm
+  tx = optax.adamw(**theirs_kwargs)
+  if clip is not None:  # STV clips as clip_by_global_norm does.
+    tx = optax.chain(optax.clip_by_global_norm(clip), tx)
+  ours = _run(
+    superoffload.adamw(**{'learning_rate': 0.1, **kwargs}),
+    params,
+    grads,
+    jit=False,
+  )
+  theirs = _run(tx, params, grads, jit=False)
+  if clip is not None:  # The state sits inside optax.chain's tuple.
+    theirs = (theirs[0], theirs[1][1])
+  _assert_steps_and_state(ours, theirs, ['i', 'j', 'flag'])
+
+
 def test_mixed_with_float64_leaves():
   x64 = jax.config.jax_enable_x64
   jax.config.update('jax_enable_x64', True)
