@@ -6,11 +6,9 @@ transforms/_combining_test.py and the older _src/combine_test.py) are read
 from the installed optax and run with superoffload's adam and adamw where
 they build optax's. Only their cases that build them run here.
 
-Expected failure (must fail with that message): `test_extra_args` (both
-modules) inits Adam on
-Python ints (`{'a': 1, 'b': 2}`). optax steps integer leaves; ours refuses
-them ("Adam needs floating-point parameters"). Issue 34 point 2 is to send
-what cannot go to the host through optax's path; this xfail then passes.
+`test_extra_args` (both modules) inits and steps Adam on Python ints
+(`{'a': 1, 'b': 2}`): integer leaves take optax's path, as optax steps
+them (issue 34 point 2; tests/test_dropin_kinds_int.py checks the numbers).
 
 `test_multi_steps_mixed_precision` steps MultiSteps eagerly for 9 dtype
 pairs: about 35 s a case on a loaded 2-core VM (optax's own: 21 s).
@@ -40,12 +38,6 @@ CASES = [
 ]
 
 
-_INT_PARAMS = (
-  'integer params are refused where optax steps them (issue 34 point 2: '
-  "what cannot go to the host should take optax's path)"
-)
-
-
 def test_the_cases_that_build_adam_are_there():
   cases = [f'{n.split(".")[-1]}.{t}' for n, _, t in CASES]
   mismatch = ['test_labels_mismatch0', 'test_labels_mismatch1']
@@ -64,7 +56,4 @@ def test_the_cases_that_build_adam_are_there():
   ('name', 'cls', 'case'), CASES, ids=[f'{n[6:]}-{t}' for n, _, t in CASES]
 )
 def test_wrapper(name, cls, case):
-  fails = (_INT_PARAMS, 'Adam needs floating-point parameters')
-  alias_peer.run_peer(
-    getattr(_PEERS[name], cls), case, fails if 'extra_args' in case else None
-  )
+  alias_peer.run_peer(getattr(_PEERS[name], cls), case)

@@ -558,8 +558,9 @@ def test_bad_input_errors_name_the_problem():
   other = {'a': jnp.ones((2, 3)), 'b': {'c': jnp.ones(9)}}
   with pytest.raises(ValueError, match='built for another parameter tree'):
     tx.update(other, state, other)
-  with pytest.raises(TypeError, match=r"\['i'\] has dtype int32"):
-    tx.init({'i': jnp.ones(3, jnp.int32)})
+  # Integer leaves take optax's path (test_dropin_kinds_int.py); keys not.
+  with pytest.raises(TypeError, match=r"\['k'\] has dtype key<fry>\[\]"):
+    tx.init({'k': jax.random.key(0)})
   for kwargs, match in [
     (dict(learning_rate=-1.0), 'learning_rate must be non-negative'),
     (dict(learning_rate=1e-3, b1=1.0), r'b1 must be in \[0, 1\)'),

@@ -7,21 +7,28 @@ split, at leaf boundaries, into buckets of about `bucket_elements` (a leaf
 is never split: one larger than that is a bucket of its own). A bucket is
 only a schedule: each leaf keeps its own state arrays, shaped like it, and
 the kernel reads each gradient and writes each new weight where it
-is. Other floating leaves
-(float64, complex) go to an optax fallback. The layout is a pure function of
-the tree's structure, shapes, dtypes and mask, so `init` and `update` build
-the same one without storing it.
+is. Every other numeric leaf (float64, complex, integer, bool) goes to an
+optax fallback, which steps it with optax's own math and dtypes. The layout
+is a pure function of the tree's structure, shapes, dtypes and mask, so
+`init` and `update` build the same one without storing it.
+
+Mutable leaves (`jax.Ref`s, Flax's hijax `Variable`s) are read (`x[...]`)
+where they enter: the optimizer sees the arrays they hold, as optax's math
+does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax_superoffload._src.core import host_memory
 
 KERNEL_PARAM_DTYPES = (
   np.dtype(np.float32),
@@ -90,18 +97,83 @@ def resolve_mask(mask: Any, tree: Any) -> list[bool]:
   return [bool(f) for f in flags]
 
 
-def shape_dtype(leaf: Any) -> tuple[tuple[int, ...] | None, np.dtype | None]:
+_SCALARS = (bool, int, float, complex, np.generic)
+_PLAIN = (jax.Array, np.ndarray, jax.ShapeDtypeStruct, *_SCALARS)
+_REF = getattr(jax, 'Ref', None)  # jax.new_ref's arrays (JAX >= 0.7).
+
+
+def held_value(leaf: Any) -> Any:
+  """`leaf`, or the array a mutable or array-like leaf holds.
+
+  A `jax.Ref` (or a tracer of one) and a traced Flax hijax `Variable`
+  (whose abstract value is no `ShapedArray`) are read with `leaf[...]`; an
+  eager hijax `Variable` (any object with `__jax_array__`) as `jnp.asarray`
+  reads it.
+  """
+  if isinstance(leaf, jax.core.Tracer):
+    plain = isinstance(leaf.aval, jax.core.ShapedArray)
+    return leaf if plain else leaf[...]
+  if isinstance(leaf, _PLAIN):
+    return leaf
+  if _REF is not None and isinstance(leaf, _REF):
+    return leaf[...]
+  return jnp.asarray(leaf) if hasattr(leaf, '__jax_array__') else leaf
+
+
+def is_ref(leaf: Any) -> bool:
+  """Whether `leaf` lives in a `jax.Ref` (Flax's `ref=True` Variables too)."""
+  if isinstance(leaf, jax.core.Tracer):
+    return hasattr(leaf.aval, 'inner_aval')  # An AbstractRef.
+  if _REF is not None and isinstance(leaf, _REF):
+    return True
+  return hasattr(leaf, '__jax_array__') and getattr(leaf, 'ref', 0) is True
+
+
+@functools.cache
+def refs_hold_host_memory() -> bool:
+  """Whether this JAX keeps an array in pinned host memory in a `jax.Ref`.
+
+  JAX 0.10 refuses to put one there ("Aval memory space MemorySpace.Host
+  does not match the requested memory space None"); JAX 0.12 takes it and
+  reads it back in device memory (on the CPU). True without host memory.
+  """
+  if _REF is None or not host_memory.host_memory_available():
+    return True
+  try:
+    ref = jax.new_ref(host_memory.to_host(jnp.zeros((1,))))
+  except ValueError:
+    return False
+  return not host_memory.typed_on_device(ref[...])
+
+
+def as_array(leaf: Any) -> jax.Array:
+  """A leaf as the array optax's math makes of it (scalars included)."""
+  return leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf)
+
+
+def shape_dtype(leaf: Any) -> tuple[tuple[int, ...] | None, Any]:
   """The shape and dtype of a parameter, as optax reads them.
 
-  Arrays, tracers and `jax.ShapeDtypeStruct`s by their own; Python and
-  NumPy scalars as `jnp.asarray` makes them (a Python float is float32).
-  (None, None) for anything else.
+  Arrays, tracers and `jax.ShapeDtypeStruct`s by their own; NumPy arrays
+  and Python and NumPy scalars as `jnp.asarray` makes them (a Python float
+  is float32, and so is a NumPy float64 without `jax_enable_x64`). (None,
+  None) for anything else. Extended dtypes (PRNG keys) are returned as JAX
+  has them, the others as NumPy dtypes.
   """
+  leaf = held_value(leaf)
   if hasattr(leaf, 'shape') and hasattr(leaf, 'dtype'):
-    return tuple(leaf.shape), np.dtype(leaf.dtype)
-  if isinstance(leaf, (bool, int, float, complex, np.generic)):
+    dtype = leaf.dtype
+    if not jnp.issubdtype(dtype, jax.dtypes.extended):
+      dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    return tuple(leaf.shape), dtype
+  if isinstance(leaf, _SCALARS):
     return (), np.dtype(jnp.result_type(leaf))
   return None, None
+
+
+def is_numeric(dtype: Any) -> bool:
+  """Whether Adam's math (optax's) applies: numbers and booleans."""
+  return jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
 
 
 def build_layout(
@@ -115,11 +187,11 @@ def build_layout(
     shape, dtype = shape_dtype(leaf)
     if shape is None:
       raise TypeError(f'parameter {path} is not an array: {type(leaf)}')
-    if not jnp.issubdtype(dtype, jnp.inexact):
+    if not is_numeric(dtype):
       raise TypeError(
-        f'parameter {path} has dtype {dtype}{list(leaf.shape)}; Adam needs '
-        'floating-point parameters (exclude integer leaves, e.g. with '
-        'optax.multi_transform or nnx.Optimizer(wrt=nnx.Param))'
+        f'parameter {path} has dtype {dtype}{list(shape)}; Adam steps '
+        'numbers (exclude such leaves, e.g. with optax.multi_transform or '
+        'nnx.Optimizer(wrt=nnx.Param))'
       )
     shapes.append(shape)
     dtypes.append(dtype)
@@ -172,7 +244,11 @@ def _split(sizes: Sequence[int], target: int) -> tuple[tuple[int, ...], ...]:
 
 
 def check_tree(layout: Layout, tree: Any, what: str) -> list[Any]:
-  """Flattens `tree` against the layout, naming any mismatching leaf."""
+  """Flattens `tree` against the layout, naming any mismatching leaf.
+
+  The leaves are returned as given (Python and NumPy scalars included),
+  mutable ones read (`held_value`); `as_array` makes arrays of them.
+  """
   leaves_with_paths, treedef = jax.tree.flatten_with_path(tree)
   if treedef != layout.treedef:
     got = {_path_str(p) for p, _ in leaves_with_paths}
@@ -184,7 +260,7 @@ def check_tree(layout: Layout, tree: Any, what: str) -> list[Any]:
       f'{missing or "none"}, unexpected {extra or "none"}; got {treedef}, '
       f'expected {layout.treedef}'
     )
-  leaves = [leaf for _, leaf in leaves_with_paths]
+  leaves = [held_value(leaf) for _, leaf in leaves_with_paths]
   for path, leaf, shape in zip(
     layout.paths, leaves, layout.shapes, strict=True
   ):
@@ -193,9 +269,8 @@ def check_tree(layout: Layout, tree: Any, what: str) -> list[Any]:
         f'{what} leaf {path} has shape {tuple(np.shape(leaf))}, the '
         f'parameter has shape {shape}'
       )
-    if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+    if not is_numeric(jnp.result_type(leaf)):
       raise TypeError(
-        f'{what} leaf {path} has non-floating dtype {jnp.result_type(leaf)}'
+        f'{what} leaf {path} has non-numeric dtype {jnp.result_type(leaf)}'
       )
-  # Python and NumPy scalars as the arrays optax's math makes of them.
-  return [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in leaves]
+  return leaves

@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import optax
 
+from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.core import layout
 from jax_superoffload._src.optim import init as init_lib
 from jax_superoffload._src.optim import options as options_lib
 from jax_superoffload._src.optim import update as update_lib
@@ -254,6 +256,35 @@ def adamw(
   return _transformation(opts)
 
 
+def _state_in_refs(params: Any) -> bool:
+  """Whether the state will be kept in `jax.Ref`s that lose host memory.
+
+  Flax keeps an optimizer's state in Refs where it keeps the parameters in
+  them (`nnx.var_defaults(ref=True)`), and this JAX's Refs do not keep
+  pinned host memory (`layout.refs_hold_host_memory`): the state is then
+  made and stepped in device memory, as `Offload(device_buckets=1.0)`
+  makes it.
+  """
+  leaves = jax.tree.leaves(params)
+  return any(map(layout.is_ref, leaves)) and not layout.refs_hold_host_memory()
+
+
+def _resident(opts: options_lib.Options) -> options_lib.Options:
+  """`opts` with every bucket's state on the device (updated there)."""
+  return dataclasses.replace(opts, device_buckets=1.0)
+
+
+def _on_device(state: Any) -> Any:
+  """`state` with every leaf in device memory (optax's path's ones too)."""
+  fields = ('master', 'mu', 'nu', 'kept_grads', 'mu_scales', 'nu_scales')
+  moved = {
+    name: jax.tree.map(host_memory.to_device, getattr(state, name))
+    for name in fields
+    if getattr(state, name) is not None
+  }
+  return state.replace(**moved)
+
+
 def _transformation(
   opts: options_lib.Options,
 ) -> optax.GradientTransformationExtraArgs:
@@ -262,14 +293,19 @@ def _transformation(
   Without mesh arguments, where the state lives follows from their
   arguments alone (`init_following`, `update_following`), so a state
   restored into an `eval_shape` target steps as a fresh one, and one
-  transformation serves any number of trees.
+  transformation serves any number of trees. Mutable leaves (`jax.Ref`s,
+  Flax's hijax Variables) are read where they enter, as optax's math reads
+  them.
   """
+  read = functools.partial(jax.tree.map, layout.held_value)
 
   def init_fn(params):
-    return init_lib.init_following(opts, params)
+    if _state_in_refs(params):
+      return _on_device(init_lib.init_following(_resident(opts), read(params)))
+    return init_lib.init_following(opts, read(params))
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args  # Accepted for optax.GradientTransformationExtraArgs.
-    return update_lib.update_following(opts, updates, state, params)
+    return update_lib.update_following(opts, read(updates), state, read(params))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 
 from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.core import layout
 from jax_superoffload._src.core import moments
 from jax_superoffload._src.optim import state as state_lib
 
@@ -74,8 +75,14 @@ def _find_adam(optax_state: Any) -> optax.ScaleByAdamState:
   return found[0]
 
 
-def _like(new: Any, ours: jax.Array, path: str, name: str) -> jax.Array:
-  """`new` (a parameter-shaped leaf) in the dtype and place of `ours`."""
+def _like(
+  new: Any, ours: jax.Array, path: str, name: str, param: Any
+) -> jax.Array:
+  """`new` (a parameter-shaped leaf) in the dtype and place of `ours`.
+
+  But for the floating `mu` optax's step leaves on an integer or bool
+  parameter `param` (see state._mu_turned_floating): kept as it is.
+  """
   shape = tuple(ours.shape)
   if tuple(np.shape(new)) not in (shape, shape[1:]):
     raise ValueError(
@@ -84,6 +91,13 @@ def _like(new: Any, ours: jax.Array, path: str, name: str) -> jax.Array:
     )
   # Never the caller's buffer; 8-bit codes are made from fp32 (_encoded).
   dtype = jnp.float32 if ours.dtype == jnp.uint8 else ours.dtype
+  _, param_dtype = layout.shape_dtype(param)
+  if (
+    name == 'mu'
+    and not jnp.issubdtype(param_dtype, jnp.inexact)
+    and jnp.issubdtype(jnp.result_type(new), jnp.inexact)
+  ):
+    dtype = jnp.result_type(new)
   x = jnp.array(new, dtype, copy=True)
   if x.shape != shape:  # Both rows of a double-buffered leaf.
     x = jnp.broadcast_to(x[None], shape)
@@ -120,7 +134,7 @@ def import_adam_state(
   paths = [
     jax.tree_util.keystr(p) for p, _ in jax.tree.flatten_with_path(params)[0]
   ]
-  treedef = jax.tree.structure(params)
+  leaves, treedef = jax.tree.flatten(params)
   moments_in = {}
   for name in ('mu', 'nu'):
     # Leaf by leaf: the container types may differ (a flax State holding
@@ -133,7 +147,8 @@ def import_adam_state(
         f'{len(ours)}'
       )
     moments_in[name] = [
-      _like(t, o, p, name) for t, o, p in zip(theirs, ours, paths, strict=True)
+      _like(t, o, p, name, x)
+      for t, o, p, x in zip(theirs, ours, paths, leaves, strict=True)
     ]
   fields = {n: jax.tree.unflatten(treedef, xs) for n, xs in moments_in.items()}
   if state.mu_scales is not None:

@@ -299,6 +299,8 @@ def check_state(opts, plan: Bucketing, state: Any, from_grads: bool):
       if name.endswith('_scales'):
         want_shape = scales_shape(opts, plan, i)
       got = (tuple(np.shape(x)), np.dtype(x.dtype))
+      if name == 'mu' and _mu_turned_floating(opts, plan, i, got[1]):
+        want_dtype = got[1]
       if got != (tuple(want_shape), np.dtype(want_dtype)):
         raise ValueError(
           'optimizer state was built for another parameter tree: '
@@ -317,6 +319,21 @@ def check_state(opts, plan: Bucketing, state: Any, from_grads: bool):
         for i, (x, s) in enumerate(zip(out[name], scales, strict=True))
       ]
   return out
+
+
+def _mu_turned_floating(opts, plan: Bucketing, i: int, dtype) -> bool:
+  """Whether leaf i's `mu` is optax's after a step on a non-float leaf.
+
+  optax.scale_by_adam makes `mu` like an integer or bool parameter
+  (without `mu_dtype`); its first step leaves the floating result of its
+  math there, and `nu` cast back to the parameter's dtype.
+  """
+  return (
+    opts.mu_dtype is None
+    and i not in plan.bucket_of
+    and not np.issubdtype(plan.lay.dtypes[i], np.inexact)
+    and np.issubdtype(dtype, np.inexact)
+  )
 
 
 def _check_on_mesh(zero, plan: Bucketing, leaves: list) -> None:

@@ -19,7 +19,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jax_superoffload._src.core import backend
 from jax_superoffload._src.core import host_memory
@@ -28,6 +27,7 @@ from jax_superoffload._src.core import moments
 from jax_superoffload._src.host import executors
 from jax_superoffload._src.host import in_place
 from jax_superoffload._src.host import steps
+from jax_superoffload._src.optim import optax_path
 from jax_superoffload._src.optim import state as state_lib
 from jax_superoffload._src.optim import state_memory
 from jax_superoffload._src.optim import stv
@@ -42,6 +42,8 @@ class Inputs(NamedTuple):
   grads: list[jax.Array]
   params: list[jax.Array] | None
   state: dict[str, list[jax.Array]]  # master, mu, nu (, kept_grads).
+  # The leaves as given (Python scalars too), which optax's path reads.
+  given: tuple[list[Any], list[Any] | None]
 
 
 def _inputs(opts, updates, state, params) -> Inputs:
@@ -54,7 +56,14 @@ def _inputs(opts, updates, state, params) -> Inputs:
   leaves = None
   if params is not None:
     leaves = layout.check_tree(plan.lay, params, 'params')
-  return Inputs(plan, grads, leaves, checked)
+  arrays = lambda xs: [layout.as_array(x) for x in xs]  # noqa: E731
+  return Inputs(
+    plan,
+    arrays(grads),
+    None if leaves is None else arrays(leaves),
+    checked,
+    (grads, leaves),
+  )
 
 
 def _kernel_grad(g: jax.Array, cast_on_device: bool) -> jax.Array:
@@ -199,50 +208,45 @@ def _exact_delta(new: jax.Array, old: jax.Array) -> jax.Array:
 
 
 def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
-  """Leaves the kernel does not cover, by optax's own Adam (on device)."""
-  plan = inputs.plan
-  ids = list(plan.lay.fallback)
+  """Leaves the kernel does not cover, by optax's own Adam (on device).
+
+  As `optax.adamw` steps them (`optax_path.step`): from the gradients and
+  parameters as given (Python scalars stay Python numbers, as in optax's
+  eager math).
+  """
+  lay = inputs.plan.lay
+  ids = list(lay.fallback)
   st = inputs.state
   if not ids:
     return {}
-  grads = _pick(inputs.grads, ids)
+  given_grads, given_params = inputs.given
+  grads = _pick(given_grads, ids)
+  if verdict is not None:  # Clipped as optax clips arrays.
+    grads = stv.clip_serially(_pick(inputs.grads, ids), verdict, opts.clip_norm)
   old = {
     n: [host_memory.to_device(x) for x in _pick(st[n], ids)]
     for n in ('master', 'mu', 'nu')
   }
-  params = old['master'] if inputs.params is None else _pick(inputs.params, ids)
-  grads = stv.clip_serially(grads, verdict, opts.clip_norm)
-  adam = optax.scale_by_adam(
-    opts.b1,
-    opts.b2,
-    opts.eps,
-    opts.eps_root,
-    mu_dtype=opts.mu_dtype,
-    nesterov=opts.nesterov,
-  )
-  u, adam_state = adam.update(
-    grads, optax.ScaleByAdamState(count, old['mu'], old['nu'])
-  )
-  hyper = opts.hyperparams(count)
-  lr, wd = hyper.learning_rate, hyper.weight_decay
-  decay = plan.lay.fallback_decay
-  u = [x + wd * p if d else x for x, p, d in zip(u, params, decay, strict=True)]
-  u = [(-lr * x).astype(p.dtype) for x, p in zip(u, params, strict=True)]
-  new = {
-    'master': [
-      optax.apply_updates(p, x) for p, x in zip(params, u, strict=True)
-    ],
-    'mu': list(adam_state.mu),
-    'nu': list(adam_state.nu),
-  }
+  params = old['master'] if given_params is None else _pick(given_params, ids)
+  u, new = optax_path.step(opts, lay, ids, count, grads, params, old)
   u = [stv.drop_if_skipped(verdict, x) for x in u]
   new = stv.keep_if_skipped(verdict, old, new)
-  if inputs.params is None:
-    u = [x.astype(jnp.result_type(g)) for x, g in zip(u, grads, strict=True)]
+  if inputs.params is None:  # The gradients' dtype, as the kernel's leaves.
+    u = [
+      x.astype(jnp.result_type(g)) if optax_path.floating(lay, i) else x
+      for x, g, i in zip(u, grads, ids, strict=True)
+    ]
   for i, x in zip(ids, u, strict=True):
     out[i] = x
+  # Back where each leaf lives: host memory, but for scalars and the
+  # leaves that came in device memory (see alias._on_device).
   return {
-    n: [host_memory.to_host(x) if x.ndim else x for x in xs]
+    n: [
+      host_memory.to_host(x)
+      if x.ndim and not host_memory.typed_on_device(o)
+      else x
+      for x, o in zip(xs, _pick(st[n], ids), strict=True)
+    ]
     for n, xs in new.items()
   }
 
