@@ -7,6 +7,9 @@
 # runs at tiny sizes on the CPU (--dry-run) and must print its result.
 #
 #   WHEEL=dist/...whl NEW_PYTHON=python3.12 bash .ci/device_image.sh
+#
+# With --venv it only makes the venv (CI does that in the background,
+# beside the test suites: it is mostly downloads).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${NEW_PYTHON:?NEW_PYTHON=a Python 3.12}"
@@ -18,6 +21,9 @@ if [[ ! -f "$venv/.image" ]]; then
   "$venv/bin/python" -m pip install -q jax==0.11.2 jaxlib==0.11.2 \
     optax==0.2.8 flax==0.12.10
   touch "$venv/.image"
+fi
+if [[ "${1:-}" == --venv ]]; then
+  exit 0
 fi
 WHEEL="$(realpath "${WHEEL:?WHEEL=the built wheel}")" \
   bash experiments/device/prepare.sh >/dev/null
