@@ -75,9 +75,15 @@ def test_join_without_aliases_is_refused():
     jax.block_until_ready(jax.jit(lambda x: _join(x, aliased=False))(x))
 
 
-def test_join_is_filed_for_both_platforms():
-  name = 'jax_superoffload_stream_join'
-  assert name == grace_adam.STREAM_JOIN_TARGET
+@pytest.mark.parametrize(
+  ('name', 'target'),
+  [
+    ('jax_superoffload_stream_join', grace_adam.STREAM_JOIN_TARGET),
+    ('jax_superoffload_stream_to_device', grace_adam.STREAM_TO_DEVICE_TARGET),
+  ],
+)
+def test_filed_for_both_platforms(name, target):
+  assert name == target
   assert name in _grace_adam.registrations()
   assert name in _grace_adam.stream_registrations()
 
@@ -107,13 +113,6 @@ def test_to_device_of_another_size_is_refused():
   )
   with pytest.raises(Exception, match="must have operand 0's size"):
     jax.block_until_ready(jax.jit(call)(x))
-
-
-def test_to_device_is_filed_for_both_platforms():
-  name = 'jax_superoffload_stream_to_device'
-  assert name == grace_adam.STREAM_TO_DEVICE_TARGET
-  assert name in _grace_adam.registrations()
-  assert name in _grace_adam.stream_registrations()
 
 
 # A bucket step through `_joined` with a join forced on (as on a GPU):
