@@ -61,12 +61,21 @@ def _flip_bytes(path) -> None:
   path.write_bytes(bytes(data))
 
 
-def test_a_shard_damaged_on_one_process_is_rejected_by_all(work, tmp_path):
+def _cut_short(path) -> None:
+  path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+
+
+@pytest.mark.parametrize('damage', [_flip_bytes, _cut_short])
+def test_a_shard_damaged_on_one_process_is_rejected_by_all(
+  damage, work, tmp_path
+):
   """Process 1's shards of the newest step are damaged: both skip it.
 
   Each process reads and digests only its own shards (ZeRO puts half of the
   optimizer state on each), so only process 1 sees the damage; the vote
-  makes both resume from the step before.
+  makes both resume from the step before. Flipped bytes may still decode
+  (the digest catches them) or fail the read; a file cut short always
+  fails it, on process 1 alone, before any barrier the others wait in.
   """
   env = chaos.child_env(work / 'cache')
   args = chaos.train_args(2, tmp_path)
@@ -75,7 +84,7 @@ def test_a_shard_damaged_on_one_process_is_rejected_by_all(work, tmp_path):
   steps = chaos.committed_steps(tmp_path)
   assert steps[-2:] == [chaos.STEPS - chaos.EVERY, chaos.STEPS]
   shards = tmp_path / 'ckpt' / str(chaos.STEPS) / 'state' / 'ocdbt.process_1'
-  _flip_bytes(max(shards.rglob('d/*'), key=lambda p: p.stat().st_size))
+  damage(max(shards.rglob('d/*'), key=lambda p: p.stat().st_size))
 
   more = [*args, '--config.resume', f'--config.steps={chaos.STEPS + 2}']
   job = chaos.Job(2, more, tmp_path, 'resume', env)

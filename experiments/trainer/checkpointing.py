@@ -326,13 +326,9 @@ class RunCheckpointer:
     vote (a collective: every process gets here, even one whose read
     failed), so a shard damaged on any process rejects the step for all.
     """
-    ocp = self._ocp
     error, local = None, [0] * len(target)
     try:
-      out = self._manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-      )
-      arrays = out['state']
+      arrays = self._read_state(step, target)
       if meta.get('checksum_kind') == digests.KIND:
         local = [digests.local_digest(arrays[k]) for k in target]
     except Exception as e:  # Voted on below; raised after the vote.
@@ -353,6 +349,23 @@ class RunCheckpointer:
       if meta['checksums'].get(key) != total:
         raise DamagedCheckpointError(f'array {key} fails its checksum')
     return arrays
+
+  def _read_state(self, step: int, target: dict[str, Any]) -> dict[str, Any]:
+    """Reads this process's shards of `step`, with no barrier after the read.
+
+    `CheckpointManager.restore` ends in a barrier made of device
+    collectives. A process whose read fails skips it and goes on to the
+    vote, another collective, while the others wait in the barrier: their
+    transports then pair two different collectives and abort the run. The
+    handler alone reads without one; the vote that follows is the barrier.
+    """
+    ocp = self._ocp
+    path = self.directory / str(step) / 'state'
+    handler = ocp.StandardCheckpointHandler()
+    try:
+      return handler.restore(path, args=ocp.args.StandardRestore(target))
+    finally:
+      handler.close()
 
   def wait(self) -> None:
     """Blocks until every started save is on disk."""
