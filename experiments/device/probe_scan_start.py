@@ -78,7 +78,7 @@ def main() -> int:
   import jax.numpy as jnp
 
   import jax_superoffload as superoffload
-  from jax_superoffload._src.host import grace_adam
+  from experiments.device import hlo_report
 
   cpu = jax.devices('cpu')[0]
   host = jax.sharding.SingleDeviceSharding(cpu, memory_kind='pinned_host')
@@ -90,13 +90,9 @@ def main() -> int:
     jax.ShapeDtypeStruct((WIDTH,), jnp.float32, sharding=device),
   )
   with superoffload.compiling_for('gpu'):
-    filed, why = grace_adam.stream_registration()
-    if not filed:
-      print(f'no CUDA targets: {why}')
-      return 1
-    step = _step(
-      grace_adam.STREAM_TO_DEVICE_TARGET, grace_adam.STREAM_JOIN_TARGET
-    )
+    # Choosing the stream executor files its targets for CUDA.
+    superoffload.adamw(1e-3, offload=superoffload.Offload(executor='stream'))
+    step = _step(hlo_report.TO_DEVICE_TARGET, hlo_report.JOIN_TARGET)
     compiled = deviceless.compile_for_gpu(
       step,
       args,
