@@ -4,9 +4,10 @@
 # of CI's 28 minutes beside the two test lines); any report aborts the test
 # (-fno-sanitize-recover). Then builds the stream launch test alone (its
 # worker, the fake driver's callback thread and the host pool share memory)
-# with ThreadSanitizer and runs it; any race fails it (halt_on_error). The
-# stream launch test needs jaxlib's XLA FFI headers, found through the
-# Python on PATH (CI's build venv).
+# with ThreadSanitizer (on the scalar kernel alone: xla_ffi/CMakeLists.txt)
+# and runs it; any race fails it (halt_on_error). The stream launch test
+# needs jaxlib's XLA FFI headers, found through the Python on PATH (CI's
+# build venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="$(command -v python || command -v python3)"
