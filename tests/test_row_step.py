@@ -9,6 +9,7 @@ within fp32 rounding of Adam's math in float64.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -266,3 +267,41 @@ def _raw_row_call(master, grad, row=0):
 def test_the_handler_checks_its_operands(master, grad, message):
   with pytest.raises(Exception, match=message):
     jax.block_until_ready(jax.jit(_raw_row_call)(master, grad))
+
+
+def _custom_calls(fn, *args) -> list[str]:
+  """The row step's custom call in `fn`'s StableHLO, SSA names dropped."""
+  text = jax.jit(fn).lower(*args).as_text()
+  calls = [x for x in text.splitlines() if grace_adam.ADAM_STEP_ROW_TARGET in x]
+  return [re.sub(r'%[\w#.:]+', '%', x.split(' loc(')[0]) for x in calls]
+
+
+def test_the_probe_calls_the_row_step_as_the_binding_does(monkeypatch):
+  # experiments/device/probe_scan_start.py may not import the binding: it
+  # spells out the call the stream executor's placement makes.
+  from experiments.device import probe_scan_start as probe
+
+  for name in ('JAX_SUPEROFFLOAD_PREFETCH', 'JAX_SUPEROFFLOAD_HOST_THREADS'):
+    monkeypatch.delenv(name, raising=False)
+  hyper = Hyperparams(count=3, learning_rate=1e-3)
+  stack = jax.ShapeDtypeStruct((probe.LAYERS, probe.WIDTH), jnp.float32)
+  args = (
+    stack,
+    stack,
+    stack,
+    jax.ShapeDtypeStruct((probe.WIDTH,), jnp.float32),
+    jax.ShapeDtypeStruct((), jnp.int32),
+  )
+  place = grace_adam.StreamPlace(
+    staging_bytes=int(probe.ROW_ATTRS['staging_bytes'])
+  )
+
+  def binding(m, u, v, g, i):
+    grace_adam.adam_step_row([m], [u], [v], [g], i, hyper, place=place)
+
+  def spelled_out(m, u, v, g, i):
+    probe._row_start((m, u, v), g, i, hyper)
+
+  want = _custom_calls(binding, *args)
+  assert len(want) == 1 and 'staging_bytes = 262912' in want[0]
+  assert _custom_calls(spelled_out, *args) == want
