@@ -725,9 +725,12 @@ def adam_step_row(
   the row's parameters, re-seeded first). The call has no results and
   writes the state where it lives: no copy, also as a loop-invariant
   operand of a scan. Whoever reads the state afterwards must order that
-  read after the call (on a GPU: a stream join after the loop, whose
-  error also reports a row outside ``[0, L)``; on the CPU the call fails
-  at once). fp32 weights only: no low-precision copies, no sum of squares.
+  read after the call: a stream join after the loop, aliasing the state,
+  whose barrier is a value the loop computes (the stacked gradients; on
+  a constant one XLA:CPU copied the state for the join before the loop,
+  and the steps' writes were lost). On a GPU the join also reports a row
+  outside ``[0, L)``; on the CPU the call fails at once. fp32 weights
+  only: no low-precision copies, no sum of squares.
   `place` moves every operand but the state (see `Place`).
   """
   _check_row_leaves(master, mu, nu, grads, params)
