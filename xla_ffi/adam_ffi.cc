@@ -26,63 +26,6 @@ namespace ffi = xla::ffi;
 namespace jax_superoffload {
 namespace {
 
-// A plain step whose master is written to another buffer than the one it
-// reads (the parameters): the state is written with streaming stores from
-// the first element at which master_out, mu_out and nu_out are all 64-byte
-// aligned. A plain store to master_out would first read its line (4 more
-// bytes per parameter); mu and nu, updated in place, are streamed too, as
-// one instantiation of the loop streams all three. The values written are
-// those of the plain step.
-void StepStreamingState(const AdamConstants& constants, AdamBuffers b,
-                        int64_t begin, int64_t end, Isa isa) {
-  const int64_t head = IsaStreams(isa) ? AlignedOutputsHead(b, begin, end) : -1;
-  if (head < 0) {
-    AdamStepRange(constants, b, begin, end, isa);
-    return;
-  }
-  AdamStepRange(constants, b, begin, begin + head, isa);
-  b.stream_state = true;
-  AdamStepSumSquaresRange(constants, b, begin + head, end, isa);
-}
-
-// A leaf of a Segments call: its buffers and the parameters it starts from
-// (null without `reseed`).
-struct SegmentLeaf {
-  AdamBuffers b;
-  const void* params = nullptr;
-  ElementType param_type = ElementType::kF32;
-};
-
-// Leaf `leaf`'s step over [begin, end), adding the sum of squares to `sumsq`
-// where it is set.
-void StepSegmentPiece(const AdamConstants& constants, const SegmentLeaf& leaf,
-                      int64_t begin, int64_t end, Isa isa, double* sumsq) {
-  auto step = [&](const AdamBuffers& buffers, int64_t from, int64_t to) {
-    if (sumsq != nullptr) {
-      *sumsq += AdamStepSumSquaresRange(constants, buffers, from, to, isa);
-    } else {
-      AdamStepRange(constants, buffers, from, to, isa);
-    }
-  };
-  const AdamBuffers& b = leaf.b;
-  if (leaf.params == nullptr) return step(b, begin, end);
-  AdamBuffers from = b;
-  if (leaf.param_type == ElementType::kF32) {
-    // fp32 parameters are the master itself: the step reads them in its
-    // place, which adds no traffic (ReseedRange would copy them over).
-    from.master_in = static_cast<const float*>(leaf.params);
-    if (sumsq != nullptr) return step(from, begin, end);
-    return StepStreamingState(constants, from, begin, end, isa);
-  }
-  // Re-seeded into the output and stepped there from cache.
-  from.master_in = b.master_out;
-  ReseedThenStep(b.master_in, leaf.params, leaf.param_type, constants,
-                 b.master_out, begin, end, isa, [&](int64_t lo, int64_t hi) {
-                   step(from, lo, hi);
-                   return 0.0;
-                 });
-}
-
 // Leaf j of a Segments call (see AdamStepSegments).
 ffi::Error GetSegmentLeaf(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
                           const LeafRuns& runs, const BucketAttrs& attrs,

@@ -16,6 +16,10 @@ XLA_FFI_Error* JsoAdamStepSegmentsStream(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepLowpSegmentsStream(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepSpeculativeStream(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepValidatedStream(XLA_FFI_CallFrame* call_frame);
+// One row of stacked state stepped in place (row_ffi.h), on the CPU and
+// from a CUDA stream.
+XLA_FFI_Error* JsoAdamStepRow(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JsoAdamStepRowStream(XLA_FFI_CallFrame* call_frame);
 // The join of a step's stream launches: an identity on the CPU, the wait
 // for the launches from a CUDA stream.
 XLA_FFI_Error* JsoStreamJoin(XLA_FFI_CallFrame* call_frame);
@@ -50,6 +54,8 @@ inline constexpr FfiTarget kFfiTargets[] = {
      JsoAdamStepSpeculative, JsoAdamStepSpeculativeStream},
     {"ADAM_STEP_VALIDATED_TARGET", "jax_superoffload_adam_step_validated",
      JsoAdamStepValidated, JsoAdamStepValidatedStream},
+    {"ADAM_STEP_ROW_TARGET", "jax_superoffload_adam_step_row", JsoAdamStepRow,
+     JsoAdamStepRowStream},
     {"STREAM_ROOFLINE_TARGET", "jax_superoffload_stream_roofline",
      JsoStreamRoofline},
     {"STREAM_JOIN_TARGET", "jax_superoffload_stream_join", JsoStreamJoin,

@@ -128,6 +128,11 @@ std::vector<std::string> FakeCuda::Log() {
   return log_;
 }
 
+std::vector<FakeCuda::CopyRecord> FakeCuda::Copies() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return copies_;
+}
+
 int FakeCuda::Count(const std::string& part) {
   int n = 0;
   for (const std::string& entry : Log()) {
@@ -242,7 +247,9 @@ int FakeCuda::CopyToHost(void* host, uint64_t device, size_t bytes,
   op.run = [=] {
     std::memcpy(host, reinterpret_cast<const void*>(device), bytes);
   };
-  return Push(stream, std::move(op)) ? 0 : kInvalidHandle;
+  if (!Push(stream, std::move(op))) return kInvalidHandle;
+  copies_.push_back({host, device, bytes, true});
+  return 0;
 }
 
 int FakeCuda::CopyToDevice(uint64_t device, const void* host, size_t bytes,
@@ -252,7 +259,9 @@ int FakeCuda::CopyToDevice(uint64_t device, const void* host, size_t bytes,
   Op op;
   op.what = "copy to device " + std::to_string(bytes);
   op.run = [=] { std::memcpy(reinterpret_cast<void*>(device), host, bytes); };
-  return Push(stream, std::move(op)) ? 0 : kInvalidHandle;
+  if (!Push(stream, std::move(op))) return kInvalidHandle;
+  copies_.push_back({host, device, bytes, false});
+  return 0;
 }
 
 int FakeCuda::HostAlloc(void** pointer, size_t bytes, unsigned flags) {

@@ -55,6 +55,15 @@ class FakeCuda {
   // The log's entries that contain `part`.
   int Count(const std::string& part);
 
+  // A copy enqueued so far (run or not): its host and device ends.
+  struct CopyRecord {
+    const void* host;
+    uint64_t device;
+    size_t bytes;
+    bool to_host;
+  };
+  std::vector<CopyRecord> Copies();
+
   struct Knobs {
     int query_error = 0;         // Non-zero: every pointer query returns it.
     int fail_launch = 0;         // Non-zero: cuLaunchHostFunc returns it.
@@ -129,6 +138,7 @@ class FakeCuda {
   std::map<uintptr_t, size_t> device_;  // Start -> bytes.
   std::map<void*, std::unique_ptr<char[]>> pinned_;
   std::vector<std::string> log_;
+  std::vector<CopyRecord> copies_;
   Knobs knobs_;
   Stats stats_;
   bool held_ = false;

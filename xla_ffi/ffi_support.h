@@ -331,6 +331,20 @@ void ForEachPiece(Pool&& pool, const std::vector<int64_t>& starts,
 
 std::vector<int64_t> Starts(const std::vector<int64_t>& sizes);
 
+// A leaf of a Segments or row step: its buffers and the parameters it
+// starts from (null without `reseed`).
+struct SegmentLeaf {
+  AdamBuffers b;
+  const void* params = nullptr;
+  ElementType param_type = ElementType::kF32;
+};
+
+// Leaf `leaf`'s step over [begin, end), adding the sum of squares to `sumsq`
+// where it is set: Grace Adam's math for the fp32-state handlers
+// (AdamStepSegments, AdamStepRow), re-seeded first where `leaf.params` is.
+void StepSegmentPiece(const AdamConstants& constants, const SegmentLeaf& leaf,
+                      int64_t begin, int64_t end, Isa isa, double* sumsq);
+
 // The scalar sets of a call, checked for their sizes while decoding and
 // read (`Read`) when the step runs: on a GPU stream their values are
 // written by copies that have not run yet when the handler is called.

@@ -8,7 +8,9 @@
 // within microseconds), point 4 (staging allocated once, portable, in the
 // stream's context, freed) and point 6 (small device state is staged), and
 // a Grace Adam bucket step staged through the fake, bit for bit equal to
-// the same step run at once on the CPU.
+// the same step run at once on the CPU; and the row step of stacked state
+// (row_ffi.h): its row staged and read when the step runs, no staging
+// shared between two rows in flight, a row out of range a sticky error.
 
 #include "xla_ffi/stream_launch.h"
 
@@ -31,6 +33,7 @@
 #include "xla_ffi/ffi_support.h"
 #include "xla_ffi/host_pool.h"
 #include "xla_ffi/launch.h"
+#include "xla_ffi/row_ffi.h"
 #include "xla_ffi/test_util.h"
 
 namespace jax_superoffload {
@@ -615,6 +618,182 @@ void TestWeightsCopiedToDeviceAfterTheJoin() {
              e.message());
 }
 
+// Row steps (row_ffi.h) of one leaf's stacked fp32 state in host memory:
+// kRows rows of n elements; the row's bf16 gradient, the count, the scalars
+// and the row itself in "device" memory, as a scan's loop hands them over.
+struct RowStack {
+  static constexpr int64_t kRows = 3;
+  int64_t n;
+  std::vector<float> master, mu, nu;
+  std::vector<uint16_t> grad;
+  int32_t count = 3;
+  std::vector<float> scalars;
+  int32_t row = 0;
+
+  RowStack(int64_t size, uint64_t seed) : n(size) {
+    for (auto* v : {&master, &mu, &nu}) v->resize(kRows * n);
+    for (int64_t i = 0; i < kRows * n; ++i) {
+      master[i] = static_cast<float>(Uniform(seed));
+      mu[i] = static_cast<float>(0.1 * Uniform(seed));
+      nu[i] = static_cast<float>(0.01 * Unit(seed));
+    }
+    grad.resize(n);
+    SetGradient(seed);
+    AdamConfig config;
+    config.learning_rate = 1e-2f;
+    config.weight_decay = 0.01f;
+    for (const PackedScalar& p : kPackedScalars) {
+      scalars.push_back(config.*p.field);
+    }
+  }
+
+  void SetGradient(uint64_t seed) {
+    for (uint16_t& g : grad) {
+      const float x = static_cast<float>(Uniform(seed));
+      uint32_t bits;
+      std::memcpy(&bits, &x, 4);
+      g = static_cast<uint16_t>(bits >> 16);
+    }
+  }
+
+  void MarkDevice(FakeCuda& fake) {
+    fake.MarkDevice(grad.data(), 2 * n);
+    fake.MarkDevice(&count, 4);
+    fake.MarkDevice(scalars.data(), 4 * scalars.size());
+    fake.MarkDevice(&row, 4);
+  }
+
+  RowStep Step() {
+    RowStep step;
+    step.set.count = &count;
+    step.set.scalars = scalars.data();
+    step.row = &row;
+    step.rows = kRows;
+    SegmentLeaf leaf;
+    AdamBuffers& b = leaf.b;
+    b.size = n;
+    b.master_in = b.master_out = master.data();
+    b.mu_in = b.mu_out = mu.data();
+    b.nu_in = b.nu_out = nu.data();
+    b.grad = grad.data();
+    b.grad_type = ElementType::kBF16;
+    step.leaves = {leaf};
+    return step;
+  }
+
+  // Row `r` stepped with the current gradient by the kernel itself.
+  void StepRowDirectly(int64_t r) {
+    AdamBuffers b = Step().leaves[0].b;
+    for (float** x : {&b.master_out, &b.mu_out, &b.nu_out}) *x += r * n;
+    b.master_in = b.master_out;
+    b.mu_in = b.mu_out;
+    b.nu_in = b.nu_out;
+    AdamStepRange(Step().set.Read(0), b, 0, n, BestIsa());
+  }
+
+  bool SameState(const RowStack& other) const {
+    return master == other.master && mu == other.mu && nu == other.nu;
+  }
+};
+
+const BucketAttrs kRowAttrs = {false, false, false, 1, false,
+                               false, "t0",  0,     0};
+
+ffi::Error StartRow(Rig& rig, RowStack& stack) {
+  OnStream launch(rig.launches.get(), rig.stream);
+  return StartRowStep(launch, stack.Step(), kRowAttrs);
+}
+
+// The row is staged from device memory and read by the worker when the
+// step runs: written after the start returned, before the copies ran, its
+// new value is the row stepped.
+void TestRowIsReadWhenTheStepRuns() {
+  Rig rig;
+  RowStack stack(517, 41);
+  stack.MarkDevice(rig.fake);
+  RowStack want = stack;
+  want.StepRowDirectly(2);
+  rig.fake.Hold(true);
+  ffi::Error e = StartRow(rig, stack);
+  Expect(e.success(), "the row step starts: " + e.message());
+  stack.row = 2;  // The start saw 0; the copies have not run.
+  Expect(rig.fake.Log().empty(), "nothing ran when the start returned");
+  rig.fake.Hold(false);
+  e = rig.Join();
+  Expect(e.success(), "and joins: " + e.message());
+  Expect(stack.SameState(want), "row 2, the value at the copy, was stepped");
+  bool staged = false;
+  for (const FakeCuda::CopyRecord& c : rig.fake.Copies()) {
+    staged |= c.to_host && c.device == reinterpret_cast<uint64_t>(&stack.row) &&
+              c.bytes == 4 && c.host != &stack.row;
+  }
+  Expect(staged, "the row was copied from the device to staging");
+}
+
+// A scan's loop: one counter and one gradient buffer on the device, which
+// the compute stream rewrites between two row starts in flight together.
+// Each launch steps its own row with its own gradient (staged at its
+// place in the stream), and their staging is disjoint.
+void TestTwoRowLaunchesShareNoStaging() {
+  Rig rig;
+  RowStack stack(300, 43);
+  stack.MarkDevice(rig.fake);
+  RowStack want = stack;
+  want.StepRowDirectly(0);
+  want.SetGradient(44);
+  want.StepRowDirectly(1);
+  rig.fake.Hold(true);
+  Expect(StartRow(rig, stack).success(), "the start of row 0");
+  RowStack* s = &stack;
+  rig.fake.Enqueue(rig.stream, "next iteration", [s] {
+    s->row = 1;
+    s->SetGradient(44);
+  });
+  Expect(StartRow(rig, stack).success(), "the start of row 1");
+  const size_t starts = rig.fake.Copies().size();
+  rig.fake.Hold(false);
+  Expect(rig.Join().success(), "join");
+  Expect(stack.SameState(want), "rows 0 and 1 stepped with their gradients");
+  std::vector<FakeCuda::CopyRecord> copies = rig.fake.Copies();
+  Expect(starts % 2 == 0 && starts >= 8, "each start staged its operands");
+  bool disjoint = true;
+  for (size_t i = 0; i < starts / 2; ++i) {
+    for (size_t j = starts / 2; j < starts; ++j) {
+      disjoint &= !Overlap(copies[i].host, copies[i].bytes, copies[j].host,
+                           copies[j].bytes);
+    }
+  }
+  Expect(disjoint, "the two launches' staging is disjoint");
+}
+
+// A row outside [0, L) is the launch's error, read when it runs: it writes
+// nothing, keeps the stream failed (a later row start steps nothing) and
+// reaches the join.
+void TestRowOutOfRangeIsAStickyError() {
+  Rig rig;
+  RowStack bad(64, 45), later(64, 46);
+  bad.MarkDevice(rig.fake);
+  later.MarkDevice(rig.fake);
+  const RowStack bad_before = bad, later_before = later;
+  rig.fake.Hold(true);
+  Expect(StartRow(rig, bad).success(), "a start with row 0");
+  bad.row = 3;  // Before its copies run.
+  Expect(StartRow(rig, later).success(), "a later start, row 0");
+  rig.fake.Hold(false);
+  ffi::Error e = rig.Join();
+  Expect(e.failure() &&
+             e.message().find("row 3 is outside [0, 3)") != std::string::npos &&
+             e.message().find("L = 3") != std::string::npos,
+         "the join reports the row and L: " + e.message());
+  Expect(bad.SameState(bad_before), "the failed launch wrote nothing");
+  Expect(later.SameState(later_before), "the later launch stepped nothing");
+  Expect(StartRow(rig, later).success() && rig.Join().success(),
+         "after the join a row start runs again");
+  RowStack want = later_before;
+  want.StepRowDirectly(0);
+  Expect(later.SameState(want), "and steps its row");
+}
+
 void TestHostPoolResultsDoNotDependOnWorkers() {
   std::vector<double> data(100000);
   for (size_t i = 0; i < data.size(); ++i) data[i] = 1.0 / (1.0 + i);
@@ -664,6 +843,9 @@ int main(int argc, char** argv) {
       {"driver_failures", TestDriverFailuresAreErrors},
       {"adam_bucket", TestAdamBucketMatchesTheCpu},
       {"weights_to_device", TestWeightsCopiedToDeviceAfterTheJoin},
+      {"row_read_when_run", TestRowIsReadWhenTheStepRuns},
+      {"row_no_shared_staging", TestTwoRowLaunchesShareNoStaging},
+      {"row_out_of_range", TestRowOutOfRangeIsAStickyError},
       {"host_pool", TestHostPoolResultsDoNotDependOnWorkers},
   };
   std::vector<std::string> names;  // Flags (--quick) name no test.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from collections.abc import Sequence
 
@@ -21,6 +22,8 @@ ADAM_STEP_SEGMENTS_TARGET = _grace_adam.ADAM_STEP_SEGMENTS_TARGET
 ADAM_STEP_LOWP_SEGMENTS_TARGET = _grace_adam.ADAM_STEP_LOWP_SEGMENTS_TARGET
 ADAM_STEP_SPECULATIVE_TARGET = _grace_adam.ADAM_STEP_SPECULATIVE_TARGET
 ADAM_STEP_VALIDATED_TARGET = _grace_adam.ADAM_STEP_VALIDATED_TARGET
+# One row of stacked state stepped in place, from inside a scan's loop.
+ADAM_STEP_ROW_TARGET = _grace_adam.ADAM_STEP_ROW_TARGET
 # One per step after the bucket starts: every operand aliased to its result.
 STREAM_JOIN_TARGET = _grace_adam.STREAM_JOIN_TARGET
 STREAM_TO_DEVICE_TARGET = _grace_adam.STREAM_TO_DEVICE_TARGET
@@ -666,3 +669,96 @@ def adam_step_validated(
     state = (master, mu, nu)
     runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]
   return (*runs, copies if copies else list(out[3 * k :]))
+
+
+def _check_row_leaves(master, mu, nu, grads, params) -> None:
+  """Raises ValueError unless the row step's leaves fit together."""
+  runs = {'mu': mu, 'nu': nu, 'grads': grads}
+  if params is not None:
+    runs['params'] = params
+  for name, run in runs.items():
+    if len(run) != len(master):
+      raise ValueError(
+        f'adam_step_row: {len(master)} master leaves but {len(run)} {name}'
+      )
+  for j, (m, u, v, g) in enumerate(zip(master, mu, nu, grads, strict=True)):
+    for name, x in (('master', m), ('mu', u), ('nu', v)):
+      if x.dtype != jnp.float32 or x.shape != m.shape or not x.ndim:
+        raise ValueError(
+          f'adam_step_row: leaf {j}: {name} must be f32[L, ...] like the '
+          f'master {m.shape}, got {x.dtype}{list(x.shape)}'
+        )
+    rows = m.shape[0]
+    shapes = [g.shape] + ([] if params is None else [params[j].shape])
+    for shape in shapes:
+      if m.size != rows * math.prod(shape):
+        raise ValueError(
+          f'adam_step_row: leaf {j}: stacked state {list(m.shape)} is not '
+          f'{rows} rows of the row shape {list(shape)}'
+        )
+    if rows != master[0].shape[0]:
+      raise ValueError(
+        f'adam_step_row: leaf {j} has {rows} rows, leaf 0 {master[0].shape[0]}'
+      )
+
+
+def adam_step_row(
+  master: list[jax.Array],
+  mu: list[jax.Array],
+  nu: list[jax.Array],
+  grads: list[jax.Array],
+  row: jax.typing.ArrayLike,
+  hyper: Hyperparams,
+  *,
+  params: list[jax.Array] | None = None,
+  keep_nonfinite: bool = False,
+  place: Place | None = None,
+) -> None:
+  """Steps row `row` of stacked fp32 state in place: a side effect only.
+
+  `master`, `mu` and `nu` are ``f32[L, ...]`` per leaf (a scanned layer
+  stack's state; pinned host memory on a GPU), `grads` row `row`'s
+  gradients (f32, bf16 or f16; L-th part of the state's size each), `row`
+  an int32 scalar (a scan's counter), read when the step runs. Elements
+  ``[row * n, (row + 1) * n)`` of each leaf's state take exactly the step
+  `adam_step_segments` takes on that row as its own bucket (with `params`,
+  the row's parameters, re-seeded first). The call has no results and
+  writes the state where it lives: no copy, also as a loop-invariant
+  operand of a scan. Whoever reads the state afterwards must order that
+  read after the call: a stream join after the loop, aliasing the state,
+  whose barrier is a value the loop computes (the stacked gradients; on
+  a constant one XLA:CPU copied the state for the join before the loop,
+  and the steps' writes were lost). On a GPU the join also reports a row
+  outside ``[0, L)``; on the CPU the call fails at once. fp32 weights
+  only: no low-precision copies, no sum of squares.
+  `place` moves every operand but the state (see `Place`).
+  """
+  _check_row_leaves(master, mu, nu, grads, params)
+  kept = [j for j, g in enumerate(grads) if g.size]
+  if not kept:
+    return
+  place = place or _as_is
+
+  def run(xs):
+    return [xs[j] for j in kept]
+
+  operands = [
+    *_scalar_operands(hyper, place),
+    place(jnp.asarray(row, jnp.int32).reshape(1)),
+    *run(master),
+    *run(mu),
+    *run(nu),
+    *(place(g) for g in run(grads)),
+    *(place(p) for p in (run(params) if params is not None else ())),
+  ]
+  call = jax.ffi.ffi_call(ADAM_STEP_ROW_TARGET, (), has_side_effect=True)
+  call(
+    *operands,
+    **_bucket_attrs(
+      hyper,
+      len(kept),
+      keep_nonfinite=keep_nonfinite,
+      reseed=params is not None,
+      staging_bytes=getattr(place, 'staging_bytes', 0),
+    ),
+  )
