@@ -19,6 +19,7 @@ from jax_superoffload._src.optim.interchange import import_adam_state
 from jax_superoffload._src.optim.legacy import from_legacy_layout
 from jax_superoffload._src.optim.legacy import legacy_layout
 from jax_superoffload._src.optim.offload import Offload
+from jax_superoffload._src.optim.scan_overlap import overlap_scan
 from jax_superoffload._src.optim.state import OffloadState
 from jax_superoffload._src.optim.state import SuperOffloadState
 from jax_superoffload._src.parallel.weight_flow import WEIGHT_POLICIES
@@ -88,6 +89,7 @@ __all__ = [
   'measure_host_bandwidth',
   'memory_spaces',
   'offload_stacked',
+  'overlap_scan',
   'plan',
   'replicated_state_bytes',
   'resolve_executor',

@@ -226,23 +226,20 @@ def test_ffi_staging_is_bounded_by_its_state(layout):
 # Issue 37, fails before it: the first bucket's host step starts before 30%
 # of the backward's GEMM FLOPs are issued, and the compute stream waits for
 # none until every backward GEMM is issued. Scanned, the stacked gradients
-# exist only after the backward loop: the update would have to run inside
-# it (not built yet).
-@pytest.mark.parametrize(
-  'layout',
-  [
-    'noscan',
-    pytest.param(
-      'scan',
-      marks=pytest.mark.xfail(
-        strict=True, reason='issue 37: no update inside the backward loop yet'
-      ),
-    ),
-  ],
-)
+# exist only after the backward loop, so the layers' steps start inside it
+# (overlap_scan, which the trainer opens): one row step per decay group and
+# layer, the first before the backward's last layer is done.
+@pytest.mark.parametrize('layout', ['noscan', 'scan'])
 def test_stream_overlaps_the_backward_pass(layout):
   result = compiled('stream', layout)
   calls = result['optimizer_calls']
   assert len([c for c in calls if not c['waits']]) >= 2, calls
   assert result['first_start_at'] < 0.3, calls
+  rows = [c for c in calls if c['target'].endswith('_adam_step_row')]
+  if layout == 'scan':
+    assert len(rows) == 2 * 2, calls  # Two groups, two layers.
+    assert rows[0]['backward_flops_before'] < 0.75, calls
+    assert not any(c['waits'] for c in rows), calls
+  else:
+    assert not rows, calls
   assert result['first_wait_at'] == 1.0, calls

@@ -193,6 +193,18 @@ def _event(module: _Module, i: Instr, stream: str) -> Event | None:
   return None
 
 
+def _calls_into(i: Instr) -> bool:
+  """Whether `i` runs a computation whose events are the step's own.
+
+  Calls and conditionals do; so does XLA:GPU's dynamic-slice fusion,
+  which wraps a custom call whose operands are dynamic slices (a scanned
+  layer's row) so that it reads them in place.
+  """
+  if i.op in ('call', 'call-start', 'conditional'):
+    return not _on_host(i)
+  return i.op == 'fusion' and '"dynamic_slice_fusion"' in i.rest
+
+
 def _walk(module: _Module, comp: str, stream: str, out: list[Event]) -> None:
   for i in module.comps.get(comp, (False, []))[1]:
     if i.op in _SKIP:
@@ -202,7 +214,7 @@ def _walk(module: _Module, comp: str, stream: str, out: list[Event]) -> None:
       body = (i.attr('body') or '').lstrip('%')
       for _ in range(_trips(i)):
         _walk(module, body, here, out)
-    elif i.op in ('call', 'call-start', 'conditional') and not _on_host(i):
+    elif _calls_into(i):
       for called in re.findall(
         r'(?:to_apply|calls|branch_computations)=\{?%([\w.\-]+)', i.rest
       ):
@@ -238,17 +250,22 @@ def optimizer_calls(events: list[Event]) -> list[dict[str, Any]]:
   """Each optimizer call in order, placed against the backward's GEMMs.
 
   A call "waits" when the compute stream waits for the host step there:
-  the join of a start/join program, or, where there is no join, every
-  bucket call (its host function runs on the compute stream) and every
-  host-compute call (its done waits for the host step).
+  the join of a start/join program after a start, or, where there is no
+  join, every bucket call (its host function runs on the compute stream)
+  and every host-compute call (its done waits for the host step).
   """
   backward = sum(e.flops for e in events if e.kind == 'gemm' and e.backward)
   joined = any(e.target == JOIN_TARGET for e in events)
+  started = False
   out = []
   for index, e in enumerate(events):
     if e.kind not in ('optimizer', 'host_execute'):
       continue
-    waits = e.target == JOIN_TARGET or not joined
+    # A join before the step's first start waits for nothing (the last
+    # step's launches were joined in that step): it only hands the state
+    # on, as overlap_scan's does before the backward loop.
+    waits = (e.target == JOIN_TARGET and started) or not joined
+    started = started or e.target not in (JOIN_TARGET, TO_DEVICE_TARGET)
     out.append(
       {
         'name': e.name,

@@ -282,7 +282,11 @@ class Transformer(nnx.Module):
       return nnx.merge(graphdef, layer)(x_BxLxD), None
 
     x_BxLxD, _ = superoffload.weight_flow_scan(
-      body, x_BxLxD, stacked, policy=self.weights_policy
+      body,
+      x_BxLxD,
+      stacked,
+      policy=self.weights_policy,
+      params_path='blocks',  # Where the optimizer finds them (overlap_scan).
     )
     return x_BxLxD
 

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax_superoffload as superoffload
 from experiments.trainer import config as config_lib
 from experiments.trainer import model as model_lib
 from experiments.trainer import optim
@@ -105,12 +106,19 @@ def make_train_step(
   ) -> tuple[nnx.State, dict[str, jax.Array]]:
     model, optimizer = nnx.merge(graphdef, state)
     grad_fn = nnx.value_and_grad(model_lib.loss_fn)
-    loss, grads = grad_fn(model, inputs_BxL, targets_BxL)
-    grad_norm = global_norm(
-      _applied_gradient(model_lib.device_copy(model, grads), optimizer)
-    )
-    # optimizer.update, keeping weight-flow weights in host memory.
-    updates, params = model_lib.apply_gradients(model, optimizer, grads)
+    # Scanned blocks start their host steps inside the backward loop
+    # (superoffload's "stream" executor; a no-op for other optimizers).
+    with superoffload.overlap_scan(
+      optimizer.tx,
+      nnx.as_pure(optimizer.opt_state),
+      nnx.as_pure(nnx.state(model, optimizer.wrt)),
+    ):
+      loss, grads = grad_fn(model, inputs_BxL, targets_BxL)
+      grad_norm = global_norm(
+        _applied_gradient(model_lib.device_copy(model, grads), optimizer)
+      )
+      # optimizer.update, keeping weight-flow weights in host memory.
+      updates, params = model_lib.apply_gradients(model, optimizer, grads)
     metrics = {
       'loss': loss,
       'grad_norm': grad_norm,

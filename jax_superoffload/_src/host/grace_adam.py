@@ -14,6 +14,7 @@ import numpy as np
 from jax_superoffload import _grace_adam
 from jax_superoffload._src.core import adam_args
 from jax_superoffload._src.core import backend
+from jax_superoffload._src.core import host_memory
 from jax_superoffload._src.core.hyperparams import Hyperparams
 
 # The target names are declared once, in xla_ffi/adam_ffi.h.
@@ -762,3 +763,34 @@ def adam_step_row(
       staging_bytes=getattr(place, 'staging_bytes', 0),
     ),
   )
+
+
+def join_rows(
+  state: list[jax.Array], barrier: jax.Array, *, to_device: int = 0
+) -> tuple[list[jax.Array], list[jax.Array]]:
+  """Stacked state after every row step started on it: an aliasing join.
+
+  Pass `state` through the stream join (nothing copied; on a GPU it waits
+  for the launches started on the stream so far). Row steps write where
+  the state lives without results, so only this call orders a read of it
+  after them: its `barrier` must be a value the loop computes (see
+  `adam_step_row`). Called before the loop with a constant barrier, it
+  hands the row steps buffers of the step's own (a state the caller did
+  not donate is copied there, never written under them). Returns the
+  state, typed where it lives, and device copies of its first
+  `to_device` arrays (a call of our own on a GPU, see `_to_device`).
+  """
+  if not state:
+    return [], []
+  call = jax.ffi.ffi_call(
+    STREAM_JOIN_TARGET,
+    _like(state),
+    vmap_method='sequential',
+    input_output_aliases=_aliases(0, 0, len(state)),
+    has_side_effect=True,
+  )
+  out = _typed_like(list(call(*state, barrier)), state)
+  first = out[:to_device]
+  if backend.target() == 'gpu':
+    return out, _to_device(first)
+  return out, [host_memory.to_device(x) for x in first]

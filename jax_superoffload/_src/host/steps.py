@@ -282,17 +282,24 @@ def staging_bound(buckets: list[Bucket]) -> int:
   """
   bound = 0
   for b in buckets:
-    total = _STAGED_SCALARS * _STAGING_ALIGNMENT
-    for j, g in enumerate(b.grads):
-      size = math.prod(g.shape)
-      total += _aligned(size * jnp.dtype(g.dtype).itemsize)
-      if b.params is not None:
-        p = b.params[j]
-        total += _aligned(math.prod(p.shape) * jnp.dtype(p.dtype).itemsize)
-      if not g.shape:
-        total += 3 * _STAGING_ALIGNMENT
-    bound = max(bound, total)
+    bound = max(bound, staged_bytes(b.grads, b.params))
   return bound
+
+
+def staged_bytes(grads: list, params: list | None) -> int:
+  """What one stream call stages (see `staging_bound`).
+
+  `grads` and `params` are arrays or anything with a shape and a dtype.
+  """
+  total = _STAGED_SCALARS * _STAGING_ALIGNMENT
+  for j, g in enumerate(grads):
+    total += _aligned(math.prod(jnp.shape(g)) * jnp.dtype(g.dtype).itemsize)
+    if params is not None:
+      p = params[j]
+      total += _aligned(math.prod(jnp.shape(p)) * jnp.dtype(p.dtype).itemsize)
+    if not jnp.shape(g):
+      total += 3 * _STAGING_ALIGNMENT
+  return total
 
 
 def stream_place(

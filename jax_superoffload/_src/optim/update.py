@@ -28,6 +28,7 @@ from jax_superoffload._src.host import executors
 from jax_superoffload._src.host import in_place
 from jax_superoffload._src.host import steps
 from jax_superoffload._src.optim import optax_path
+from jax_superoffload._src.optim import scan_overlap
 from jax_superoffload._src.optim import state as state_lib
 from jax_superoffload._src.optim import state_memory
 from jax_superoffload._src.optim import stv
@@ -99,16 +100,25 @@ def _shards(opts, plan, ids: list[int], grads, params) -> _Shards:
   return _Shards(grads, params, specs, moment_specs)
 
 
-def _schedule(opts, inputs: Inputs, count, cast_on_device: bool) -> list:
-  """The buckets of this step, with their gradients ready for the kernel."""
+def _schedule(
+  opts, inputs: Inputs, count, cast_on_device: bool, rows=None
+) -> list:
+  """The buckets of this step, with their gradients ready for the kernel.
+
+  `rows`: the `overlap_scan` scope whose started leaves no bucket holds.
+  """
   plan = inputs.plan
   want_delta = inputs.params is None
+  started = rows.started if rows is not None else set()
   barrier = _join_barrier(opts, inputs.grads)
   out = []
   for group in plan.lay.groups:
     hyper = opts.hyperparams(count, decay=group.decay)
     for bucket in group.buckets:
-      ids = [group.leaves[j] for j in bucket]
+      ids = [group.leaves[j] for j in bucket if group.leaves[j] not in started]
+      if not ids:
+        continue
+      resident = plan.bucket_of[ids[0]] in plan.on_device
       grads = [_kernel_grad(inputs.grads[i], cast_on_device) for i in ids]
       # Params in their own dtype even when the device casts: the master is
       # re-seeded only where it no longer rounds to them.
@@ -120,7 +130,7 @@ def _schedule(opts, inputs: Inputs, count, cast_on_device: bool) -> list:
         executors.Bucket(
           index=k,
           leaves=ids,
-          executor=executors.RESIDENT if k in plan.on_device else opts.executor,
+          executor=executors.RESIDENT if resident else opts.executor,
           hyper=hyper,
           grads=shards.grads,
           params=shards.params,
@@ -135,7 +145,7 @@ def _schedule(opts, inputs: Inputs, count, cast_on_device: bool) -> list:
         )
       )
   if barrier is not None:  # The stream executor on a GPU, without ZeRO.
-    bound = steps.staging_bound(out)
+    bound = max(steps.staging_bound(out), rows.reserve if rows else 0)
     out = [b._replace(staging_bytes=bound) for b in out]
   return out
 
@@ -251,8 +261,25 @@ def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
   }
 
 
-def _new_state(opts, inputs, state, buckets, results, kept, optax_new, verdict):
-  """The state after the step, trees like the parameters."""
+def _finish_rows(rows, inputs: Inputs, out: list) -> dict:
+  """The leaves `overlap_scan` started in the loop, joined.
+
+  Their updates go into `out`; returns their new state, ``{i: (master,
+  mu, nu)}``.
+  """
+  done = scan_overlap.finish(rows, inputs.grads, inputs.params)
+  for i, (*_, weight) in done.items():
+    out[i] = _exact_delta(weight, inputs.params[i])
+  return {i: tuple(x[:3]) for i, x in done.items()}
+
+
+def _new_state(
+  opts, inputs, state, buckets, results, kept, optax_new, verdict, rows=None
+):
+  """The state after the step, trees like the parameters.
+
+  `rows`: the new state of leaves started in the loop (`_finish_rows`).
+  """
   st = inputs.state
   names = ['master', 'mu', 'nu'] + (
     ['kept_grads'] if opts.double_buffered else []
@@ -270,6 +297,9 @@ def _new_state(opts, inputs, state, buckets, results, kept, optax_new, verdict):
         new[n][i] = executors.scalars_to(host_memory.to_device, [x])[0]
   for n, xs in optax_new.items():
     for i, x in zip(inputs.plan.lay.fallback, xs, strict=True):
+      new[n][i] = x
+  for i, runs in (rows or {}).items():
+    for n, x in zip(('master', 'mu', 'nu'), runs, strict=True):
       new[n][i] = x
   scales = _split_blockwise(opts, state, new)
   tree = lambda xs: jax.tree.unflatten(inputs.plan.lay.treedef, xs)  # noqa: E731
@@ -309,10 +339,13 @@ def _split_blockwise(opts, state, new: dict) -> dict:
 def update(opts, updates, state, params):
   """One step: the updates and the new state."""
   state_lib.check_type(state)
+  rows = scan_overlap.claim(opts, state)
   typed, state = state, state_memory.read_typed(state)
   inputs = _inputs(opts, updates, state, params)
+  if rows is not None:
+    inputs = inputs._replace(state=scan_overlap.with_stacks(rows, inputs.state))
   cast_on_device = inputs.plan.placement.cast_on_device
-  buckets = _schedule(opts, inputs, state.count, cast_on_device)
+  buckets = _schedule(opts, inputs, state.count, cast_on_device, rows)
   before = {b.index: _before(inputs, b, state.row) for b in buckets}
   results = {
     b.index: b.executor.step(opts.zero, b, before[b.index]) for b in buckets
@@ -323,12 +356,13 @@ def update(opts, updates, state, params):
       opts, inputs, buckets, before, results
     )
   out = _assemble(opts, inputs, buckets, results, verdict)
+  started = {} if rows is None else _finish_rows(rows, inputs, out)
   optax_new = _optax_leaves(opts, inputs, state.count, verdict, out)
   for i, u in enumerate(out):  # Zero-size leaves no bucket holds.
     if u is None:
       out[i] = jnp.zeros(inputs.plan.lay.shapes[i], inputs.plan.lay.dtypes[i])
   new_state = _new_state(
-    opts, inputs, state, buckets, results, kept, optax_new, verdict
+    opts, inputs, state, buckets, results, kept, optax_new, verdict, started
   )
   new_state = state_memory.kept_in_place(typed, new_state)
   return jax.tree.unflatten(inputs.plan.lay.treedef, out), new_state
@@ -337,12 +371,8 @@ def update(opts, updates, state, params):
 def _state_split(opts, state: Any, reference: Any):
   """The state's own split, else that of the parameters (or gradients)."""
   block = moments.BLOCK if opts.moments_8bit else 0
-  if isinstance(state, state_lib.SuperOffloadState):
-    found = following.of_state(state.master, reference, block)
-    if found is not None:
-      return found
-  leaves = jax.tree.leaves(reference)
-  return following.of_layouts([following.laid_out(x) for x in leaves], block)
+  ours = isinstance(state, state_lib.SuperOffloadState)
+  return following.split_of(state.master if ours else None, reference, block)
 
 
 def update_following(opts, updates, state, params=None):

@@ -114,6 +114,20 @@ def of_state(master: Any, reference: Any, block: int = 0) -> Follow | None:
   return of_layouts(layouts, block)
 
 
+def split_of(master: Any | None, reference: Any, block: int = 0):
+  """How an update's state is split; None if it is not.
+
+  Its `master` tree's own split (`master` None for a state that is not
+  ours), else that of `reference`.
+  """
+  if master is not None:
+    found = of_state(master, reference, block)
+    if found is not None:
+      return found
+  leaves = jax.tree.leaves(reference)
+  return of_layouts([laid_out(x) for x in leaves], block)
+
+
 def explicit(mesh: Any) -> Any:
   """A concrete `mesh` with every axis explicit (abstract ones as they are)."""
   types = (AxisType.Explicit,) * len(mesh.axis_names)

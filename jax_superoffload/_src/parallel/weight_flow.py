@@ -32,9 +32,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.core import layer_hooks
 
 WEIGHT_POLICIES = ('stationary', 'flow')
 
@@ -187,6 +189,7 @@ def weight_flow_scan(
   remat: bool = True,
   remat_policy: Callable[..., bool] | None = None,
   unroll: int | bool = 1,
+  params_path: Any = None,
 ) -> tuple[Any, Any]:
   """Runs a layer stack as a scan, streaming host-resident weights per layer.
 
@@ -230,6 +233,11 @@ def weight_flow_scan(
       that saves the fetched weights keeps all L layers on the device.
     unroll: Passed to `jax.lax.scan`; each unrolled layer adds its weights
       to the device-resident set.
+    params_path: Where `stacked_params` sits in the parameters given to
+      the optimizer: a key (``'blocks'``) or a sequence of keys (``('model',
+      'blocks')``, or a JAX key path). Inside `overlap_scan`'s scope, the
+      backward pass then starts each layer's optimizer step as soon as that
+      layer's gradient exists; elsewhere it changes nothing.
 
   Returns:
     ``(carry, ys)`` as from `jax.lax.scan`: the final carry and the
@@ -250,13 +258,20 @@ def weight_flow_scan(
     raise ValueError('remat_policy is only used with remat=True')
   _check_placement(stacked_params, policy)
 
-  def layer_fn(layer_params: Any, carry: Any, x: Any) -> tuple[Any, Any]:
-    if policy == 'flow':
-      # Inside the checkpointed region, so backward fetches the layer again.
-      layer_params = fetch_stacked(layer_params)
+  def plain(layer_params: Any, carry: Any, x: Any) -> tuple[Any, Any]:
     if xs is None:
       return body_fn(layer_params, carry)
     return body_fn(layer_params, carry, x)
+
+  def layer_fn(layer_params: Any, carry: Any, x: Any) -> tuple[Any, Any]:
+    x, row = x
+    if policy == 'flow':
+      # Inside the checkpointed region, so backward fetches the layer again.
+      layer_params = fetch_stacked(layer_params)
+    # In device memory and inside the checkpoint, so its backward has the
+    # layer's gradient as the pass makes it and the weights (re-seed).
+    layer_params = layer_hooks.layer_weights(layer_params, row, params_path)
+    return plain(layer_params, carry, x)
 
   if remat:
     # The scan already keeps forward and backward apart; no CSE barrier
@@ -267,4 +282,9 @@ def weight_flow_scan(
     layer_params, x = inputs
     return layer_fn(layer_params, carry, x)
 
-  return jax.lax.scan(step, carry, (stacked_params, xs), unroll=unroll)
+  layer_hooks.stack_starts(stacked_params, params_path)
+  leaves = jax.tree.leaves(stacked_params)
+  rows = None
+  if params_path is not None and leaves:
+    rows = jnp.arange(jnp.shape(leaves[0])[0], dtype=jnp.int32)
+  return jax.lax.scan(step, carry, (stacked_params, (xs, rows)), unroll=unroll)

@@ -1,0 +1,65 @@
+"""The hooks a scanned layer stack calls, before its scan and per layer.
+
+`weight_flow_scan` (parallel/) calls `stack_starts` before its scan and
+`layer_weights` on every layer's weights; `overlap_scan` (optim/) sets
+what they do while its scope is open. They live here, below both, so
+that neither package imports the other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
+from typing import NamedTuple
+
+
+class Hooks(NamedTuple):
+  """What an open scope does to layer stacks.
+
+  `stack(stacked_params, params_path)`, before a stack's scan; and
+  `layer(layer_params, row, params_path) -> layer_params`, on each layer's
+  weights inside it.
+  """
+
+  stack: Callable[[Any, Any], None]
+  layer: Callable[[Any, Any, Any], Any]
+
+
+_HOOKS: contextvars.ContextVar[Hooks | None] = contextvars.ContextVar(
+  'jax_superoffload_layer_hooks', default=None
+)
+
+
+def stack_starts(stacked_params: Any, params_path: Any) -> None:
+  """Tells the open scope, if any, that a stack's scan is about to run.
+
+  `params_path` is where the stack sits in the optimizer's parameters
+  (None: the caller did not say, and nothing is hooked).
+  """
+  hooks = _HOOKS.get()
+  if hooks is not None and params_path is not None:
+    hooks.stack(stacked_params, params_path)
+
+
+def layer_weights(layer_params: Any, row: Any, params_path: Any) -> Any:
+  """`layer_params` through the open scope's hook; as they are without one.
+
+  `row` is the layer's index in its stack (the scan's counter).
+  """
+  hooks = _HOOKS.get()
+  if hooks is None or params_path is None:
+    return layer_params
+  return hooks.layer(layer_params, row, params_path)
+
+
+@contextlib.contextmanager
+def hooked(hooks: Hooks | None) -> Iterator[None]:
+  """`hooks` are the layer stacks' inside the block (None: none)."""
+  token = _HOOKS.set(hooks)
+  try:
+    yield
+  finally:
+    _HOOKS.reset(token)
