@@ -121,9 +121,28 @@ def test_stream_compiles_with_bf16_params_and_zero(fields):
 PACKING = 1e-3
 
 
-@pytest.mark.parametrize('layout', aot_steps.LAYOUTS)
-def test_stream_state_never_occupies_device_memory(layout):
-  mine, theirs = compiled('stream', layout), compiled('optax', layout)
+# Scanned with overlap_scan (the trainer's default), each layer's gradients
+# stay in device memory until its row step, which XLA places at the end of
+# the layer's backward: 0.92 MB over here, 0.87 GB at 1B (docs/gpu.md).
+OVERLAP_COST = pytest.mark.xfail(
+  strict=True,
+  reason="issue 37: overlap_scan holds each layer's gradients until its "
+  "row step starts, at the end of the layer's backward",
+)
+
+
+@pytest.mark.parametrize(
+  ('layout', 'overlap'),
+  [
+    ('noscan', True),
+    ('scan', False),
+    pytest.param('scan', True, marks=OVERLAP_COST),
+  ],
+  ids=['noscan', 'scan-after-loop', 'scan-overlap'],
+)
+def test_stream_state_never_occupies_device_memory(layout, overlap):
+  mine = compiled('stream', layout, overlap_scan=overlap)
+  theirs = compiled('optax', layout)
   assert mine['compiles'], mine.get('error')
   goal = _goal_bytes(mine, theirs)
   over = _device_bytes(mine) - goal

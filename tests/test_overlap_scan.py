@@ -318,15 +318,12 @@ def test_an_eager_step_equals_the_eager_step_without_the_scope():
 
 
 @pytest.mark.parametrize('policy', ['stationary', 'flow'])
-def test_the_trainers_scanned_step_starts_rows_and_keeps_its_numbers(
-  policy, monkeypatch
-):
+def test_the_trainers_scanned_step_starts_rows_and_keeps_its_numbers(policy):
   """The trainer opens the scope around nnx's gradient and nnx.Optimizer."""
   from experiments.trainer import config as config_lib
   from experiments.trainer import steps as steps_lib
 
-  cfg = config_lib.get_config(
-    'demo',
+  fields = dict(
     executor='stream',
     scan_layers=True,
     num_layers=3,
@@ -338,9 +335,13 @@ def test_the_trainers_scanned_step_starts_rows_and_keeps_its_numbers(
     weights_policy=policy,
   )
   rng = np.random.default_rng(0)
-  batches = [rng.integers(0, cfg.vocab_size, (2, 4, 32)) for _ in range(3)]
+  batches = [
+    rng.integers(0, config_lib.get_config('demo').vocab_size, (2, 4, 32))
+    for _ in range(3)
+  ]
 
-  def run():
+  def run(overlap):
+    cfg = config_lib.get_config('demo', overlap_scan=overlap, **fields)
     trainable = steps_lib.build(cfg, steps_lib.make_mesh(cfg))
     state = trainable.state
     for inputs, targets in batches:
@@ -348,11 +349,8 @@ def test_the_trainers_scanned_step_starts_rows_and_keeps_its_numbers(
     hlo = trainable.train_step.lower(state, inputs, targets).compile()
     return jax.tree.map(np.asarray, state), hlo.as_text()
 
-  scoped, hlo = run()
+  scoped, hlo = run(True)
   assert 'custom_call_target="jax_superoffload_adam_step_row"' in hlo
-  monkeypatch.setattr(
-    superoffload, 'overlap_scan', lambda *a: contextlib.nullcontext()
-  )
-  plain, hlo = run()
+  plain, hlo = run(False)
   assert 'jax_superoffload_adam_step_row' not in hlo
   _assert_bitwise(scoped, plain)

@@ -139,6 +139,7 @@ def cases(args: argparse.Namespace) -> list[dict[str, Any]]:
           batch=args.batch,
           devices=args.devices,
           gpu=args.gpu,
+          overlap_scan=not args.after_loop,
           overrides=(SMALL if args.small else ()) + (('dtype', args.dtype),),
         )
         out.append(dataclasses.asdict(case))
@@ -159,6 +160,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument('--batch', type=int, default=4)
   p.add_argument('--devices', type=int, default=1, help='>1: ZeRO over GPUs.')
   p.add_argument('--small', action='store_true', help='Tiny widths (tests).')
+  p.add_argument(
+    '--after-loop',
+    action='store_true',
+    help='Scanned blocks start their host steps after the backward loop '
+    '(the trainer without overlap_scan).',
+  )
   p.add_argument('--timeout', type=float, default=1800, help='Per case, s.')
   p.add_argument('--json', default='results/tmp/aot.json')
   p.add_argument('--capacity', action='store_true')

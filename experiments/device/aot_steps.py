@@ -44,6 +44,9 @@ class Case:
   batch: int = 4
   devices: int = 1  # >1: data parallel, ZeRO for superoffload's state.
   gpu: str = 'h200'
+  # The trainer's overlap_scan (scanned blocks start their host steps in
+  # the backward loop); False compiles the step that starts them after it.
+  overlap_scan: bool = True
   # Further trainer config fields, e.g. (('d_model', 256),) for small tests.
   overrides: tuple[tuple[str, Any], ...] = ()
 
@@ -55,12 +58,14 @@ class Case:
 
   @property
   def name(self) -> str:
-    """A short label: optimizer:layout:dtype[:moments][:zeroN]."""
+    """A short label: optimizer:layout:dtype[:moments][:zeroN][:after-loop]."""
     parts = [self.optimizer, self.layout, self.param_dtype]
     if self.moments != 'fp32':
       parts.append(self.moments)
     if self.devices > 1:
       parts.append(f'zero{self.devices}')
+    if not self.overlap_scan:
+      parts.append('after-loop')
     return ':'.join(parts)
 
 
@@ -79,6 +84,7 @@ def trainer_config(case: Case) -> config_lib.Config:
     mesh_data=case.devices,
     zero=case.devices > 1 and optimizer != 'optax',
     progress=False,
+    overlap_scan=case.overlap_scan,
     **dict(case.overrides),
   )
   if case.layers is not None:
@@ -156,7 +162,9 @@ def build(case: Case) -> Built:
     model, optimizer = nnx.eval_shape(make)
     state = _placed(cfg, mesh, make)
     nnx.update((model, optimizer), state)
-    step = steps_lib.make_train_step(model, optimizer, mesh)
+    step = steps_lib.make_train_step(
+      model, optimizer, mesh, overlap_scan=cfg.overlap_scan
+    )
   tokens = jax.ShapeDtypeStruct(
     (cfg.batch_size, cfg.seq_len),
     jnp.int32,

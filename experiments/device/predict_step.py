@@ -1,10 +1,11 @@
 """Predicts the 1B train step with the `stream` executor on the H200 machine.
 
-  python -m experiments.device.predict_step results/tmp/aot.json
+  python -m experiments.device.predict_step results/tmp/aot.json [scan]
 
 A model, to be checked on the next GPU, from two kinds of input:
-- the compiled schedule (`experiments.device.aot`'s JSON of the unrolled
-  `stream` step): the number of buckets and where each one starts, as the
+- the compiled schedule (`experiments.device.aot`'s JSON of the `stream`
+  step, unrolled by default, or scanned): the number of host steps started
+  (buckets, or scanned layers' rows) and where each one starts, as the
   share of the backward's GEMM FLOPs issued before it;
 - the rates measured on the H200 machine on 2026-12-04
   (`../shared/gpu-probes/`, docs/machines/h200.md): optax.adamw's train
@@ -69,19 +70,28 @@ def predict(
   }
 
 
+# Calls that start no host step: the joins and the copies after them.
+_NOT_STARTS = (
+  'jax_superoffload_stream_join',
+  'jax_superoffload_stream_to_device',
+)
+
+
 def main(argv: list[str]) -> int:
   rows = json.loads(pathlib.Path(argv[0]).read_text())
+  layout = argv[1] if len(argv) > 1 else 'noscan'
   case = next(
     r
     for r in rows
     if r.get('compiles')
     and r['fields']['optimizer'] == 'stream'
-    and r['fields']['layout'] == 'noscan'
+    and r['fields']['layout'] == layout
+    and r['fields'].get('overlap_scan', True)
   )
   starts = [
     c['backward_flops_before']
     for c in case['optimizer_calls']
-    if c['target'] != 'jax_superoffload_stream_join'
+    if c['target'] not in _NOT_STARTS
   ]
   print(f'{case["case"]}: {case["num_params"]} params, {len(starts)} buckets')
   for serial in (True, False):

@@ -209,6 +209,12 @@ class Config:
     'stationary',
     'Block weights: "stationary" (device) or "flow" (host, streamed; scanned).',
   )
+  overlap_scan: bool = _offload(
+    True,
+    'superoffload "stream", scanned blocks: start each layer\'s host step '
+    "inside the backward loop (superoffload.overlap_scan). Each layer's "
+    'gradients then stay in device memory until its step starts.',
+  )
   mesh_data: int = _offload(
     1, "Data-parallel size: mesh axis 'data', which shards the batch."
   )

@@ -8,6 +8,7 @@ keeps its placement from step to step and the step compiles once.
 # Tensor names carry their shapes (`x_BxLxD`), NanoDO style.
 # ruff: noqa: N803
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +74,7 @@ def make_train_step(
   optimizer: nnx.Optimizer,
   mesh: Mesh,
   update_norm: bool = False,
+  overlap_scan: bool = True,
 ) -> TrainStep:
   """Builds a jitted AdamW step over the state of `model` and `optimizer`.
 
@@ -90,6 +92,9 @@ def make_train_step(
     update_norm: Also return the update's global norm ('update_norm'). It
       keeps every update alive until reduced, so XLA can no longer update
       the weights in place: a parameter-sized temporary.
+    overlap_scan: Open `superoffload.overlap_scan` around the gradient and
+      the update, so scanned blocks start their host steps in the backward
+      pass (superoffload's "stream" executor; a no-op otherwise).
 
   Returns:
     ``step(state, inputs_BxL, targets_BxL)``, which returns the new state
@@ -108,11 +113,16 @@ def make_train_step(
     grad_fn = nnx.value_and_grad(model_lib.loss_fn)
     # Scanned blocks start their host steps inside the backward loop
     # (superoffload's "stream" executor; a no-op for other optimizers).
-    with superoffload.overlap_scan(
-      optimizer.tx,
-      nnx.as_pure(optimizer.opt_state),
-      nnx.as_pure(nnx.state(model, optimizer.wrt)),
-    ):
+    scope = (
+      superoffload.overlap_scan(
+        optimizer.tx,
+        nnx.as_pure(optimizer.opt_state),
+        nnx.as_pure(nnx.state(model, optimizer.wrt)),
+      )
+      if overlap_scan
+      else contextlib.nullcontext()
+    )
+    with scope:
       loss, grads = grad_fn(model, inputs_BxL, targets_BxL)
       grad_norm = global_norm(
         _applied_gradient(model_lib.device_copy(model, grads), optimizer)
@@ -251,7 +261,9 @@ def build(cfg: config_lib.Config, mesh: Mesh) -> Trainable:
     model=model,
     optimizer=optimizer,
     schedule=schedule,
-    train_step=make_train_step(model, optimizer, mesh, cfg.update_norm),
+    train_step=make_train_step(
+      model, optimizer, mesh, cfg.update_norm, cfg.overlap_scan
+    ),
     eval_step=make_eval_step(model, optimizer, mesh),
     state=nnx.state((model, optimizer)),
     num_params=num_params,
