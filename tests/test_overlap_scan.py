@@ -317,13 +317,13 @@ def test_an_eager_step_equals_the_eager_step_without_the_scope():
   _assert_bitwise(step(True), step(False))
 
 
-@pytest.mark.parametrize('policy', ['stationary', 'flow'])
-def test_the_trainers_scanned_step_starts_rows_and_keeps_its_numbers(policy):
-  """The trainer opens the scope around nnx's gradient and nnx.Optimizer."""
+def _trainer_run(overlap: bool, **fields):
+  """Three trainer steps: the state after them, and the compiled step."""
   from experiments.trainer import config as config_lib
   from experiments.trainer import steps as steps_lib
 
-  fields = dict(
+  cfg = config_lib.get_config(
+    'demo',
     executor='stream',
     scan_layers=True,
     num_layers=3,
@@ -332,25 +332,34 @@ def test_the_trainers_scanned_step_starts_rows_and_keeps_its_numbers(policy):
     mlp_dim=128,
     seq_len=32,
     batch_size=4,
-    weights_policy=policy,
+    overlap_scan=overlap,
+    **fields,
   )
   rng = np.random.default_rng(0)
-  batches = [
-    rng.integers(0, config_lib.get_config('demo').vocab_size, (2, 4, 32))
-    for _ in range(3)
-  ]
+  trainable = steps_lib.build(cfg, steps_lib.make_mesh(cfg))
+  state = trainable.state
+  for _ in range(3):
+    inputs, targets = rng.integers(0, cfg.vocab_size, (2, 4, 32))
+    state, _ = trainable.train_step(state, inputs, targets)
+  hlo = trainable.train_step.lower(state, inputs, targets).compile()
+  return jax.tree.map(np.asarray, state), hlo.as_text()
 
-  def run(overlap):
-    cfg = config_lib.get_config('demo', overlap_scan=overlap, **fields)
-    trainable = steps_lib.build(cfg, steps_lib.make_mesh(cfg))
-    state = trainable.state
-    for inputs, targets in batches:
-      state, _ = trainable.train_step(state, inputs, targets)
-    hlo = trainable.train_step.lower(state, inputs, targets).compile()
-    return jax.tree.map(np.asarray, state), hlo.as_text()
 
-  scoped, hlo = run(True)
+@pytest.mark.parametrize('zero', [False, True], ids=['replicated', 'zero'])
+def test_a_step_over_several_devices_starts_after_the_loop(zero):
+  """XLA's SPMD partitioner refuses a side-effecting call without a
+  sharding (a row step has no result to carry one): across devices the
+  scope does nothing, and the trainer's numbers stay."""
+  scoped, hlo = _trainer_run(True, mesh_data=2, zero=zero)
+  assert 'jax_superoffload_adam_step_row' not in hlo
+  _assert_bitwise(scoped, _trainer_run(False, mesh_data=2, zero=zero)[0])
+
+
+@pytest.mark.parametrize('policy', ['stationary', 'flow'])
+def test_the_trainers_scanned_step_starts_rows_and_keeps_its_numbers(policy):
+  """The trainer opens the scope around nnx's gradient and nnx.Optimizer."""
+  scoped, hlo = _trainer_run(True, weights_policy=policy)
   assert 'custom_call_target="jax_superoffload_adam_step_row"' in hlo
-  plain, hlo = run(False)
+  plain, hlo = _trainer_run(False, weights_policy=policy)
   assert 'jax_superoffload_adam_step_row' not in hlo
   _assert_bitwise(scoped, plain)

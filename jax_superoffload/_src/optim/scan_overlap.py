@@ -102,6 +102,20 @@ def _eligible(opts, plan, state, params) -> list[int]:
   return out
 
 
+def _one_device(tree: Any) -> bool:
+  """Whether nothing in `tree`, nor the mesh in context, spans devices.
+
+  XLA's SPMD partitioner wants a sharding on every side-effecting call,
+  and a row step, which has no result, gets none from its operands.
+  """
+  meshes = [jax.sharding.get_abstract_mesh()]
+  for x in jax.tree.leaves(tree):
+    meshes.append(
+      getattr(getattr(jax.typeof(x), 'sharding', None), 'mesh', None)
+    )
+  return all(m is None or m.empty or m.size == 1 for m in meshes)
+
+
 def _plan_staging(plan, params) -> int:
   """The staging bound of the plan's host buckets (`steps.staged_bytes`)."""
   bound = 0
@@ -186,6 +200,8 @@ def overlap_scan(
   active = opts is not None and len(ours) == 1 and opt_state is ours[0]
   if active and following.split_of(ours[0].master, params) is not None:
     active = False  # A split state steps per shard, after the loop.
+  if active and not _one_device((ours[0].master, params)):
+    active = False  # A row step has no result to carry a sharding.
   scope = _Scope(opts, ours[0], params) if active else None
   token = _SCOPE.set(scope)
   try:
