@@ -254,11 +254,23 @@ def test_stream_overlaps_the_backward_pass(layout):
   calls = result['optimizer_calls']
   assert len([c for c in calls if not c['waits']]) >= 2, calls
   assert result['first_start_at'] < 0.3, calls
+  _check_rows(calls, 2 if layout == 'scan' else 0)
+  assert result['first_wait_at'] == 1.0, calls
+
+
+def _check_rows(calls: list, layers: int) -> None:
+  """One row step per decay group and layer, the first before the last
+  layer's backward, none waited for where it starts."""
   rows = [c for c in calls if c['target'].endswith('_adam_step_row')]
-  if layout == 'scan':
-    assert len(rows) == 2 * 2, calls  # Two groups, two layers.
+  assert len(rows) == 2 * layers, calls
+  if rows:
     assert rows[0]['backward_flops_before'] < 0.75, calls
     assert not any(c['waits'] for c in rows), calls
-  else:
-    assert not rows, calls
-  assert result['first_wait_at'] == 1.0, calls
+
+
+# Weight flow (the stacks in host memory): the rows start in the loop too.
+# (Its output layer's bucket starts after the loop, as before overlap_scan:
+# at two layers the first start is the first row's, at 50%.)
+def test_weight_flow_starts_the_rows_in_the_backward_loop():
+  flow = (*SMALL, ('weights_policy', 'flow'))
+  _check_rows(compiled('stream', 'scan', overrides=flow)['optimizer_calls'], 2)
