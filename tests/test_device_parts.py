@@ -19,7 +19,7 @@ from experiments.device import check_parts
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PARTS = (
   'link opt:stream opt:stream:bfloat16 opt:stream+stv opt:stream+clip '
-  'train:stream:noscan:4 profile:stream'
+  'train:stream:noscan:4 train:stream+after-loop:scan:4 profile:stream'
 )
 
 
@@ -66,6 +66,8 @@ def _good_rows() -> list[dict]:
     {'part': 'profile', 'case': 'stream', 'top': [['t', 'e', 1, 0.1]]},
     {'part': 'capacity', 'case': 'stream', 'search': {'largest': 4}}
     | {'trained': {'losses': [1.0]}},
+    {'part': 'train', 'case': 'stream+after-loop', 'layout': 'scan'}
+    | {'losses': [3, 2], 'executor': 'stream'},
   ]
 
 
@@ -85,6 +87,7 @@ def test_check_parts_passes_usable_results():
     (5, {'losses': [3]}, 'fewer than 2 losses'),
     (6, {'top': [['t', 'e']]}, 'no profile rows'),
     (7, {'trained': None}, 'no fitting model'),
+    (8, {'executor': 'ffi'}, 'trained with ffi, not stream'),
     (3, {'error': 'RESOURCE_EXHAUSTED'}, 'error RESOURCE_EXHAUSTED'),
     (3, {'dry_run': True}, 'dry_run is True'),
   ],

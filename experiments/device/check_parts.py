@@ -47,6 +47,7 @@ def _train(r: dict[str, Any]) -> list[str]:
   if len(r.get('losses') or []) < 2:
     bad.append('fewer than 2 losses')
   case, got = r.get('case'), r.get('executor') or r.get('optimizer')
+  case = (case or '').partition('+')[0]  # "stream+after-loop": stream.
   if case != 'optax' and got != case:
     bad.append(f'trained with {got}, not {case}')
   if r.get('layout') not in ('scan', 'noscan'):

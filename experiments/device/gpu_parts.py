@@ -218,12 +218,19 @@ def part_train(case: str, layout: str, batch: int, dry: bool) -> dict:
   if sizes is None:
     sizes = gpu_analysis.gpu_sizes(gpu_bench._device_limit())
   sizes = dataclasses.replace(sizes, batch=batch if not dry else sizes.batch)
-  name = case if case == 'optax' else f'superoffload:{case}'
-  scan = layout == 'scan'
+  # "stream+after-loop": scanned blocks start after the backward loop (the
+  # trainer's overlap_scan off), to set against the default's in-loop rows.
+  executor, _, variant = case.partition('+')
+  if variant not in ('', 'after-loop'):
+    raise ValueError(f'unknown train variant {variant!r} in {case!r}')
+  name = case if case == 'optax' else f'superoffload:{executor}'
+  fixed = {'scan_layers': layout == 'scan'}
+  if variant:
+    fixed['overlap_scan'] = False
   original = gpu_bench._decoder_config
 
   def config(s, c, **over):
-    return original(s, c, **({'scan_layers': scan} | over))
+    return original(s, c, **(fixed | over))
 
   gpu_bench._decoder_config = config
   try:
