@@ -363,3 +363,26 @@ def test_the_trainers_scanned_step_starts_rows_and_keeps_its_numbers(policy):
   plain, hlo = _trainer_run(False, weights_policy=policy)
   assert 'jax_superoffload_adam_step_row' not in hlo
   _assert_bitwise(scoped, plain)
+
+
+def test_a_schedule_and_a_single_layer_keep_the_numbers():
+  """The step's scalars (a schedule's value) reach the rows as operands."""
+  schedule = optax.cosine_decay_schedule(1e-2, 10)
+  tx = superoffload.adamw(
+    schedule,
+    weight_decay=0.1,
+    offload=superoffload.Offload(executor='stream'),
+  )
+
+  def run(scoped):
+    blocks = {'w': 0.3 * jnp.ones((1, D, D)), 'b': jnp.ones((1, D))}
+    blocks['norm'] = jnp.ones((1, D))
+    params = {'blocks': blocks, 'scale': jnp.ones((D,))}
+    state = tx.init(params)
+    step = _step(tx, scoped, True)
+    for i in range(3):
+      params, state = step(params, state, _batch(i))
+    return jax.tree.map(np.asarray, (params, state))
+
+  assert len(_rows_in_loop(tx)) == 1
+  _assert_bitwise(run(True), run(False))
