@@ -15,17 +15,21 @@ from collections.abc import Iterator
 from typing import Any
 from typing import NamedTuple
 
+import jax
+
 
 class Hooks(NamedTuple):
   """What an open scope does to layer stacks.
 
-  `stack(stacked_params, params_path)`, before a stack's scan; and
-  `layer(layer_params, row, params_path) -> layer_params`, on each layer's
-  weights inside it.
+  `stack(stacked_params, params_path, unroll) -> stacked_params`, before a
+  stack's scan; and `layer(layer_params, row, params_path) ->
+  layer_params`, on each layer's weights inside it.
   """
 
-  stack: Callable[[Any, Any], None]
+  stack: Callable[[Any, Any, Any], Any]
   layer: Callable[[Any, Any, Any], Any]
+  # moved(x, y): `y` is `x` moved to another memory (the same values).
+  moved: Callable[[Any, Any], None]
 
 
 _HOOKS: contextvars.ContextVar[Hooks | None] = contextvars.ContextVar(
@@ -33,15 +37,17 @@ _HOOKS: contextvars.ContextVar[Hooks | None] = contextvars.ContextVar(
 )
 
 
-def stack_starts(stacked_params: Any, params_path: Any) -> None:
-  """Tells the open scope, if any, that a stack's scan is about to run.
+def stack_starts(stacked_params: Any, params_path: Any, unroll: Any) -> Any:
+  """`stacked_params`, as the open scope's hook passes them to the scan.
 
   `params_path` is where the stack sits in the optimizer's parameters
-  (None: the caller did not say, and nothing is hooked).
+  (None: the caller did not say, and nothing is hooked); `unroll` the
+  scan's.
   """
   hooks = _HOOKS.get()
-  if hooks is not None and params_path is not None:
-    hooks.stack(stacked_params, params_path)
+  if hooks is None or params_path is None:
+    return stacked_params
+  return hooks.stack(stacked_params, params_path, unroll)
 
 
 def layer_weights(layer_params: Any, row: Any, params_path: Any) -> Any:
@@ -53,6 +59,15 @@ def layer_weights(layer_params: Any, row: Any, params_path: Any) -> Any:
   if hooks is None or params_path is None:
     return layer_params
   return hooks.layer(layer_params, row, params_path)
+
+
+def moved(tree: Any, new: Any) -> Any:
+  """`new`, told to the open scope as `tree`'s leaves moved; returns it."""
+  hooks = _HOOKS.get()
+  if hooks is not None:
+    for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(new), strict=True):
+      hooks.moved(x, y)
+  return new
 
 
 @contextlib.contextmanager

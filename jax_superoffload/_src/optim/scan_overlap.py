@@ -14,9 +14,18 @@ a value only the loop computes).
 Only leaves whose step the row step takes exactly are started in the loop:
 the "stream" executor, fp32 parameters and moments in host memory, no STV,
 ZeRO, 8-bit moments or double buffering, and not in a device bucket or on
-optax's path. Everything else keeps its start after the loop, and with
-any other transformation (optax's, or ours inside a wrapper such as
-`optax.chain` or `optax.MultiSteps`) the scope does nothing.
+optax's path; a rolled loop (`unroll=1`) of two layers or more, whose
+stack leaves are the parameters' own dtype; one device. Everything else
+keeps its start after the loop, and with any other transformation
+(optax's, or ours inside a wrapper such as `optax.chain` or
+`optax.MultiSteps`) the scope does nothing.
+
+The rows step with the gradient each stack leaf leaves its loop with, and
+re-seed from the parameters the scope was opened with. So `update` must
+get exactly that gradient (the very value, or `fetch_stacked`'s copy of
+it): a leaf also used outside its scan, a stack transformed before it, a
+gradient scaled, clipped or summed after it, or one from an inner `jit`,
+is refused at trace time (`check_gradients`), before anything runs.
 
 At the scope's opening, the state of those leaves passes through the join
 once: the row steps then write buffers of the step's own (a state the
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
@@ -153,6 +163,12 @@ class _Scope:
     # those of each stack into `stacks` when the stack runs.
     self.candidates = {i: tuple(run[i] for run in runs) for i in ids}
     self.stacks: dict[int, tuple] = {}
+    self.params = leaves  # A stack's leaves must be these (`acquire`).
+    self.active: set[tuple] = set()  # The params_paths whose rows start.
+    # The cotangent each started stack leaf left its scan with: update
+    # must get exactly that gradient (see `check_gradients`).
+    self.cotangents: dict[int, Any] = {}
+    self.moves: dict[int, list] = {}  # Copies of them (`layer_hooks.moved`).
     self.reserve = _plan_staging(self.plan, leaves) if ids else 0
     self.started: set[int] = set()
     self.claimed = False
@@ -176,7 +192,8 @@ def overlap_scan(
   The numbers are those of the same step without the scope, bit for bit.
   Which leaves start in the loop, and when the scope does nothing, is in
   the module's doc. One gradient per scope, and `tx.update` must receive
-  it as the backward pass made it: the layers' steps have already used it.
+  it as the backward pass made it: the layers' steps have already used it
+  (anything else is refused when `tx.update` is traced).
 
   Args:
     tx: The transformation `superoffload.adam` / `adamw` returned. Any
@@ -205,7 +222,9 @@ def overlap_scan(
   scope = _Scope(opts, ours[0], params) if active else None
   token = _SCOPE.set(scope)
   try:
-    hooks = None if scope is None else layer_hooks.Hooks(acquire, hook)
+    hooks = None
+    if scope is not None:
+      hooks = layer_hooks.Hooks(acquire, hook, functools.partial(_moved, scope))
     with layer_hooks.hooked(hooks):
       yield
   finally:
@@ -214,7 +233,8 @@ def overlap_scan(
     raise RuntimeError(
       'overlap_scan: layers started their host steps in the backward pass, '
       'but tx.update was not called inside the scope; call it there, with '
-      'the gradients and the state the scope was opened with'
+      'the gradients and the state the scope was opened with, on the '
+      'transformation the scope was opened with'
     )
 
 
@@ -241,7 +261,8 @@ def _matched(scope: _Scope, tree: Any, params_path: Any, pool: dict, rows):
     if i not in pool:
       continue
     shape = pool[i][0].shape
-    if jnp.shape(x) == (shape if rows is not None else shape[1:]):
+    same = jnp.result_type(x) == pool[i][0].dtype  # A cast stack is not it.
+    if same and jnp.shape(x) == (shape if rows is not None else shape[1:]):
       take.append(j)
   return take, [found[j] for j in take]
 
@@ -285,24 +306,103 @@ def _calls(scope: _Scope, ids: list[int]) -> list[tuple[int, list[int]]]:
   return list(groups.items())
 
 
-def acquire(stacked: Any, params_path: Any) -> None:
-  """Hands the state of `stacked`'s leaves to the row steps, once.
+def acquire(stacked: Any, params_path: Any, unroll: Any) -> Any:
+  """`stacked`, its leaves' state handed to the row steps, once.
 
   Called before the stack's scan: the state passes through the join (see
   the module doc), outside the loop, and the layers' rows then write it.
+  The stack passes through an identity whose backward notes the gradient
+  each leaf leaves the scan with. Only a rolled loop of two layers or
+  more starts rows: unrolled (or a loop XLA may inline), the row steps'
+  writes, which XLA does not see, could land in a buffer it copied.
   """
   scope = _SCOPE.get()
   leaves = jax.tree.leaves(stacked)
-  if scope is None or not leaves:
-    return
+  rolled = unroll is False or (unroll is not True and unroll == 1)
+  if scope is None or not leaves or not rolled:
+    return stacked
   rows = jnp.shape(leaves[0])[0]
-  _, ids = _matched(scope, stacked, params_path, scope.candidates, rows)
-  ids = [i for i in ids if i not in scope.stacks]
-  flat = [scope.candidates[i][r] for r in range(3) for i in ids]
+  if rows < 2:
+    return stacked
+  take, ids = _matched(scope, stacked, params_path, scope.candidates, rows)
+  values = jax.tree.leaves(stacked)
+  if not take or any(
+    _primal(values[j]) is not scope.params[i]
+    for j, i in zip(take, ids, strict=True)
+  ):
+    # Not the parameters themselves (weights perturbed or moved before
+    # the scan): the rows would re-seed from other weights than update.
+    return stacked
+  fresh = [i for i in ids if i not in scope.stacks]
+  flat = [scope.candidates[i][r] for r in range(3) for i in fresh]
   joined, _ = grace_adam.join_rows(flat, jnp.zeros((), jnp.int32))
-  n = len(ids)
-  for j, i in enumerate(ids):
+  n = len(fresh)
+  for j, i in enumerate(fresh):
     scope.stacks[i] = (joined[j], joined[n + j], joined[2 * n + j])
+  scope.active.add(as_path(params_path))
+  return _noted(scope, stacked, take, ids)
+
+
+def _primal(x: Any) -> Any:
+  """`x` without the differentiation tracers around it (their primal)."""
+  while isinstance(x, jax.core.Tracer) and hasattr(x, 'primal'):
+    x = x.primal
+  return x
+
+
+def _noted(scope: _Scope, stacked: Any, take: list[int], ids: list[int]):
+  """`stacked`, whose backward notes its leaves' cotangents in `scope`."""
+
+  @jax.custom_vjp
+  def noted(xs):
+    return xs
+
+  def forward(xs):
+    return xs, None
+
+  def backward(_, cts):
+    for i, ct in zip(ids, cts, strict=True):
+      scope.cotangents[i] = ct
+    return (cts,)
+
+  noted.defvjp(forward, backward)
+  values, treedef = jax.tree.flatten(stacked)
+  out = noted([values[j] for j in take])
+  for j, x in zip(take, out, strict=True):
+    values[j] = x
+  return jax.tree.unflatten(treedef, values)
+
+
+def _moved(scope: _Scope, x: Any, y: Any) -> None:
+  """Notes `y`, a copy of `x` in another memory, as `x`'s gradient."""
+  for i, ct in list(scope.cotangents.items()):
+    if x is ct:
+      scope.moves.setdefault(i, []).append(y)
+
+
+def check_gradients(scope: _Scope, updates: Any) -> None:
+  """Raises unless `update` got the gradients the started stacks made.
+
+  The rows stepped with the gradient each stack leaf left its scan with;
+  a gradient that is anything else (the leaf also used outside the scan,
+  a loss scale, clipping, a sum over micro-batches, a transformed stack)
+  would be stepped twice over, or wrongly. So it must be that very value.
+
+  Raises:
+    ValueError: Naming the first leaf whose gradient is another value.
+  """
+  leaves = jax.tree.leaves(updates)
+  for i in sorted(scope.started):
+    same = [scope.cotangents.get(i), *scope.moves.get(i, ())]
+    if i >= len(leaves) or not any(leaves[i] is x for x in same):
+      raise ValueError(
+        'overlap_scan: the gradient update got for parameter '
+        f'{scope.plan.lay.paths[i]} is not the one its stack left the '
+        'backward loop with (the leaf used outside the scan too, the '
+        'stack transformed before it, or the gradient changed after it: '
+        'scaled, clipped, summed); its layers have stepped with the '
+        "loop's. Run the step without overlap_scan"
+      )
 
 
 def hook(layer_params: Any, row: jax.Array, params_path: Any) -> Any:
@@ -310,12 +410,14 @@ def hook(layer_params: Any, row: jax.Array, params_path: Any) -> Any:
 
   Called by `weight_flow_scan` on each layer's weights in device memory
   (weight flow: the stacks live in host memory), with the loop's counter
-  `row`. Outside an active scope, or without `params_path`, it returns
-  `layer_params` as they are. The rule holds each layer's gradients until
-  its calls, which XLA places at the end of the layer's backward.
+  `row`. Outside an active scope, or for a stack `acquire` did not take,
+  it returns `layer_params` as they are. The rows re-seed from these
+  weights, which `acquire` saw are the parameters the scope was opened
+  with. The rule holds each layer's gradients until its calls, which XLA
+  places at the end of the layer's backward.
   """
   scope = _SCOPE.get()
-  if scope is None:
+  if scope is None or as_path(params_path) not in scope.active:
     return layer_params
   take, ids = _matched(scope, layer_params, params_path, scope.stacks, None)
   if not take:
@@ -370,6 +472,14 @@ def claim(opts, state: Any) -> _Scope | None:
   if not same:
     return None
   scope.claimed = True
+  return scope
+
+
+def claimed_with(opts, state: Any, updates: Any) -> _Scope | None:
+  """`claim`, and the gradients checked (`check_gradients`)."""
+  scope = claim(opts, state)
+  if scope is not None:
+    check_gradients(scope, updates)
   return scope
 
 

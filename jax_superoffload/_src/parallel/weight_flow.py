@@ -99,7 +99,8 @@ def fetch_stacked(tree: Any) -> Any:
   Returns:
     The same tree with every leaf in device memory.
   """
-  return jax.tree.map(host_memory.to_device, tree)
+  # A started stack's gradient moved so is still the one its scan made.
+  return layer_hooks.moved(tree, jax.tree.map(host_memory.to_device, tree))
 
 
 def match_placement(tree: Any, like: Any) -> Any:
@@ -282,7 +283,7 @@ def weight_flow_scan(
     layer_params, x = inputs
     return layer_fn(layer_params, carry, x)
 
-  layer_hooks.stack_starts(stacked_params, params_path)
+  stacked_params = layer_hooks.stack_starts(stacked_params, params_path, unroll)
   leaves = jax.tree.leaves(stacked_params)
   rows = None
   if params_path is not None and leaves:
