@@ -366,7 +366,8 @@ def test_the_trainers_scanned_step_starts_rows_and_keeps_its_numbers(policy):
 
 
 def test_a_schedule_and_a_single_layer_keep_the_numbers():
-  """The step's scalars (a schedule's value) reach the rows as operands."""
+  """A schedule's value reaches the rows as an operand (three layers: one
+  row call); a one-layer stack starts nothing, and keeps its numbers."""
   schedule = optax.cosine_decay_schedule(1e-2, 10)
   tx = superoffload.adamw(
     schedule,
