@@ -366,8 +366,13 @@ def _noted(scope: _Scope, stacked: Any, take: list[int], ids: list[int]):
     return (cts,)
 
   noted.defvjp(forward, backward)
-  values, treedef = jax.tree.flatten(stacked)
-  out = noted([values[j] for j in take])
+  return _through(noted, stacked, take)
+
+
+def _through(fn, tree: Any, take: list[int], *args: Any) -> Any:
+  """`tree` with its leaves at `take` replaced by `fn(those leaves, *args)`."""
+  values, treedef = jax.tree.flatten(tree)
+  out = fn([values[j] for j in take], *args)
   for j, x in zip(take, out, strict=True):
     values[j] = x
   return jax.tree.unflatten(treedef, values)
@@ -422,7 +427,6 @@ def hook(layer_params: Any, row: jax.Array, params_path: Any) -> Any:
   take, ids = _matched(scope, layer_params, params_path, scope.stacks, None)
   if not take:
     return layer_params
-  values, treedef = jax.tree.flatten(layer_params)
   stacks = [scope.stacks[i] for i in ids]
   hypers = [scope.hyper[g] for g, _ in _calls(scope, ids)]
 
@@ -442,18 +446,16 @@ def hook(layer_params: Any, row: jax.Array, params_path: Any) -> Any:
     return grads, None, None, None
 
   started.defvjp(forward, backward)
-  out = started([values[j] for j in take], row, stacks, hypers)
-  for j, x in zip(take, out, strict=True):
-    values[j] = x
-  return jax.tree.unflatten(treedef, values)
+  return _through(started, layer_params, take, row, stacks, hypers)
 
 
-def claim(opts, state: Any) -> _Scope | None:
-  """The open scope `update(opts, ..., state)` finishes, if any.
+def claim(opts, state: Any, updates: Any) -> _Scope | None:
+  """The open scope `update(opts, updates, state)` finishes, if any.
 
   Raises:
     ValueError: If layers started their steps but `state` is not the one
-      the scope was opened with, or `update` is called twice in it.
+      the scope was opened with, `update` is called twice in it, or
+      `updates` are not the gradients the rows took (`check_gradients`).
   """
   scope = _SCOPE.get()
   if scope is None or scope.opts is not opts:
@@ -472,14 +474,7 @@ def claim(opts, state: Any) -> _Scope | None:
   if not same:
     return None
   scope.claimed = True
-  return scope
-
-
-def claimed_with(opts, state: Any, updates: Any) -> _Scope | None:
-  """`claim`, and the gradients checked (`check_gradients`)."""
-  scope = claim(opts, state)
-  if scope is not None:
-    check_gradients(scope, updates)
+  check_gradients(scope, updates)
   return scope
 
 
