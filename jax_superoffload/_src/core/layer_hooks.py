@@ -21,12 +21,13 @@ import jax
 class Hooks(NamedTuple):
   """What an open scope does to layer stacks.
 
-  `stack(stacked_params, params_path, unroll) -> stacked_params`, before a
-  stack's scan; and `layer(layer_params, row, params_path) ->
-  layer_params`, on each layer's weights inside it.
+  `stack(stacked_params, params_path, unroll, inputs) -> stacked_params`,
+  before a stack's scan of `inputs` (its carry and xs); and
+  `layer(layer_params, row, params_path) -> layer_params`, on each layer's
+  weights inside it.
   """
 
-  stack: Callable[[Any, Any, Any], Any]
+  stack: Callable[[Any, Any, Any, Any], Any]
   layer: Callable[[Any, Any, Any], Any]
   # moved(x, y): `y` is `x` moved to another memory (the same values).
   moved: Callable[[Any, Any], None]
@@ -37,17 +38,19 @@ _HOOKS: contextvars.ContextVar[Hooks | None] = contextvars.ContextVar(
 )
 
 
-def stack_starts(stacked_params: Any, params_path: Any, unroll: Any) -> Any:
+def stack_starts(
+  stacked_params: Any, params_path: Any, unroll: Any, inputs: Any
+) -> Any:
   """`stacked_params`, as the open scope's hook passes them to the scan.
 
   `params_path` is where the stack sits in the optimizer's parameters
   (None: the caller did not say, and nothing is hooked); `unroll` the
-  scan's.
+  scan's, and `inputs` the rest it scans (carry and xs).
   """
   hooks = _HOOKS.get()
   if hooks is None or params_path is None:
     return stacked_params
-  return hooks.stack(stacked_params, params_path, unroll)
+  return hooks.stack(stacked_params, params_path, unroll, inputs)
 
 
 def layer_weights(layer_params: Any, row: Any, params_path: Any) -> Any:

@@ -306,7 +306,7 @@ def _calls(scope: _Scope, ids: list[int]) -> list[tuple[int, list[int]]]:
   return list(groups.items())
 
 
-def acquire(stacked: Any, params_path: Any, unroll: Any) -> Any:
+def acquire(stacked: Any, params_path: Any, unroll: Any, inputs: Any) -> Any:
   """`stacked`, its leaves' state handed to the row steps, once.
 
   Called before the stack's scan: the state passes through the join (see
@@ -314,12 +314,14 @@ def acquire(stacked: Any, params_path: Any, unroll: Any) -> Any:
   The stack passes through an identity whose backward notes the gradient
   each leaf leaves the scan with. Only a rolled loop of two layers or
   more starts rows: unrolled (or a loop XLA may inline), the row steps'
-  writes, which XLA does not see, could land in a buffer it copied.
+  writes, which XLA does not see, could land in a buffer it copied. Nor
+  does a scan of per-example `inputs` (its carry and xs under a `vmap`):
+  its rows would step once per example.
   """
   scope = _SCOPE.get()
   leaves = jax.tree.leaves(stacked)
   rolled = unroll is False or (unroll is not True and unroll == 1)
-  if scope is None or not leaves or not rolled:
+  if scope is None or not leaves or not rolled or _per_example(inputs):
     return stacked
   rows = jnp.shape(leaves[0])[0]
   if rows < 2:
@@ -348,6 +350,19 @@ def _primal(x: Any) -> Any:
   while isinstance(x, jax.core.Tracer) and hasattr(x, 'primal'):
     x = x.primal
   return x
+
+
+def _per_example(tree: Any) -> bool:
+  """Whether a leaf of `tree` is a `vmap`'s value, under any other tracer.
+
+  By the tracer's class name: JAX exports no test for it.
+  """
+  for x in jax.tree.leaves(tree):
+    while isinstance(x, jax.core.Tracer):
+      if type(x).__name__ == 'BatchTracer':
+        return True
+      x = getattr(x, 'primal', getattr(x, 'val', None))
+  return False
 
 
 def _noted(scope: _Scope, stacked: Any, take: list[int], ids: list[int]):
@@ -449,21 +464,46 @@ def hook(layer_params: Any, row: jax.Array, params_path: Any) -> Any:
   return _through(started, layer_params, take, row, stacks, hypers)
 
 
+def _same_options(a, b) -> bool:
+  """Whether two transformations' options step the state alike.
+
+  An equal transformation built twice counts (its options compare equal);
+  options that cannot be compared (a schedule, a traced clipping norm
+  built apart) count as different.
+  """
+  if a is b:
+    return True
+  try:
+    return bool(a == b)
+  except Exception:  # A tracer's truth value, for one.
+    return False
+
+
 def claim(opts, state: Any, updates: Any) -> _Scope | None:
   """The open scope `update(opts, updates, state)` finishes, if any.
 
   Raises:
     ValueError: If layers started their steps but `state` is not the one
-      the scope was opened with, `update` is called twice in it, or
-      `updates` are not the gradients the rows took (`check_gradients`).
+      the scope was opened with, `update` is called twice in it, by a
+      transformation with other options, or `updates` are not the
+      gradients the rows took (`check_gradients`).
   """
   scope = _SCOPE.get()
-  if scope is None or scope.opts is not opts:
+  if scope is None:
     return None
   masters = jax.tree.leaves(state.master)
   same = len(masters) == len(scope.masters) and all(
     a is b for a, b in zip(masters, scope.masters, strict=True)
   )
+  if not _same_options(scope.opts, opts):
+    if scope.started and same:
+      raise ValueError(
+        'overlap_scan: the layers started their host steps with the options '
+        'of the transformation the scope was opened with, and update was '
+        'called on that state by a transformation with other options; '
+        'open the scope with the transformation whose update you call'
+      )
+    return None
   if scope.started and (not same or scope.claimed):
     raise ValueError(
       'overlap_scan: layers started their host steps on the state the '

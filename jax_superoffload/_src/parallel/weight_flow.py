@@ -283,7 +283,9 @@ def weight_flow_scan(
     layer_params, x = inputs
     return layer_fn(layer_params, carry, x)
 
-  stacked_params = layer_hooks.stack_starts(stacked_params, params_path, unroll)
+  stacked_params = layer_hooks.stack_starts(
+    stacked_params, params_path, unroll, (carry, xs)
+  )
   leaves = jax.tree.leaves(stacked_params)
   rows = None
   if params_path is not None and leaves:
