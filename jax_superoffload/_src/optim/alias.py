@@ -19,7 +19,7 @@ from jax_superoffload._src.core import host_memory
 from jax_superoffload._src.core import layout
 from jax_superoffload._src.optim import init as init_lib
 from jax_superoffload._src.optim import options as options_lib
-from jax_superoffload._src.optim import scan_overlap
+from jax_superoffload._src.optim import scan_scope
 from jax_superoffload._src.optim import update as update_lib
 from jax_superoffload._src.optim.offload import Offload
 
@@ -310,5 +310,5 @@ def _transformation(
     return update_lib.update_following(opts, read(updates), state, read(params))
 
   # How `overlap_scan` knows the transformation is ours, and its options.
-  setattr(update_fn, scan_overlap.OPTIONS_ATTRIBUTE, opts)
+  setattr(update_fn, scan_scope.OPTIONS_ATTRIBUTE, opts)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

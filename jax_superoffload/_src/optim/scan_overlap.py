@@ -36,142 +36,20 @@ results are), and the buckets of `update` read the same buffers.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Iterator
-from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from jax_superoffload._src.core import host_memory
 from jax_superoffload._src.core import layer_hooks
 from jax_superoffload._src.host import grace_adam
 from jax_superoffload._src.host import steps
+from jax_superoffload._src.optim import scan_hooks
+from jax_superoffload._src.optim import scan_scope
 from jax_superoffload._src.optim import state as state_lib
 from jax_superoffload._src.parallel import following
-
-_SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
-  'jax_superoffload_overlap_scan', default=None
-)
-# Set on the update function of `adam` / `adamw` (alias.py).
-OPTIONS_ATTRIBUTE = '_superoffload_options'
-
-
-def _name(key: Any) -> Any:
-  """A path key's name, whatever its kind (dict, attribute, index)."""
-  for field in ('key', 'name', 'idx'):
-    if hasattr(key, field):
-      return getattr(key, field)
-  return key
-
-
-def _names(path: Sequence[Any]) -> tuple:
-  """A path's key names, without the ``.value`` a Flax Variable adds."""
-  path = list(path)
-  last = path[-1] if path else None
-  if isinstance(last, jax.tree_util.GetAttrKey) and last.name == 'value':
-    path.pop()
-  return tuple(_name(k) for k in path)
-
-
-def as_path(params_path: Any) -> tuple:
-  """`weight_flow_scan`'s `params_path` as a tuple of key names."""
-  if isinstance(params_path, (str, int)):
-    return (params_path,)
-  return _names(params_path)
-
-
-def _eligible(opts, plan, state, params) -> list[int]:
-  """The leaves whose step `adam_step_row` takes exactly (module doc)."""
-  if (
-    opts.executor.name != 'stream'
-    or opts.use_stv
-    or opts.zero is not None
-    or opts.moments_8bit
-    or opts.double_buffered
-  ):
-    return []
-  runs = [jax.tree.leaves(getattr(state, n)) for n in ('master', 'mu', 'nu')]
-  skip = set(plan.lay.fallback)
-  out = []
-  for i, p in enumerate(params):
-    if i in skip or plan.bucket_of.get(i) in plan.on_device:
-      continue
-    if jnp.result_type(p) != jnp.float32 or not jnp.ndim(p) or not jnp.size(p):
-      continue
-    if all(
-      x.dtype == jnp.float32
-      and x.shape == jnp.shape(p)
-      and not host_memory.typed_on_device(x)
-      for x in (run[i] for run in runs)
-    ):
-      out.append(i)
-  return out
-
-
-def _one_device(tree: Any) -> bool:
-  """Whether nothing in `tree`, nor the mesh in context, spans devices.
-
-  XLA's SPMD partitioner wants a sharding on every side-effecting call,
-  and a row step, which has no result, gets none from its operands.
-  """
-  meshes = [jax.sharding.get_abstract_mesh()]
-  for x in jax.tree.leaves(tree):
-    meshes.append(
-      getattr(getattr(jax.typeof(x), 'sharding', None), 'mesh', None)
-    )
-  return all(m is None or m.empty or m.size == 1 for m in meshes)
-
-
-def _plan_staging(plan, params) -> int:
-  """The staging bound of the plan's host buckets (`steps.staged_bytes`)."""
-  bound = 0
-  for group in plan.lay.groups:
-    for bucket in group.buckets:
-      ids = [group.leaves[j] for j in bucket]
-      leaves = [params[i] for i in ids]
-      if plan.bucket_of.get(ids[0]) not in plan.on_device:
-        bound = max(bound, steps.staged_bytes(leaves, leaves))
-  return bound
-
-
-class _Scope:
-  """An open `overlap_scan`: what the hooks and `update` share while tracing."""
-
-  def __init__(self, opts, state, params: Any):
-    self.opts = opts
-    self.masters = jax.tree.leaves(state.master)
-    self.plan = state_lib.bucketing_for(opts, params, state.placement)
-    with_paths = jax.tree.leaves_with_path(params)
-    leaves = [x for _, x in with_paths]
-    self.paths = {_names(p): i for i, (p, _) in enumerate(with_paths)}
-    ids = _eligible(opts, self.plan, state, leaves)
-    if len(leaves) != len(self.masters):
-      ids = []
-    self.group_of = {
-      i: g for g, group in enumerate(self.plan.lay.groups) for i in group.leaves
-    }
-    self.hyper = {
-      g: opts.hyperparams(state.count, decay=group.decay)
-      for g, group in enumerate(self.plan.lay.groups)
-    }
-    runs = [jax.tree.leaves(getattr(state, n)) for n in ('master', 'mu', 'nu')]
-    # The state of the leaves a stack may start, as given; `acquire` moves
-    # those of each stack into `stacks` when the stack runs.
-    self.candidates = {i: tuple(run[i] for run in runs) for i in ids}
-    self.stacks: dict[int, tuple] = {}
-    self.params = leaves  # A stack's leaves must be these (`acquire`).
-    self.active: set[tuple] = set()  # The params_paths whose rows start.
-    # The cotangent each started stack leaf left its scan with: update
-    # must get exactly that gradient (see `check_gradients`).
-    self.cotangents: dict[int, Any] = {}
-    self.moves: dict[int, list] = {}  # Copies of them (`layer_hooks.moved`).
-    self.reserve = _plan_staging(self.plan, leaves) if ids else 0
-    self.started: set[int] = set()
-    self.claimed = False
 
 
 @contextlib.contextmanager
@@ -206,7 +84,7 @@ def overlap_scan(
     RuntimeError: On leaving the scope, if layers started their steps but
       `tx.update` was not called inside it.
   """
-  opts = getattr(tx.update, OPTIONS_ATTRIBUTE, None)
+  opts = getattr(tx.update, scan_scope.OPTIONS_ATTRIBUTE, None)
   ours = [
     x
     for x in jax.tree.leaves(
@@ -217,18 +95,22 @@ def overlap_scan(
   active = opts is not None and len(ours) == 1 and opt_state is ours[0]
   if active and following.split_of(ours[0].master, params) is not None:
     active = False  # A split state steps per shard, after the loop.
-  if active and not _one_device((ours[0].master, params)):
+  if active and not scan_scope.one_device((ours[0].master, params)):
     active = False  # A row step has no result to carry a sharding.
-  scope = _Scope(opts, ours[0], params) if active else None
-  token = _SCOPE.set(scope)
+  scope = scan_scope.Scope(opts, ours[0], params) if active else None
+  token = scan_scope.CURRENT.set(scope)
   try:
     hooks = None
     if scope is not None:
-      hooks = layer_hooks.Hooks(acquire, hook, functools.partial(_moved, scope))
+      hooks = layer_hooks.Hooks(
+        scan_hooks.acquire,
+        scan_hooks.hook,
+        functools.partial(scan_hooks.note_moved, scope),
+      )
     with layer_hooks.hooked(hooks):
       yield
   finally:
-    _SCOPE.reset(token)
+    scan_scope.CURRENT.reset(token)
   if scope is not None and scope.started and not scope.claimed:
     raise RuntimeError(
       'overlap_scan: layers started their host steps in the backward pass, '
@@ -238,169 +120,7 @@ def overlap_scan(
     )
 
 
-def _matched(scope: _Scope, tree: Any, params_path: Any, pool: dict, rows):
-  """Positions in `tree`'s leaves to start, and their leaf ids.
-
-  `tree` is a layer's weights (`rows` None) or the stack of `rows` layers;
-  `pool` the stacks its leaves may take (leaf id to master, mu, nu).
-
-  Raises:
-    ValueError: If no leaf of `tree` is a parameter at `params_path`.
-  """
-  prefix = as_path(params_path)
-  with_paths = jax.tree.leaves_with_path(tree)
-  found = [scope.paths.get(prefix + _names(p)) for p, _ in with_paths]
-  if not any(i is not None for i in found):
-    raise ValueError(
-      f'weight_flow_scan: no leaf of the stack is a parameter at params_path '
-      f'{prefix!r} of the tree overlap_scan was opened with (the stack has '
-      f'{[jax.tree_util.keystr(p) for p, _ in with_paths][:4]}...)'
-    )
-  take = []
-  for j, (i, (_, x)) in enumerate(zip(found, with_paths, strict=True)):
-    if i not in pool:
-      continue
-    shape = pool[i][0].shape
-    same = jnp.result_type(x) == pool[i][0].dtype  # A cast stack is not it.
-    if same and jnp.shape(x) == (shape if rows is not None else shape[1:]):
-      take.append(j)
-  return take, [found[j] for j in take]
-
-
-def _start(scope: _Scope, ids: list[int], hypers, stacks, grads, weights, row):
-  """Row `row`'s host steps of leaves `ids`: one call per decay group.
-
-  Raises:
-    ValueError: If a leaf's rows were started already in this scope (the
-      stack used twice in the loss, or a second gradient taken): each
-      would step the state once more.
-  """
-  again = sorted(scope.started.intersection(ids))
-  if again:
-    raise ValueError(
-      'overlap_scan: the host steps of parameter '
-      f'{scope.plan.lay.paths[again[0]]} started twice in one scope (its '
-      'stack used twice in the loss, or a second gradient taken); open one '
-      'scope per gradient, and run a shared stack once per step'
-    )
-  for (_, js), hyper in zip(_calls(scope, ids), hypers, strict=True):
-    picked = [grads[j] for j in js]
-    params = [weights[j] for j in js]
-    scope.reserve = max(scope.reserve, steps.staged_bytes(picked, params))
-    grace_adam.adam_step_row(
-      *([stacks[j][r] for j in js] for r in range(3)),
-      picked,
-      row,
-      hyper,
-      params=params,
-      place=steps.stream_place(None, scope.reserve),
-    )
-  scope.started.update(ids)
-
-
-def _calls(scope: _Scope, ids: list[int]) -> list[tuple[int, list[int]]]:
-  """The row calls of `ids`: (group, positions in `ids`) per decay group."""
-  groups: dict[int, list[int]] = {}
-  for j, i in enumerate(ids):
-    groups.setdefault(scope.group_of[i], []).append(j)
-  return list(groups.items())
-
-
-def acquire(stacked: Any, params_path: Any, unroll: Any, inputs: Any) -> Any:
-  """`stacked`, its leaves' state handed to the row steps, once.
-
-  Called before the stack's scan: the state passes through the join (see
-  the module doc), outside the loop, and the layers' rows then write it.
-  The stack passes through an identity whose backward notes the gradient
-  each leaf leaves the scan with. Only a rolled loop of two layers or
-  more starts rows: unrolled (or a loop XLA may inline), the row steps'
-  writes, which XLA does not see, could land in a buffer it copied. Nor
-  does a scan of per-example `inputs` (its carry and xs under a `vmap`):
-  its rows would step once per example.
-  """
-  scope = _SCOPE.get()
-  leaves = jax.tree.leaves(stacked)
-  rolled = unroll is False or (unroll is not True and unroll == 1)
-  if scope is None or not leaves or not rolled or _per_example(inputs):
-    return stacked
-  rows = jnp.shape(leaves[0])[0]
-  if rows < 2:
-    return stacked
-  take, ids = _matched(scope, stacked, params_path, scope.candidates, rows)
-  values = jax.tree.leaves(stacked)
-  if not take or any(
-    _primal(values[j]) is not scope.params[i]
-    for j, i in zip(take, ids, strict=True)
-  ):
-    # Not the parameters themselves (weights perturbed or moved before
-    # the scan): the rows would re-seed from other weights than update.
-    return stacked
-  fresh = [i for i in ids if i not in scope.stacks]
-  flat = [scope.candidates[i][r] for r in range(3) for i in fresh]
-  joined, _ = grace_adam.join_rows(flat, jnp.zeros((), jnp.int32))
-  n = len(fresh)
-  for j, i in enumerate(fresh):
-    scope.stacks[i] = (joined[j], joined[n + j], joined[2 * n + j])
-  scope.active.add(as_path(params_path))
-  return _noted(scope, stacked, take, ids)
-
-
-def _primal(x: Any) -> Any:
-  """`x` without the differentiation tracers around it (their primal)."""
-  while isinstance(x, jax.core.Tracer) and hasattr(x, 'primal'):
-    x = x.primal
-  return x
-
-
-def _per_example(tree: Any) -> bool:
-  """Whether a leaf of `tree` is a `vmap`'s value, under any other tracer.
-
-  By the tracer's class name: JAX exports no test for it.
-  """
-  for x in jax.tree.leaves(tree):
-    while isinstance(x, jax.core.Tracer):
-      if type(x).__name__ == 'BatchTracer':
-        return True
-      x = getattr(x, 'primal', getattr(x, 'val', None))
-  return False
-
-
-def _noted(scope: _Scope, stacked: Any, take: list[int], ids: list[int]):
-  """`stacked`, whose backward notes its leaves' cotangents in `scope`."""
-
-  @jax.custom_vjp
-  def noted(xs):
-    return xs
-
-  def forward(xs):
-    return xs, None
-
-  def backward(_, cts):
-    for i, ct in zip(ids, cts, strict=True):
-      scope.cotangents[i] = ct
-    return (cts,)
-
-  noted.defvjp(forward, backward)
-  return _through(noted, stacked, take)
-
-
-def _through(fn, tree: Any, take: list[int], *args: Any) -> Any:
-  """`tree` with its leaves at `take` replaced by `fn(those leaves, *args)`."""
-  values, treedef = jax.tree.flatten(tree)
-  out = fn([values[j] for j in take], *args)
-  for j, x in zip(take, out, strict=True):
-    values[j] = x
-  return jax.tree.unflatten(treedef, values)
-
-
-def _moved(scope: _Scope, x: Any, y: Any) -> None:
-  """Notes `y`, a copy of `x` in another memory, as `x`'s gradient."""
-  for i, ct in list(scope.cotangents.items()):
-    if x is ct:
-      scope.moves.setdefault(i, []).append(y)
-
-
-def check_gradients(scope: _Scope, updates: Any) -> None:
+def check_gradients(scope: scan_scope.Scope, updates: Any) -> None:
   """Raises unless `update` got the gradients the started stacks made.
 
   The rows stepped with the gradient each stack leaf left its scan with;
@@ -425,45 +145,6 @@ def check_gradients(scope: _Scope, updates: Any) -> None:
       )
 
 
-def hook(layer_params: Any, row: jax.Array, params_path: Any) -> Any:
-  """`layer_params`, whose backward starts the layer's host steps.
-
-  Called by `weight_flow_scan` on each layer's weights in device memory
-  (weight flow: the stacks live in host memory), with the loop's counter
-  `row`. Outside an active scope, or for a stack `acquire` did not take,
-  it returns `layer_params` as they are. The rows re-seed from these
-  weights, which `acquire` saw are the parameters the scope was opened
-  with. The rule holds each layer's gradients until its calls, which XLA
-  places at the end of the layer's backward.
-  """
-  scope = _SCOPE.get()
-  if scope is None or as_path(params_path) not in scope.active:
-    return layer_params
-  take, ids = _matched(scope, layer_params, params_path, scope.stacks, None)
-  if not take:
-    return layer_params
-  stacks = [scope.stacks[i] for i in ids]
-  hypers = [scope.hyper[g] for g, _ in _calls(scope, ids)]
-
-  @jax.custom_vjp
-  def started(weights, row, stacks, hypers):
-    del row, stacks, hypers
-    return weights
-
-  def forward(weights, row, stacks, hypers):
-    # The state and scalars are primal inputs, not closures: a rule may
-    # not close over the jit's tracers.
-    return weights, (weights, row, stacks, hypers)
-
-  def backward(res, grads):
-    weights, row, stacks, hypers = res
-    _start(scope, ids, hypers, stacks, grads, weights, row)
-    return grads, None, None, None
-
-  started.defvjp(forward, backward)
-  return _through(started, layer_params, take, row, stacks, hypers)
-
-
 def _same_options(a, b) -> bool:
   """Whether two transformations' options step the state alike.
 
@@ -479,7 +160,7 @@ def _same_options(a, b) -> bool:
     return False
 
 
-def claim(opts, state: Any, updates: Any) -> _Scope | None:
+def claim(opts, state: Any, updates: Any) -> scan_scope.Scope | None:
   """The open scope `update(opts, updates, state)` finishes, if any.
 
   Raises:
@@ -488,7 +169,7 @@ def claim(opts, state: Any, updates: Any) -> _Scope | None:
       transformation with other options, or `updates` are not the
       gradients the rows took (`check_gradients`).
   """
-  scope = _SCOPE.get()
+  scope = scan_scope.CURRENT.get()
   if scope is None:
     return None
   masters = jax.tree.leaves(state.master)
@@ -518,7 +199,9 @@ def claim(opts, state: Any, updates: Any) -> _Scope | None:
   return scope
 
 
-def with_stacks(scope: _Scope, state: dict[str, list]) -> dict[str, list]:
+def with_stacks(
+  scope: scan_scope.Scope, state: dict[str, list]
+) -> dict[str, list]:
   """`update`'s state runs with the scope's joined stacks in place."""
   new = {n: list(xs) for n, xs in state.items()}
   for i, stack in scope.stacks.items():
@@ -527,7 +210,7 @@ def with_stacks(scope: _Scope, state: dict[str, list]) -> dict[str, list]:
   return new
 
 
-def finish(scope: _Scope, grads: list, params: list | None) -> dict:
+def finish(scope: scan_scope.Scope, grads: list, params: list | None) -> dict:
   """The rows' new state after the loop: ``{i: (master, mu, nu, weight)}``.
 
   `weight` is the new master in device memory. The join's barrier is the

@@ -1,0 +1,217 @@
+"""The hooks of `overlap_scan`'s layer stacks: rows started in the loop.
+
+`weight_flow_scan` calls `acquire` on a stack before its scan and `hook`
+on each layer's weights inside it (through `core/layer_hooks.py`); while
+a scope is open, the layer's backward starts its host steps on the row of
+the stacked state (see scan_overlap.py for what starts and why).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_superoffload._src.host import grace_adam
+from jax_superoffload._src.host import steps
+from jax_superoffload._src.optim import scan_scope
+
+
+def _matched(
+  scope: scan_scope.Scope, tree: Any, params_path: Any, pool: dict, rows
+):
+  """Positions in `tree`'s leaves to start, and their leaf ids.
+
+  `tree` is a layer's weights (`rows` None) or the stack of `rows` layers;
+  `pool` the stacks its leaves may take (leaf id to master, mu, nu).
+
+  Raises:
+    ValueError: If no leaf of `tree` is a parameter at `params_path`.
+  """
+  prefix = scan_scope.as_path(params_path)
+  with_paths = jax.tree.leaves_with_path(tree)
+  found = [scope.paths.get(prefix + scan_scope.names(p)) for p, _ in with_paths]
+  if not any(i is not None for i in found):
+    raise ValueError(
+      f'weight_flow_scan: no leaf of the stack is a parameter at params_path '
+      f'{prefix!r} of the tree overlap_scan was opened with (the stack has '
+      f'{[jax.tree_util.keystr(p) for p, _ in with_paths][:4]}...)'
+    )
+  take = []
+  for j, (i, (_, x)) in enumerate(zip(found, with_paths, strict=True)):
+    if i not in pool:
+      continue
+    shape = pool[i][0].shape
+    same = jnp.result_type(x) == pool[i][0].dtype  # A cast stack is not it.
+    if same and jnp.shape(x) == (shape if rows is not None else shape[1:]):
+      take.append(j)
+  return take, [found[j] for j in take]
+
+
+def _start(
+  scope: scan_scope.Scope, ids: list[int], hypers, stacks, grads, weights, row
+):
+  """Row `row`'s host steps of leaves `ids`: one call per decay group.
+
+  Raises:
+    ValueError: If a leaf's rows were started already in this scope (the
+      stack used twice in the loss, or a second gradient taken): each
+      would step the state once more.
+  """
+  again = sorted(scope.started.intersection(ids))
+  if again:
+    raise ValueError(
+      'overlap_scan: the host steps of parameter '
+      f'{scope.plan.lay.paths[again[0]]} started twice in one scope (its '
+      'stack used twice in the loss, or a second gradient taken); open one '
+      'scope per gradient, and run a shared stack once per step'
+    )
+  for (_, js), hyper in zip(scan_scope.calls(scope, ids), hypers, strict=True):
+    picked = [grads[j] for j in js]
+    params = [weights[j] for j in js]
+    scope.reserve = max(scope.reserve, steps.staged_bytes(picked, params))
+    grace_adam.adam_step_row(
+      *([stacks[j][r] for j in js] for r in range(3)),
+      picked,
+      row,
+      hyper,
+      params=params,
+      place=steps.stream_place(None, scope.reserve),
+    )
+  scope.started.update(ids)
+
+
+def acquire(stacked: Any, params_path: Any, unroll: Any, inputs: Any) -> Any:
+  """`stacked`, its leaves' state handed to the row steps, once.
+
+  Called before the stack's scan: the state passes through the join (see
+  the module doc), outside the loop, and the layers' rows then write it.
+  The stack passes through an identity whose backward notes the gradient
+  each leaf leaves the scan with. Only a rolled loop of two layers or
+  more starts rows: unrolled (or a loop XLA may inline), the row steps'
+  writes, which XLA does not see, could land in a buffer it copied. Nor
+  does a scan of per-example `inputs` (its carry and xs under a `vmap`):
+  its rows would step once per example.
+  """
+  scope = scan_scope.CURRENT.get()
+  leaves = jax.tree.leaves(stacked)
+  rolled = unroll is False or (unroll is not True and unroll == 1)
+  if scope is None or not leaves or not rolled or _per_example(inputs):
+    return stacked
+  rows = jnp.shape(leaves[0])[0]
+  if rows < 2:
+    return stacked
+  take, ids = _matched(scope, stacked, params_path, scope.candidates, rows)
+  values = jax.tree.leaves(stacked)
+  if not take or any(
+    _primal(values[j]) is not scope.params[i]
+    for j, i in zip(take, ids, strict=True)
+  ):
+    # Not the parameters themselves (weights perturbed or moved before
+    # the scan): the rows would re-seed from other weights than update.
+    return stacked
+  fresh = [i for i in ids if i not in scope.stacks]
+  flat = [scope.candidates[i][r] for r in range(3) for i in fresh]
+  joined, _ = grace_adam.join_rows(flat, jnp.zeros((), jnp.int32))
+  n = len(fresh)
+  for j, i in enumerate(fresh):
+    scope.stacks[i] = (joined[j], joined[n + j], joined[2 * n + j])
+  scope.active.add(scan_scope.as_path(params_path))
+  return _noted(scope, stacked, take, ids)
+
+
+def _primal(x: Any) -> Any:
+  """`x` without the differentiation tracers around it (their primal)."""
+  while isinstance(x, jax.core.Tracer) and hasattr(x, 'primal'):
+    x = x.primal
+  return x
+
+
+def _per_example(tree: Any) -> bool:
+  """Whether a leaf of `tree` is a `vmap`'s value, under any other tracer.
+
+  By the tracer's class name: JAX exports no test for it.
+  """
+  for x in jax.tree.leaves(tree):
+    while isinstance(x, jax.core.Tracer):
+      if type(x).__name__ == 'BatchTracer':
+        return True
+      x = getattr(x, 'primal', getattr(x, 'val', None))
+  return False
+
+
+def _noted(
+  scope: scan_scope.Scope, stacked: Any, take: list[int], ids: list[int]
+):
+  """`stacked`, whose backward notes its leaves' cotangents in `scope`."""
+
+  @jax.custom_vjp
+  def noted(xs):
+    return xs
+
+  def forward(xs):
+    return xs, None
+
+  def backward(_, cts):
+    for i, ct in zip(ids, cts, strict=True):
+      scope.cotangents[i] = ct
+    return (cts,)
+
+  noted.defvjp(forward, backward)
+  return _through(noted, stacked, take)
+
+
+def _through(fn, tree: Any, take: list[int], *args: Any) -> Any:
+  """`tree` with its leaves at `take` replaced by `fn(those leaves, *args)`."""
+  values, treedef = jax.tree.flatten(tree)
+  out = fn([values[j] for j in take], *args)
+  for j, x in zip(take, out, strict=True):
+    values[j] = x
+  return jax.tree.unflatten(treedef, values)
+
+
+def note_moved(scope: scan_scope.Scope, x: Any, y: Any) -> None:
+  """Notes `y`, a copy of `x` in another memory, as `x`'s gradient."""
+  for i, ct in list(scope.cotangents.items()):
+    if x is ct:
+      scope.moves.setdefault(i, []).append(y)
+
+
+def hook(layer_params: Any, row: jax.Array, params_path: Any) -> Any:
+  """`layer_params`, whose backward starts the layer's host steps.
+
+  Called by `weight_flow_scan` on each layer's weights in device memory
+  (weight flow: the stacks live in host memory), with the loop's counter
+  `row`. Outside an active scope, or for a stack `acquire` did not take,
+  it returns `layer_params` as they are. The rows re-seed from these
+  weights, which `acquire` saw are the parameters the scope was opened
+  with. The rule holds each layer's gradients until its calls, which XLA
+  places at the end of the layer's backward.
+  """
+  scope = scan_scope.CURRENT.get()
+  if scope is None or scan_scope.as_path(params_path) not in scope.active:
+    return layer_params
+  take, ids = _matched(scope, layer_params, params_path, scope.stacks, None)
+  if not take:
+    return layer_params
+  stacks = [scope.stacks[i] for i in ids]
+  hypers = [scope.hyper[g] for g, _ in scan_scope.calls(scope, ids)]
+
+  @jax.custom_vjp
+  def started(weights, row, stacks, hypers):
+    del row, stacks, hypers
+    return weights
+
+  def forward(weights, row, stacks, hypers):
+    # The state and scalars are primal inputs, not closures: a rule may
+    # not close over the jit's tracers.
+    return weights, (weights, row, stacks, hypers)
+
+  def backward(res, grads):
+    weights, row, stacks, hypers = res
+    _start(scope, ids, hypers, stacks, grads, weights, row)
+    return grads, None, None, None
+
+  started.defvjp(forward, backward)
+  return _through(started, layer_params, take, row, stacks, hypers)

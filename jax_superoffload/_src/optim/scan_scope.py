@@ -1,0 +1,150 @@
+"""The open `overlap_scan` scope: what its layer hooks and `update` share.
+
+`overlap_scan` (scan_overlap.py) opens a `Scope` while the train step is
+traced; the hooks the layer stacks call (scan_hooks.py) start rows in it,
+and `update` claims and finishes it. This module holds what both sides
+read: the scope itself, which leaves it may start, and the path names.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.host import steps
+from jax_superoffload._src.optim import state as state_lib
+
+CURRENT: contextvars.ContextVar[Scope | None] = contextvars.ContextVar(
+  'jax_superoffload_overlap_scan', default=None
+)
+
+
+# Set on the update function of `adam` / `adamw` (alias.py).
+OPTIONS_ATTRIBUTE = '_superoffload_options'
+
+
+def _name(key: Any) -> Any:
+  """A path key's name, whatever its kind (dict, attribute, index)."""
+  for field in ('key', 'name', 'idx'):
+    if hasattr(key, field):
+      return getattr(key, field)
+  return key
+
+
+def names(path: Sequence[Any]) -> tuple:
+  """A path's key names, without the ``.value`` a Flax Variable adds."""
+  path = list(path)
+  last = path[-1] if path else None
+  if isinstance(last, jax.tree_util.GetAttrKey) and last.name == 'value':
+    path.pop()
+  return tuple(_name(k) for k in path)
+
+
+def as_path(params_path: Any) -> tuple:
+  """`weight_flow_scan`'s `params_path` as a tuple of key names."""
+  if isinstance(params_path, (str, int)):
+    return (params_path,)
+  return names(params_path)
+
+
+def _eligible(opts, plan, state, params) -> list[int]:
+  """The leaves whose step `adam_step_row` takes exactly (module doc)."""
+  if (
+    opts.executor.name != 'stream'
+    or opts.use_stv
+    or opts.zero is not None
+    or opts.moments_8bit
+    or opts.double_buffered
+  ):
+    return []
+  runs = [jax.tree.leaves(getattr(state, n)) for n in ('master', 'mu', 'nu')]
+  skip = set(plan.lay.fallback)
+  out = []
+  for i, p in enumerate(params):
+    if i in skip or plan.bucket_of.get(i) in plan.on_device:
+      continue
+    if jnp.result_type(p) != jnp.float32 or not jnp.ndim(p) or not jnp.size(p):
+      continue
+    if all(
+      x.dtype == jnp.float32
+      and x.shape == jnp.shape(p)
+      and not host_memory.typed_on_device(x)
+      for x in (run[i] for run in runs)
+    ):
+      out.append(i)
+  return out
+
+
+def one_device(tree: Any) -> bool:
+  """Whether nothing in `tree`, nor the mesh in context, spans devices.
+
+  XLA's SPMD partitioner wants a sharding on every side-effecting call,
+  and a row step, which has no result, gets none from its operands.
+  """
+  meshes = [jax.sharding.get_abstract_mesh()]
+  for x in jax.tree.leaves(tree):
+    meshes.append(
+      getattr(getattr(jax.typeof(x), 'sharding', None), 'mesh', None)
+    )
+  return all(m is None or m.empty or m.size == 1 for m in meshes)
+
+
+def _plan_staging(plan, params) -> int:
+  """The staging bound of the plan's host buckets (`steps.staged_bytes`)."""
+  bound = 0
+  for group in plan.lay.groups:
+    for bucket in group.buckets:
+      ids = [group.leaves[j] for j in bucket]
+      leaves = [params[i] for i in ids]
+      if plan.bucket_of.get(ids[0]) not in plan.on_device:
+        bound = max(bound, steps.staged_bytes(leaves, leaves))
+  return bound
+
+
+class Scope:
+  """An open `overlap_scan`: what the hooks and `update` share while tracing."""
+
+  def __init__(self, opts, state, params: Any):
+    self.opts = opts
+    self.masters = jax.tree.leaves(state.master)
+    self.plan = state_lib.bucketing_for(opts, params, state.placement)
+    with_paths = jax.tree.leaves_with_path(params)
+    leaves = [x for _, x in with_paths]
+    self.paths = {names(p): i for i, (p, _) in enumerate(with_paths)}
+    ids = _eligible(opts, self.plan, state, leaves)
+    if len(leaves) != len(self.masters):
+      ids = []
+    self.group_of = {
+      i: g for g, group in enumerate(self.plan.lay.groups) for i in group.leaves
+    }
+    self.hyper = {
+      g: opts.hyperparams(state.count, decay=group.decay)
+      for g, group in enumerate(self.plan.lay.groups)
+    }
+    runs = [jax.tree.leaves(getattr(state, n)) for n in ('master', 'mu', 'nu')]
+    # The state of the leaves a stack may start, as given; `acquire` moves
+    # those of each stack into `stacks` when the stack runs.
+    self.candidates = {i: tuple(run[i] for run in runs) for i in ids}
+    self.stacks: dict[int, tuple] = {}
+    self.params = leaves  # A stack's leaves must be these (`acquire`).
+    self.active: set[tuple] = set()  # The params_paths whose rows start.
+    # The cotangent each started stack leaf left its scan with: update
+    # must get exactly that gradient (see `check_gradients`).
+    self.cotangents: dict[int, Any] = {}
+    self.moves: dict[int, list] = {}  # Copies of them (`layer_hooks.moved`).
+    self.reserve = _plan_staging(self.plan, leaves) if ids else 0
+    self.started: set[int] = set()
+    self.claimed = False
+
+
+def calls(scope: Scope, ids: list[int]) -> list[tuple[int, list[int]]]:
+  """The row calls of `ids`: (group, positions in `ids`) per decay group."""
+  groups: dict[int, list[int]] = {}
+  for j, i in enumerate(ids):
+    groups.setdefault(scope.group_of[i], []).append(j)
+  return list(groups.items())
