@@ -387,3 +387,36 @@ def test_a_schedule_and_a_single_layer_keep_the_numbers():
 
   assert len(_rows_in_loop(tx)) == 1
   _assert_bitwise(run(True), run(False))
+
+
+def _count_rows(tx, params, state) -> int:
+  hlo = _step(tx, True, False).lower(params, state, _batch(0)).compile()
+  return hlo.as_text().count(
+    'custom_call_target="jax_superoffload_adam_step_row"'
+  )
+
+
+@pytest.mark.parametrize('target', ['concrete', 'abstract'])
+def test_a_state_restored_by_orbax_keeps_its_rows_and_numbers(target, tmp_path):
+  # A resumed run must still start its rows in the loop (the scope does
+  # nothing for state typed as device memory) and take the same steps.
+  ocp = pytest.importorskip('orbax.checkpoint')
+  tx = _tx()
+  step = _step(tx, True, False)
+  params = _params()
+  state = tx.init(params)
+  params, state = step(params, state, _batch(0))
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / 'state', state)
+    checkpointer.wait_until_finished()
+    like = tx.init(_params())
+    if target == 'abstract':
+      like = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    restored = checkpointer.restore(tmp_path / 'state', like)
+  assert _count_rows(tx, params, restored) == _count_rows(tx, params, state)
+  assert _count_rows(tx, params, state) > 0
+  resumed = step(params, restored, _batch(1))
+  uninterrupted = step(params, state, _batch(1))
+  _assert_bitwise(
+    jax.tree.map(np.asarray, resumed), jax.tree.map(np.asarray, uninterrupted)
+  )
