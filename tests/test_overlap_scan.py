@@ -89,8 +89,10 @@ def _place(params, policy):
   return params
 
 
-def _run(tx, scoped, donate=True, policy='stationary', steps=3, edit=None):
-  params = _params()
+def _run(
+  tx, scoped, donate=True, policy='stationary', steps=3, edit=None, dtype=None
+):
+  params = _params(dtype or jnp.float32)
   state = tx.init(params)
   params = _place(params, policy)
   step = _step(tx, scoped, donate, policy)
@@ -101,10 +103,10 @@ def _run(tx, scoped, donate=True, policy='stationary', steps=3, edit=None):
   return jax.tree.map(np.asarray, (params, state))
 
 
-def _rows_in_loop(tx, policy='stationary') -> list[str]:
+def _rows_in_loop(tx, policy='stationary', dtype=jnp.float32) -> list[str]:
   """The compiled row steps' lines that sit in a while loop's body."""
-  params = _place(_params(), policy)
-  state = tx.init(_params())
+  params = _place(_params(dtype), policy)
+  state = tx.init(_params(dtype))
   hlo = (
     _step(tx, True, True, policy)
     .lower(params, state, _batch(0))
@@ -189,13 +191,15 @@ def test_a_caller_that_does_not_donate_keeps_its_state():
   )
 
 
-def test_edited_weights_reseed_the_rows_as_the_buckets_do():
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_edited_weights_reseed_the_rows_as_the_buckets_do(dtype):
   def edit(params):
     w = params['blocks']['w'].at[1, ::3].add(0.25)
     return {**params, 'blocks': {**params['blocks'], 'w': w}}
 
   tx = _tx()
-  _assert_bitwise(_run(tx, True, edit=edit), _run(tx, False, edit=edit))
+  run = functools.partial(_run, tx, edit=edit, dtype=dtype)
+  _assert_bitwise(run(True), run(False))
 
 
 @pytest.mark.parametrize(
@@ -216,17 +220,22 @@ def test_what_the_row_step_does_not_take_keeps_its_start_after_the_loop(make):
   _assert_bitwise(_run(tx, True, steps=2), _run(tx, False, steps=2))
 
 
-def test_low_precision_leaves_of_a_stack_stay_in_the_buckets():
-  tx = _tx()
+@pytest.mark.parametrize('cast', ['host', 'device'])
+@pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float16])
+def test_low_precision_leaves_of_a_stack_start_in_the_loop(dtype, cast):
+  # The rows re-seed from the 16-bit weights and round the new master to
+  # nearest even, as the buckets do on either side.
+  tx = _tx(cast=cast)
 
   def run(scoped):
-    params = _params(jnp.bfloat16)
+    params = _params(dtype)
     state = tx.init(params)
     step = _step(tx, scoped, True)
-    for i in range(2):
+    for i in range(3):
       params, state = step(params, state, _batch(i))
     return jax.tree.map(np.asarray, (params, state))
 
+  assert len(_rows_in_loop(tx, dtype=dtype)) == len(_rows_in_loop(tx))
   _assert_bitwise(run(True), run(False))
 
 

@@ -1,6 +1,6 @@
 """Predicts the 1B train step with the `stream` executor on the H200 machine.
 
-  python -m experiments.device.predict_step results/tmp/aot.json [scan]
+  python -m experiments.device.predict_step AOT_JSON [scan [bfloat16]]
 
 A model, to be checked on the next GPU, from two kinds of input:
 - the compiled schedule (`experiments.device.aot`'s JSON of the `stream`
@@ -13,12 +13,14 @@ A model, to be checked on the next GPU, from two kinds of input:
   host's 16 cores.
 
 The step it models: the forward and backward as optax's less optax's
-update; each bucket's gradients copied to pinned staging when it starts,
-the compute stream waiting for that copy (so every copy is on the critical
-path); the host steps one at a time (FIFO) on the host's cores; at the
-join, the wait for the last host step, then the new fp32 masters copied to
-the device. Buckets are taken as equal in size, and the backward as 2/3 of
-the forward and backward (the share of GEMM FLOPs the compiled step shows).
+update; each host step's operands copied to pinned staging when it starts
+(its gradients, and the parameters it re-seeds from: the compiled
+launches' staged bytes), the compute stream waiting for that copy (so
+every copy is on the critical path); the host steps one at a time (FIFO)
+on the host's cores; at the join, the wait for the last host step, then
+the new weights copied to the device (the compiled copies' bytes). The
+backward is taken as 2/3 of the forward and backward (the share of GEMM
+FLOPs the compiled step shows).
 """
 
 from __future__ import annotations
@@ -36,27 +38,36 @@ BACKWARD_SHARE = 2 / 3
 
 
 def predict(
-  params: int, starts: list[float], batch: int, serial: bool = False
+  params: int,
+  starts: list[tuple[float, int]],
+  h2d_bytes: int,
+  batch: int,
+  serial: bool = False,
 ) -> dict:
-  """Seconds per step for `params` fp32 parameters in len(starts) buckets.
+  """Seconds per step for `params` parameters in len(starts) host steps.
 
+  `starts`: per host step, the share of the backward's GEMM FLOPs issued
+  before it and the bytes it copies to the host (its gradients, and the
+  parameters it re-seeds from); its parameters are taken in proportion to
+  those bytes. `h2d_bytes`: the new weights copied back after the join.
   `serial`: the design before issue 37, where the compute stream waits for
   each bucket's whole host step, not only its copy.
   """
   optax_s = OPTAX_STEP_S[4] * batch / 4  # Linear in the batch.
   fb = optax_s - OPTAX_UPDATE_S
   forward, backward = fb * (1 - BACKWARD_SHARE), fb * BACKWARD_SHARE
-  bucket = params / len(starts)
-  copy_s = 4 * bucket / LINK_BYTES_PER_S  # fp32 gradients, one bucket.
-  cpu_free, delay = 0.0, 0.0
-  for share in sorted(starts):
-    delay += copy_s  # The compute stream waits for each bucket's copy.
+  total = sum(b for _, b in starts) or 1
+  cpu_free, delay, d2h = 0.0, 0.0, 0.0
+  for share, copied in sorted(starts):
+    step_s = params * copied / total / HOST_ADAM_PARAMS_PER_S
+    delay += copied / LINK_BYTES_PER_S  # The compute stream waits for it.
+    d2h += copied / LINK_BYTES_PER_S
     if serial:
-      delay += bucket / HOST_ADAM_PARAMS_PER_S
+      delay += step_s
     ready = forward + share * backward + delay
-    cpu_free = max(cpu_free, ready) + bucket / HOST_ADAM_PARAMS_PER_S
+    cpu_free = max(cpu_free, ready) + step_s
   compute_end = forward + backward + delay
-  h2d = 4 * params / LINK_BYTES_PER_S  # New fp32 masters, after the join.
+  h2d = h2d_bytes / LINK_BYTES_PER_S
   step = max(compute_end, cpu_free) + h2d
   return {
     'design': 'serial' if serial else 'start/join',
@@ -66,6 +77,7 @@ def predict(
     'vs_optax_tokens_per_s': round(optax_s / step, 3),
     'exposed_host_adam_s': round(max(0.0, cpu_free - compute_end), 4),
     'compute_stream_waits_s': round(delay, 4),
+    'host_copies_s': round(d2h, 4),
     'weight_copies_s': round(h2d, 4),
   }
 
@@ -80,23 +92,31 @@ _NOT_STARTS = (
 def main(argv: list[str]) -> int:
   rows = json.loads(pathlib.Path(argv[0]).read_text())
   layout = argv[1] if len(argv) > 1 else 'noscan'
+  dtype = argv[2] if len(argv) > 2 else 'float32'
   case = next(
     r
     for r in rows
     if r.get('compiles')
     and r['fields']['optimizer'] == 'stream'
     and r['fields']['layout'] == layout
+    and r['fields'].get('param_dtype', 'float32') == dtype
     and r['fields'].get('overlap_scan', True)
   )
+  staged = {s['name']: s['staged'] for s in case['stream_staging']}
   starts = [
-    c['backward_flops_before']
+    (c['backward_flops_before'], staged[c['name']])
     for c in case['optimizer_calls']
     if c['target'] not in _NOT_STARTS
   ]
-  print(f'{case["case"]}: {case["num_params"]} params, {len(starts)} buckets')
+  h2d = sum(t['bytes'] for t in case['to_device'])
+  copied = sum(b for _, b in starts)
+  print(
+    f'{case["case"]}: {case["num_params"]} params, {len(starts)} host '
+    f'steps, {copied / 1e9:.2f} GB to the host, {h2d / 1e9:.2f} GB back'
+  )
   for serial in (True, False):
     for batch in (4, 8):
-      print(json.dumps(predict(case['num_params'], starts, batch, serial)))
+      print(json.dumps(predict(case['num_params'], starts, h2d, batch, serial)))
   return 0
 
 

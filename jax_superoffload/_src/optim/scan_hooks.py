@@ -43,7 +43,8 @@ def _matched(
     if i not in pool:
       continue
     shape = pool[i][0].shape
-    same = jnp.result_type(x) == pool[i][0].dtype  # A cast stack is not it.
+    # A cast stack is not the parameters.
+    same = jnp.result_type(x) == jnp.result_type(scope.params[i])
     if same and jnp.shape(x) == (shape if rows is not None else shape[1:]):
       take.append(j)
   return take, [found[j] for j in take]

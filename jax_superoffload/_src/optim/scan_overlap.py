@@ -12,10 +12,14 @@ the loop (`grace_adam.join_rows`, whose barrier is the stacked gradients,
 a value only the loop computes).
 
 Only leaves whose step the row step takes exactly are started in the loop:
-the "stream" executor, fp32 parameters and moments in host memory, no STV,
-ZeRO, 8-bit moments or double buffering, and not in a device bucket or on
-optax's path; a rolled loop (`unroll=1`) of two layers or more, whose
-stack leaves are the parameters' own dtype; one device. Everything else
+the "stream" executor, fp32, bf16 or f16 parameters with fp32 master
+weights and moments in host memory, no STV, ZeRO, 8-bit moments or double
+buffering, and not in a device bucket or on optax's path; a rolled loop
+(`unroll=1`) of two layers or more, whose stack leaves are the parameters'
+own dtype; one device. A 16-bit leaf's row re-seeds from its weights as
+the buckets do, and its new master is rounded to nearest even on the
+device after the join (the buckets round on either side, to the same
+bits). Everything else
 keeps its start after the loop, and with any other transformation
 (optax's, or ours inside a wrapper such as `optax.chain` or
 `optax.MultiSteps`) the scope does nothing.

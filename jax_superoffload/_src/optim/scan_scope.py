@@ -24,6 +24,9 @@ CURRENT: contextvars.ContextVar[Scope | None] = contextvars.ContextVar(
 )
 
 
+# The parameter dtypes whose rows re-seed and step exactly: fp32 master
+# weights on the host for each (the buckets' own reseed and rounding).
+ROW_PARAM_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Set on the update function of `adam` / `adamw` (alias.py).
 OPTIONS_ATTRIBUTE = '_superoffload_options'
 
@@ -68,7 +71,9 @@ def _eligible(opts, plan, state, params) -> list[int]:
   for i, p in enumerate(params):
     if i in skip or plan.bucket_of.get(i) in plan.on_device:
       continue
-    if jnp.result_type(p) != jnp.float32 or not jnp.ndim(p) or not jnp.size(p):
+    if jnp.result_type(p) not in ROW_PARAM_DTYPES or not jnp.size(p):
+      continue
+    if not jnp.ndim(p):
       continue
     if all(
       x.dtype == jnp.float32

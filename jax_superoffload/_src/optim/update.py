@@ -269,6 +269,9 @@ def _finish_rows(rows, inputs: Inputs, out: list) -> dict:
   """
   done = scan_overlap.finish(rows, inputs.grads, inputs.params)
   for i, (*_, weight) in done.items():
+    # Rounded on the device as the buckets round on the host (to nearest
+    # even), then the same exact update.
+    weight = weight.astype(inputs.params[i].dtype)
     out[i] = _exact_delta(weight, inputs.params[i])
   return {i: tuple(x[:3]) for i, x in done.items()}
 
