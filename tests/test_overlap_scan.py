@@ -364,12 +364,18 @@ def test_a_step_over_several_devices_starts_after_the_loop(zero):
   _assert_bitwise(scoped, _trainer_run(False, mesh_data=2, zero=zero)[0])
 
 
-@pytest.mark.parametrize('policy', ['stationary', 'flow'])
-def test_the_trainers_scanned_step_starts_rows_and_keeps_its_numbers(policy):
+@pytest.mark.parametrize(
+  ('policy', 'dtype'),
+  [('stationary', 'float32'), ('flow', 'float32'), ('stationary', 'bfloat16')],
+)
+def test_the_trainers_scanned_step_starts_rows_and_keeps_its_numbers(
+  policy, dtype
+):
   """The trainer opens the scope around nnx's gradient and nnx.Optimizer."""
-  scoped, hlo = _trainer_run(True, weights_policy=policy)
+  fields = {'weights_policy': policy, 'param_dtype': dtype}
+  scoped, hlo = _trainer_run(True, **fields)
   assert 'custom_call_target="jax_superoffload_adam_step_row"' in hlo
-  plain, hlo = _trainer_run(False, weights_policy=policy)
+  plain, hlo = _trainer_run(False, **fields)
   assert 'jax_superoffload_adam_step_row' not in hlo
   _assert_bitwise(scoped, plain)
 
