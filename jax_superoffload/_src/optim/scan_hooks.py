@@ -53,7 +53,7 @@ def _matched(
 def _start(
   scope: scan_scope.Scope, ids: list[int], hypers, stacks, grads, weights, row
 ):
-  """Row `row`'s host steps of leaves `ids`: one call per decay group.
+  """Row `row`'s host steps of leaves `ids`, in `scan_scope.calls`'s calls.
 
   Raises:
     ValueError: If a leaf's rows were started already in this scope (the
@@ -187,8 +187,9 @@ def hook(layer_params: Any, row: jax.Array, params_path: Any) -> Any:
   `row`. Outside an active scope, or for a stack `acquire` did not take,
   it returns `layer_params` as they are. The rows re-seed from these
   weights, which `acquire` saw are the parameters the scope was opened
-  with. The rule holds each layer's gradients until its calls, which XLA
-  places at the end of the layer's backward.
+  with. Each large leaf's call takes its gradient as soon as the layer's
+  backward has it (`scan_scope.calls`); the small leaves' wait for the
+  last of them.
   """
   scope = scan_scope.CURRENT.get()
   if scope is None or scan_scope.as_path(params_path) not in scope.active:
@@ -212,7 +213,33 @@ def hook(layer_params: Any, row: jax.Array, params_path: Any) -> Any:
   def backward(res, grads):
     weights, row, stacks, hypers = res
     _start(scope, ids, hypers, stacks, grads, weights, row)
-    return grads, None, None, None
+    small = [not scan_scope.own_call(scope, i) for i in ids]
+    return _not_copied(grads, row, small), None, None, None
 
   started.defvjp(forward, backward)
   return _through(started, layer_params, take, row, stacks, hypers)
+
+
+def _not_copied(grads: list, row: jax.Array, small: list) -> list:
+  """`grads`, the `small` fp32 ones times a one XLA cannot fold.
+
+  The row call reads an fp32 leaf's gradient at fp32, so XLA makes a
+  small one (a bias's, from a bf16 sum) in fp32 once, for the call and
+  for the scan's update of the stacked gradient, which then only copies
+  it instead of converting it. XLA:GPU runs such a copying update
+  asynchronously (dynamic-slice-copy-fusion-async-wrapper), and its
+  latency-hiding scheduler moves the layer's backward around the copies:
+  activations and the MLP's gradients stay live through the attention's
+  backward (1B on an H200: 0.72 GB more at the peak). Times one, the
+  update computes, and stays where it was. Left alone: the large leaves
+  (times one, XLA computes their gradient again in the update, and a
+  split-K dot's partial sums wait for it: 2 layers of 256 on an H200,
+  2.8 MB more) and the bf16 and f16 ones (the same step without the
+  scope copies them too; times one, 2 layers of 256 need 1.5 MB more).
+  ``x * 1 == x`` for every float, signed zeros and infinities included.
+  """
+  one = jnp.minimum(row, 0) + 1  # A row is never negative.
+  return [
+    g * one.astype(g.dtype) if s and g.dtype == jnp.float32 else g
+    for g, s in zip(grads, small, strict=True)
+  ]
