@@ -221,7 +221,7 @@ def hook(layer_params: Any, row: jax.Array, params_path: Any) -> Any:
 
 
 def _not_copied(grads: list, row: jax.Array, small: list) -> list:
-  """`grads`, the `small` fp32 ones times a one XLA cannot fold.
+  """`grads`, the `small` fp32 ones through a select XLA cannot fold.
 
   The row call reads an fp32 leaf's gradient at fp32, so XLA makes a
   small one (a bias's, from a bf16 sum) in fp32 once, for the call and
@@ -230,16 +230,17 @@ def _not_copied(grads: list, row: jax.Array, small: list) -> list:
   asynchronously (dynamic-slice-copy-fusion-async-wrapper), and its
   latency-hiding scheduler moves the layer's backward around the copies:
   activations and the MLP's gradients stay live through the attention's
-  backward (1B on an H200: 0.72 GB more at the peak). Times one, the
-  update computes, and stays where it was. Left alone: the large leaves
-  (times one, XLA computes their gradient again in the update, and a
-  split-K dot's partial sums wait for it: 2 layers of 256 on an H200,
-  2.8 MB more) and the bf16 and f16 ones (the same step without the
-  scope copies them too; times one, 2 layers of 256 need 1.5 MB more).
-  ``x * 1 == x`` for every float, signed zeros and infinities included.
+  backward (1B on an H200: 0.72 GB more at the peak). Selected on the
+  loop's counter (never negative), the update computes, and stays where
+  it was. A select, not a product with one: XLA:CPU flushes subnormals
+  in a product, a select keeps every bit. Left alone: the large leaves
+  (XLA would compute their gradient again in the update, and a split-K
+  dot's partial sums wait for it: 2 layers of 256 on an H200, 2.8 MB
+  more) and the bf16 and f16 ones (the same step without the scope
+  copies them too; 2 layers of 256 would need 1.5 MB more).
   """
-  one = jnp.minimum(row, 0) + 1  # A row is never negative.
+  kept = row >= 0  # Always true; XLA does not know it.
   return [
-    g * one.astype(g.dtype) if s and g.dtype == jnp.float32 else g
+    jnp.where(kept, g, jnp.zeros_like(g)) if s and g.dtype == jnp.float32 else g
     for g, s in zip(grads, small, strict=True)
   ]
