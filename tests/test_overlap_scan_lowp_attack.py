@@ -112,12 +112,15 @@ def _same(tx, make, rows, steps=5, loss=LOSS, bits=True, **kw):
   return a
 
 
-@pytest.mark.parametrize('cast', ['host', 'device'])
-@pytest.mark.parametrize('dtype', LOWP, ids=['bf16', 'f16'])
 @pytest.mark.parametrize(
-  'flow, donate',
-  [(False, True), (False, False), (True, True)],
-  ids=['donated', 'kept', 'flow'],
+  'dtype, cast, flow, donate',
+  [
+    (jnp.bfloat16, 'host', False, True),
+    (jnp.float16, 'device', False, False),
+    (jnp.bfloat16, 'device', True, True),
+    (jnp.float16, 'host', True, True),
+  ],
+  ids=['bf16-host', 'f16-device-kept', 'bf16-device-flow', 'f16-host-flow'],
 )
 def test_plain_stacks_keep_the_bits(dtype, cast, flow, donate):
   make = _make(dtype, flow=flow)
@@ -129,17 +132,20 @@ EDGES = {
   'f16_max': (jnp.float16, [F16_MAX, -F16_MAX, 65000.0, 65440.0, 1.0], 1e-2),
   'f16_overflow': (jnp.float16, [F16_MAX, -65400.0, 65000.0, 2.0, -3.0], 64.0),
   'f16_subnormal': (jnp.float16, [6e-8, -3e-7, 1e-6, 6.1e-5, 0.0], 1e-6),
-  'bf16_subnormal': (jnp.bfloat16, [1e-39, -2e-39, 9e-41, 1e-38, 0.0], 1e-39),
   'bf16_crossing': (jnp.bfloat16, [1e-4, -1e-4, 3e-3, -0.0, 0.0], 1e-2),
-  'f16_crossing': (jnp.float16, [1e-4, -1e-4, 3e-3, -0.0, 0.0], 1e-2),
   'bf16_huge_lr': (jnp.bfloat16, [0.5, -0.25, 1e-3, 3.0, -7.0], 100.0),
   'f16_huge_lr': (jnp.float16, [0.5, -0.25, 1e-3, 3.0, -7.0], 30.0),
 }
 
 
-@pytest.mark.parametrize('cast', ['host', 'device'])
-@pytest.mark.parametrize('case', list(EDGES))
+@pytest.mark.parametrize(
+  'case, cast',
+  [(case, 'host') for case in EDGES] + [('f16_overflow', 'device')],
+)
 def test_edge_weights_keep_the_bits(case, cast):
+  # f16_overflow: a weight rounds to inf, sin(inf) makes every gradient
+  # NaN from then on; the NaNs' payloads (rounded on the host by the
+  # buckets, on the device after the rows) are compared bit for bit.
   dtype, values, lr = EDGES[case]
   # `s` has 5 elements a row, and a 1- and a 3-element leaf ride along.
   odd = {
@@ -150,18 +156,16 @@ def test_edge_weights_keep_the_bits(case, cast):
   _same(_tx(lr, cast=cast), make, 1)
 
 
-@pytest.mark.parametrize('dtype', LOWP, ids=['bf16', 'f16'])
-def test_subnormal_weights_halved_by_decay_keep_the_bits(dtype):
+def test_f16_subnormal_weights_halved_by_decay_keep_the_bits():
   # `z` has no gradient: weight decay of lr * wd = 0.5 halves its master
-  # each step, through the 16-bit subnormals and their rounding to zero.
-  tiny = [1e-39, -3e-39, 1e-38, 5e-41] if dtype == jnp.bfloat16 else []
-  tiny = tiny or [6e-8, -1.8e-7, 3e-5, -1e-4]
-  make = _make(dtype, z=lambda n: jnp.resize(jnp.asarray(tiny, dtype), (n, 4)))
-  (params, _) = _same(_tx(1.0, weight_decay=0.5), make, 1, steps=6)
+  # each step, through the f16 subnormals and their rounding to zero.
+  # (bf16's subnormals are fp32 subnormals, which XLA:CPU flushes to zero
+  # on both sides.)
+  tiny = jnp.asarray([6e-8, -1.8e-7, 3e-5, -1e-4], jnp.float16)
+  make = _make(jnp.float16, z=lambda n: jnp.resize(tiny, (n, 4)))
+  params, _ = _same(_tx(1.0, weight_decay=0.5), make, 1, steps=6)
   z = params['blocks']['z'].astype(np.float32)
-  # XLA:CPU flushes fp32 subnormals (bf16's are all fp32 subnormals, so
-  # theirs are zero on both sides); f16's are normal fp32 numbers.
-  assert dtype == jnp.bfloat16 or 0 < np.count_nonzero(z) < z.size, z
+  assert 0 < np.count_nonzero(z) < z.size, z  # Some reached zero.
 
 
 def _edit(i, params):
@@ -175,11 +179,17 @@ def _edit(i, params):
   return {**params, 'blocks': {**b, 's': s, 'z': z}}
 
 
-@pytest.mark.parametrize('cast', ['host', 'device'])
-@pytest.mark.parametrize('dtype', LOWP, ids=['bf16', 'f16'])
-def test_weights_edited_between_steps_keep_the_bits(dtype, cast):
-  make = _make(dtype, z=lambda n: jnp.full((n, 4), 0.5, dtype))
-  (params, state) = _same(_tx(cast=cast), make, 1, edit=_edit)
+@pytest.mark.parametrize(
+  'dtype, cast, lr, n',
+  [(jnp.bfloat16, 'host', 30.0, 100_003), (jnp.float16, 'device', 1e-2, D)],
+  ids=['bf16-host-huge', 'f16-device'],
+)
+def test_weights_edited_between_steps_keep_the_bits(dtype, cast, lr, n):
+  # bf16: rows of 100003 elements cross the host's re-seed blocks (16K)
+  # and the buckets' chunks (256K) off their alignment; lr 30 makes the
+  # re-seed tolerance (lr / 16) decide.
+  make = _make(dtype, n=n, z=lambda layers: jnp.full((layers, 4), 0.5, dtype))
+  params, _ = _same(_tx(lr, cast=cast), make, 1, edit=_edit)
   z = params['blocks']['z']
   z = z.astype(np.float32)
   assert np.isnan(z[1, :3]).all() and z[1, 3] == 0  # inf - lr * wd * inf.
@@ -190,8 +200,11 @@ def _nan_some_steps(params, x):
   return LOSS(params, x) * jnp.where(x[0, 0] > 0.0, jnp.nan, 1.0)
 
 
-@pytest.mark.parametrize('skip', [False, True], ids=['nan', 'skip'])
-@pytest.mark.parametrize('dtype', LOWP, ids=['bf16', 'f16'])
+@pytest.mark.parametrize(
+  'dtype, skip',
+  [(jnp.bfloat16, False), (jnp.float16, True)],
+  ids=['bf16', 'f16-skip'],
+)
 def test_nonfinite_gradients_keep_the_bits(dtype, skip):
   assert [attack._batch(i)[0, 0] > 0 for i in range(5)].count(True) in (
     1,
@@ -223,7 +236,6 @@ def _decay_mask(params):
   [
     (lambda: _tx(mask=_decay_mask), 4),
     (lambda: _tx(cast='device', nesterov=True, mask=_decay_mask), 4),
-    (lambda: _tx(optax.cosine_decay_schedule(3.0, 5, 0.1)), 3),
     (
       lambda: _tx(
         optax.linear_schedule(1e-2, 10.0, 4),
@@ -240,7 +252,7 @@ def _decay_mask(params):
       3,
     ),
   ],
-  ids=['mask', 'nesterov_device', 'lr_schedule', 'both_schedules', 'adam'],
+  ids=['mask', 'nesterov_device', 'schedules', 'adam'],
 )
 def test_a_stack_mixing_fp32_bf16_and_f16_keeps_the_bits(make_tx, rows):
   _same(make_tx(), _mixed, rows)
@@ -274,7 +286,7 @@ def _update_with_projected_params(tx, loss, scoped, donate=True):
   'fp32: -0.60145956 vs 0.64863765)',
 )
 @pytest.mark.parametrize(
-  'dtype', [jnp.float32, *LOWP], ids=['f32', 'bf16', 'f16']
+  'dtype', [jnp.float32, jnp.bfloat16], ids=['f32', 'bf16']
 )
 def test_update_with_other_params_than_the_scopes_keeps_the_bits(dtype):
   _same(_tx(), _make(dtype), 1, build=_update_with_projected_params)
