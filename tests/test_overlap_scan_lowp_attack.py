@@ -44,13 +44,10 @@ def _body(layer, c):
 
 
 def _loss(params, x, policy='stationary'):
-  c, _ = superoffload.weight_flow_scan(
-    _body,
-    x * params['scale'],
-    params['blocks'],
-    policy=policy,
-    params_path='blocks',
+  scan = functools.partial(
+    superoffload.weight_flow_scan, policy=policy, params_path='blocks'
   )
+  c, _ = scan(_body, x * params['scale'], params['blocks'])
   return jnp.mean(c**2)
 
 
