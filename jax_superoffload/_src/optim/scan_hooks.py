@@ -173,10 +173,13 @@ def _through(fn, tree: Any, take: list[int], *args: Any) -> Any:
 
 
 def note_moved(scope: scan_scope.Scope, x: Any, y: Any) -> None:
-  """Notes `y`, a copy of `x` in another memory, as `x`'s gradient."""
+  """Notes `y`, a copy of `x` in another memory (a gradient or a param)."""
   for i, ct in list(scope.cotangents.items()):
     if x is ct:
       scope.moves.setdefault(i, []).append(y)
+  for i, p in enumerate(scope.params):
+    if x is p:
+      scope.param_moves.setdefault(i, []).append(y)
 
 
 def hook(layer_params: Any, row: jax.Array, params_path: Any) -> Any:

@@ -164,14 +164,17 @@ def _same_options(a, b) -> bool:
     return False
 
 
-def claim(opts, state: Any, updates: Any) -> scan_scope.Scope | None:
+def claim(
+  opts, state: Any, updates: Any, params: Any = None
+) -> scan_scope.Scope | None:
   """The open scope `update(opts, updates, state)` finishes, if any.
 
   Raises:
     ValueError: If layers started their steps but `state` is not the one
       the scope was opened with, `update` is called twice in it, by a
-      transformation with other options, or `updates` are not the
-      gradients the rows took (`check_gradients`).
+      transformation with other options, or `updates`, the count or
+      `params` are not those the rows took (`check_gradients`,
+      `_check_inputs`).
   """
   scope = scan_scope.CURRENT.get()
   if scope is None:
@@ -200,7 +203,41 @@ def claim(opts, state: Any, updates: Any) -> scan_scope.Scope | None:
     return None
   scope.claimed = True
   check_gradients(scope, updates)
+  if scope.started:
+    _check_inputs(scope, state, params)
   return scope
+
+
+def _check_inputs(scope: scan_scope.Scope, state: Any, params: Any) -> None:
+  """Raises unless `update` got the count and parameters the rows used.
+
+  The rows stepped at the scope's count and re-seeded from the scope's
+  parameters: a count moved, or parameters changed after the gradient (a
+  projection, a constraint), would step other numbers than update's.
+
+  Raises:
+    ValueError: Naming the count, or the first parameter that is another
+      value.
+  """
+  if state.count is not scope.count:
+    raise ValueError(
+      'overlap_scan: update got a state whose count is not the one the '
+      'scope was opened with; the layers have stepped at that count. Run '
+      'the step without overlap_scan, or change the state before the scope'
+    )
+  if params is None:
+    return  # `finish` says what is missing.
+  leaves = jax.tree.leaves(params)
+  for i in sorted(scope.started):
+    same = [scope.params[i], *scope.param_moves.get(i, ())]
+    if i >= len(leaves) or not any(leaves[i] is p for p in same):
+      raise ValueError(
+        'overlap_scan: update got parameter '
+        f'{scope.plan.lay.paths[i]} other than the one the scope was '
+        'opened with (changed after the gradient: a projection, a '
+        "constraint); its layers have re-seeded from the scope's. Change "
+        'the parameters before the scope, or run the step without it'
+      )
 
 
 def with_stacks(

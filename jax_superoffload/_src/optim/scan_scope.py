@@ -144,6 +144,8 @@ class Scope:
     # must get exactly that gradient (see `check_gradients`).
     self.cotangents: dict[int, Any] = {}
     self.moves: dict[int, list] = {}  # Copies of them (`layer_hooks.moved`).
+    self.param_moves: dict[int, list] = {}  # Copies of `params`, likewise.
+    self.count = state.count  # The rows' step; update must get that one.
     self.reserve = _plan_staging(self.plan, leaves) if ids else 0
     self.started: set[int] = set()
     self.claimed = False

@@ -342,7 +342,7 @@ def _split_blockwise(opts, state, new: dict) -> dict:
 def update(opts, updates, state, params):
   """One step: the updates and the new state."""
   state_lib.check_type(state)
-  rows = scan_overlap.claim(opts, state, updates)
+  rows = scan_overlap.claim(opts, state, updates, params)
   typed, state = state, state_memory.read_typed(state)
   inputs = _inputs(opts, updates, state, params)
   if rows is not None:
