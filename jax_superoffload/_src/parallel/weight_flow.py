@@ -288,12 +288,19 @@ def weight_flow_scan(
   stacked_params = layer_hooks.stack_starts(
     stacked_params, params_path, unroll, (carry, xs)
   )
-  leaves = jax.tree.leaves(stacked_params)
-  rows = None
-  if params_path is not None and leaves:
-    # Unsigned, converted in the body: a slice of the counters that only
-    # copied them, XLA:GPU would run asynchronously, and its scheduler then
-    # reorders the backward around that copy (overlap_scan's row steps
-    # read the counter; 1B on an H200: 0.72 GB more device memory).
-    rows = jnp.arange(jnp.shape(leaves[0])[0], dtype=jnp.uint32)
+  rows = _row_counters(stacked_params, params_path)
   return jax.lax.scan(step, carry, (stacked_params, (xs, rows)), unroll=unroll)
+
+
+def _row_counters(stacked_params: Any, params_path: Any) -> jax.Array | None:
+  """Each layer's index, for the hooks of a stack that names its path.
+
+  Unsigned, converted in the body: a slice of the counters that only
+  copied them, XLA:GPU would run asynchronously, and its scheduler then
+  reorders the backward around that copy (overlap_scan's row steps read
+  the counter; 1B on an H200: 0.72 GB more device memory).
+  """
+  leaves = jax.tree.leaves(stacked_params)
+  if params_path is None or not leaves:
+    return None
+  return jnp.arange(jnp.shape(leaves[0])[0], dtype=jnp.uint32)
