@@ -135,18 +135,31 @@ def check_gradients(scope: scan_scope.Scope, updates: Any) -> None:
   Raises:
     ValueError: Naming the first leaf whose gradient is another value.
   """
-  leaves = jax.tree.leaves(updates)
+  i = _first_other(
+    scope, updates, lambda i: [scope.cotangents.get(i), *scope.moves.get(i, ())]
+  )
+  if i is not None:
+    raise ValueError(
+      'overlap_scan: the gradient update got for parameter '
+      f'{scope.plan.lay.paths[i]} is not the one its stack left the '
+      'backward loop with (the leaf used outside the scan too, the '
+      'stack transformed before it, or the gradient changed after it: '
+      'scaled, clipped, summed); its layers have stepped with the '
+      "loop's. Run the step without overlap_scan"
+    )
+
+
+def _first_other(scope: scan_scope.Scope, tree: Any, noted) -> int | None:
+  """The first started leaf of `tree` that is none of `noted(i)`, if any.
+
+  By identity: the rows used those very values (or their copies in
+  another memory), and only the same value steps the same numbers.
+  """
+  leaves = jax.tree.leaves(tree)
   for i in sorted(scope.started):
-    same = [scope.cotangents.get(i), *scope.moves.get(i, ())]
-    if i >= len(leaves) or not any(leaves[i] is x for x in same):
-      raise ValueError(
-        'overlap_scan: the gradient update got for parameter '
-        f'{scope.plan.lay.paths[i]} is not the one its stack left the '
-        'backward loop with (the leaf used outside the scan too, the '
-        'stack transformed before it, or the gradient changed after it: '
-        'scaled, clipped, summed); its layers have stepped with the '
-        "loop's. Run the step without overlap_scan"
-      )
+    if i >= len(leaves) or not any(leaves[i] is x for x in noted(i)):
+      return i
+  return None
 
 
 def _same_options(a, b) -> bool:
@@ -227,17 +240,17 @@ def _check_inputs(scope: scan_scope.Scope, state: Any, params: Any) -> None:
     )
   if params is None:
     return  # `finish` says what is missing.
-  leaves = jax.tree.leaves(params)
-  for i in sorted(scope.started):
-    same = [scope.params[i], *scope.param_moves.get(i, ())]
-    if i >= len(leaves) or not any(leaves[i] is p for p in same):
-      raise ValueError(
-        'overlap_scan: update got parameter '
-        f'{scope.plan.lay.paths[i]} other than the one the scope was '
-        'opened with (changed after the gradient: a projection, a '
-        "constraint); its layers have re-seeded from the scope's. Change "
-        'the parameters before the scope, or run the step without it'
-      )
+  i = _first_other(
+    scope, params, lambda i: [scope.params[i], *scope.param_moves.get(i, ())]
+  )
+  if i is not None:
+    raise ValueError(
+      'overlap_scan: update got parameter '
+      f'{scope.plan.lay.paths[i]} other than the one the scope was '
+      'opened with (changed after the gradient: a projection, a '
+      "constraint); its layers have re-seeded from the scope's. Change "
+      'the parameters before the scope, or run the step without it'
+    )
 
 
 def with_stacks(
