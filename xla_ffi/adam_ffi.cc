@@ -78,13 +78,14 @@ void TouchSegmentLeaves(std::vector<SegmentLeaf>& leaves,
     touched->push_back(
         Touch(b.lowp_out, ElementBytes(b.lowp_type, n), Role::kOutput));
     touched->push_back(
-        Touch(leaf.params, ElementBytes(leaf.param_type, n), Role::kInput));
+        Touch(leaf.params, ElementBytes(leaf.param_type, n), Role::kOnDemand));
   }
 }
 
 // One bucket of k leaves, each with its own fp32 state. Operands: k masters,
 // k mu, k nu, k gradients (f32, bf16 or f16), with `reseed` the k
-// parameters the step starts from (see ReseedRange) and, with a weights
+// parameters the step starts from (see ReseedRange; read only where
+// `unchanged` is zero, see ReadsParams) and, with a weights
 // copy, optionally k destinations for it (aliased to the copies; their
 // contents are ignored). Results: the sum of the squared scaled gradients
 // (f32[1], zero unless `compute_sumsq`), the k new masters, mu and nu
@@ -93,8 +94,11 @@ void TouchSegmentLeaves(std::vector<SegmentLeaf>& leaves,
 // with S scalar sets (a vmapped `kernels.adam_step`): set s then steps the
 // s-th of S equal blocks of it.
 ffi::Error AdamStepSegments(Launch& launch, Counts count, Scalars scalars,
-                            ffi::RemainingArgs args, SumSq sumsq,
-                            ffi::RemainingRets rets, BucketAttrs attrs) {
+                            Flag unchanged, ffi::RemainingArgs args,
+                            SumSq sumsq, ffi::RemainingRets rets,
+                            BucketAttrs attrs) {
+  const int32_t* unchanged_data = nullptr;
+  JSO_RETURN_IF_ERROR(CheckUnchanged(unchanged, &unchanged_data));
   const LeafRuns runs(attrs.num_leaves, args.size(), rets.size());
   const bool copy_weights = runs.CopiesWeights(3);
   const int64_t leaf_args = attrs.reseed ? 5 : 4;
@@ -119,11 +123,19 @@ ffi::Error AdamStepSegments(Launch& launch, Counts count, Scalars scalars,
                                   runs.k() == 1, &set, &num_chunks));
   float* sumsq_out = sumsq->typed_data();
   std::vector<Touched> touched = TouchScalars(set);
+  touched.push_back(Touch(unchanged_data, 4, Touched::Role::kInput));
   touched.push_back(Touch(sumsq_out, 4 * set.num_sets, Touched::Role::kOutput));
   TouchSegmentLeaves(leaves, &touched);
   JSO_RETURN_IF_ERROR(launch.Place(touched));
   const bool compute_sumsq = attrs.compute_sumsq;
-  return RunWith(launch, attrs, [=](Workers workers) {
+  const bool reseed = attrs.reseed;
+  return RunWith(launch, attrs, [=](Workers workers) mutable {
+    bool reads_params = false;
+    JSO_RETURN_IF_ERROR(
+        ReadsParams(unchanged_data, reseed, workers, &reads_params));
+    if (!reads_params) {
+      for (SegmentLeaf& leaf : leaves) leaf.params = nullptr;
+    }
     const std::vector<AdamConstants> constants = set.ReadAll();
     const int64_t block = starts.back() / set.num_sets;
     // Per-chunk sums of squared (scaled) gradients, for speculation-then-
@@ -284,8 +296,11 @@ double SpeculativePiece(const AdamConstants& constants, const PairBuffers& pair,
 // Results: the sum of squares (f32[1]), the 4k state buffers (aliased) and
 // optionally k weights.
 ffi::Error AdamStepSpeculative(Launch& launch, Counts count, Scalars scalars,
-                               Flag row, ffi::RemainingArgs args, SumSq sumsq,
+                               Flag row, Flag unchanged,
+                               ffi::RemainingArgs args, SumSq sumsq,
                                ffi::RemainingRets rets, BucketAttrs attrs) {
+  const int32_t* unchanged_data = nullptr;
+  JSO_RETURN_IF_ERROR(CheckUnchanged(unchanged, &unchanged_data));
   const LeafRuns runs(attrs.num_leaves, args.size(), rets.size());
   JSO_RETURN_IF_ERROR(
       runs.Expect(attrs.reseed ? 6 : 5, runs.CopiesWeights(4) ? 5 : 4));
@@ -309,14 +324,20 @@ ffi::Error AdamStepSpeculative(Launch& launch, Counts count, Scalars scalars,
   using Role = Touched::Role;
   std::vector<Touched> touched = TouchScalars(set);
   touched.push_back(Touch(row_data, 4, Role::kInput));
+  touched.push_back(Touch(unchanged_data, 4, Role::kInput));
   touched.push_back(Touch(sumsq_out, 4, Role::kOutput));
   TouchPairs(pairs, true, Role::kOutput, &touched);
   for (int64_t j = 0; j < k; ++j) {
-    touched.push_back(
-        Touch(params[j], ElementBytes(param_types[j], sizes[j]), Role::kInput));
+    touched.push_back(Touch(params[j], ElementBytes(param_types[j], sizes[j]),
+                            Role::kOnDemand));
   }
   JSO_RETURN_IF_ERROR(launch.Place(touched));
-  return RunWith(launch, attrs, [=](Workers workers) {
+  const bool reseed = attrs.reseed;
+  return RunWith(launch, attrs, [=](Workers workers) mutable {
+    bool reads_params = false;
+    JSO_RETURN_IF_ERROR(
+        ReadsParams(unchanged_data, reseed, workers, &reads_params));
+    if (!reads_params) params.assign(params.size(), nullptr);
     int from = 0;
     JSO_RETURN_IF_ERROR(ReadRow(row_data, &from));
     const AdamConstants constants = set.Read(0);
@@ -431,7 +452,10 @@ ffi::Error StreamRoofline(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> master,
   b.mu_out = mu_out->typed_data();
   b.nu_out = nu_out->typed_data();
   const int64_t num_chunks = (size + kChunkElements - 1) / kChunkElements;
-  ParallelChunks(Workers{&pool, host_threads}, num_chunks, [&](int64_t chunk) {
+  Workers workers;
+  workers.xla = &pool;
+  workers.host_threads = host_threads;
+  ParallelChunks(workers, num_chunks, [&](int64_t chunk) {
     const int64_t begin = chunk * kChunkElements;
     StreamRooflineRange(b, begin, std::min(size, begin + kChunkElements));
   });
@@ -513,10 +537,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamRoofline,
                                   .Attr<int64_t>("host_threads"));
 
 JSO_DEFINE_BUCKET_HANDLERS(JsoAdamStepSegments, JsoAdamStepSegmentsStream,
-                           ::jax_superoffload::AdamStepSegments, true);
+                           ::jax_superoffload::AdamStepSegments, true,
+                           ::jax_superoffload::Flag);
 JSO_DEFINE_BUCKET_HANDLERS(JsoAdamStepSpeculative, JsoAdamStepSpeculativeStream,
                            ::jax_superoffload::AdamStepSpeculative, true,
-                           ::jax_superoffload::Flag);
+                           ::jax_superoffload::Flag, ::jax_superoffload::Flag);
 JSO_DEFINE_BUCKET_HANDLERS(JsoAdamStepValidated, JsoAdamStepValidatedStream,
                            ::jax_superoffload::AdamStepValidated, false,
                            ::jax_superoffload::Flag, ::jax_superoffload::Flag,

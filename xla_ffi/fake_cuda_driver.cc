@@ -317,7 +317,14 @@ int FakeCuda::StreamCreate(void** stream, unsigned flags) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (int e = CheckContext("cuStreamCreate")) return e;
   }
-  *stream = NewStream(flags == kStreamNonBlocking ? "side" : "side (blocking)");
+  // The first is "side", the next "side#2" and so on.
+  std::string name = "side";
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (++created_streams_ > 1) name += "#" + std::to_string(created_streams_);
+  }
+  if (flags != kStreamNonBlocking) name += " (blocking)";
+  *stream = NewStream(name);
   return 0;
 }
 

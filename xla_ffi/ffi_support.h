@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -150,6 +151,11 @@ void RunChunksOnHostPool(int64_t requested, int64_t pool_threads,
 struct Workers {
   ffi::ThreadPool* xla = nullptr;
   int64_t host_threads = 0;  // The call's host_threads attribute.
+  // Brings the step's on-demand inputs (Touched::Role::kOnDemand) to where
+  // it reads them; null where they are read in place (XLA:CPU).
+  std::function<ffi::Error()> fetch;
+
+  ffi::Error Fetch() const { return fetch ? fetch() : ffi::Error::Success(); }
 };
 
 // RunChunks on XLA's pool where it has more than one thread and nothing

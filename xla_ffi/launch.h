@@ -28,6 +28,9 @@ struct Touched {
     kInput,   // Read only.
     kOutput,  // Written only.
     kInOut,   // Read and written, where it is or through a stand-in.
+    // Read only, and only if the step asks for it (Workers::Fetch) when it
+    // runs: a stand-in is filled then, not at the start.
+    kOnDemand,
   };
   const void* data = nullptr;
   int64_t bytes = 0;
@@ -71,13 +74,37 @@ inline ffi::Error RunWith(Launch& launch, const BucketAttrs& attrs, Work work) {
       });
 }
 
+// Whether a re-seeding step reads its parameters: only where `unchanged`
+// (an s32 flag, read when the step runs) is zero, that is where they may
+// differ from the weights the last step produced (equal weights would
+// re-seed nothing). Fetches them then (they are Touched::Role::kOnDemand).
+inline ffi::Error ReadsParams(const int32_t* unchanged, bool reseed,
+                              const Workers& workers, bool* reads) {
+  *reads = reseed && *unchanged == 0;
+  return *reads ? workers.Fetch() : ffi::Error::Success();
+}
+
+// `unchanged`, checked: an s32 flag, whose first element is read (a
+// vmapped single-leaf call broadcasts it with the other operands).
+inline ffi::Error CheckUnchanged(Flag unchanged, const int32_t** data) {
+  if (unchanged.element_count() < 1) {
+    return InvalidArgument("unchanged must be an s32 flag");
+  }
+  *data = unchanged.typed_data();
+  return ffi::Error::Success();
+}
+
 class RunNow final : public Launch {
  public:
   explicit RunNow(ffi::ThreadPool* pool) : pool_(pool) {}
   ffi::Error Place(std::vector<Touched>&) override {
     return ffi::Error::Success();
   }
-  ffi::Error Run(Work work) override { return work(Workers{pool_}); }
+  ffi::Error Run(Work work) override {
+    Workers workers;
+    workers.xla = pool_;
+    return work(workers);
+  }
 
  private:
   ffi::ThreadPool* pool_;

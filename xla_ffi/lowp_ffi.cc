@@ -168,8 +168,8 @@ void TouchLowpLeaves(std::vector<LowpMomentBuffers>& leaves,
         Touch(b.grad, ElementBytes(b.grad_type, b.size), Role::kInput));
     touched->push_back(
         Touch(b.lowp_out, ElementBytes(b.lowp_type, b.size), Role::kOutput));
-    touched->push_back(
-        Touch(params[j], ElementBytes(param_types[j], b.size), Role::kInput));
+    touched->push_back(Touch(params[j], ElementBytes(param_types[j], b.size),
+                             Role::kOnDemand));
   }
 }
 
@@ -186,8 +186,11 @@ void TouchLowpLeaves(std::vector<LowpMomentBuffers>& leaves,
 // number of threads. `skip` (s32[1]) nonzero: no step (STV dropped it);
 // the state is left as it is and the weights are not written.
 ffi::Error AdamStepLowpSegments(Launch& launch, Counts count, Scalars scalars,
-                                Flag skip, ffi::RemainingArgs args, SumSq sumsq,
+                                Flag skip, Flag unchanged,
+                                ffi::RemainingArgs args, SumSq sumsq,
                                 ffi::RemainingRets rets, BucketAttrs attrs) {
+  const int32_t* unchanged_data = nullptr;
+  JSO_RETURN_IF_ERROR(CheckUnchanged(unchanged, &unchanged_data));
   LowpRuns runs{attrs.quantized, attrs.reseed, false};
   const LeafRuns leaf_runs(attrs.num_leaves, args.size(), rets.size());
   runs.copy_weights = leaf_runs.CopiesWeights(runs.weights());
@@ -215,15 +218,21 @@ ffi::Error AdamStepLowpSegments(Launch& launch, Counts count, Scalars scalars,
   float* sumsq_out = sumsq->typed_data();
   std::vector<Touched> touched = TouchScalars(set);
   touched.push_back(Touch(skip_data, 4, Touched::Role::kInput));
+  touched.push_back(Touch(unchanged_data, 4, Touched::Role::kInput));
   touched.push_back(Touch(sumsq_out, 4, Touched::Role::kOutput));
   TouchLowpLeaves(leaves, params, param_types, &touched);
   JSO_RETURN_IF_ERROR(launch.Place(touched));
   const bool compute_sumsq = attrs.compute_sumsq;
-  return RunWith(launch, attrs, [=](Workers workers) {
+  const bool reseed = attrs.reseed;
+  return RunWith(launch, attrs, [=](Workers workers) mutable {
     if (skip_data[0] != 0) {
       *sumsq_out = 0.0f;
       return ffi::Error::Success();
     }
+    bool reads_params = false;
+    JSO_RETURN_IF_ERROR(
+        ReadsParams(unchanged_data, reseed, workers, &reads_params));
+    if (!reads_params) params.assign(params.size(), nullptr);
     const AdamConstants constants = set.Read(0);
     std::vector<double> partial(num_chunks, 0.0);
     const Isa isa = BestIsa();
@@ -247,4 +256,4 @@ ffi::Error AdamStepLowpSegments(Launch& launch, Counts count, Scalars scalars,
 JSO_DEFINE_BUCKET_HANDLERS(JsoAdamStepLowpSegments,
                            JsoAdamStepLowpSegmentsStream,
                            ::jax_superoffload::AdamStepLowpSegments, true,
-                           ::jax_superoffload::Flag);
+                           ::jax_superoffload::Flag, ::jax_superoffload::Flag);

@@ -57,10 +57,12 @@ void HandOff(void* data) noexcept {
 
 // The step of `pending`, run by the worker: its error, empty on success.
 // No exception leaves it.
-std::string RunStep(Pending& pending) {
+std::string RunStep(Context& c, Pending& pending) {
   std::string error;
   try {
-    ffi::Error result = pending.work(Workers{});
+    Workers workers;
+    workers.fetch = [&c, &pending] { return c.Fetch(pending.on_demand); };
+    ffi::Error result = pending.work(workers);
     if (result.failure()) error = result.message();
   } catch (const std::exception& e) {
     error = std::string("jax_superoffload: the step threw: ") + e.what();
@@ -102,7 +104,7 @@ std::string Handle(Context& c, const CurrentContext& current, Pending& p,
     if (!current.ok()) {
       error = current.error();
     } else if (!failed) {
-      error = RunStep(p);
+      error = RunStep(c, p);
     }
     error = Finish(c, p, failed ? "skipped" : std::move(error));
     return failed ? std::string() : error;
@@ -216,10 +218,30 @@ ffi::Error Context::Create() {
   if (int code = driver->stream_create(&side, kStreamNonBlocking)) {
     return DriverFailure(*driver, "cuStreamCreate", code);
   }
+  if (int code = driver->stream_create(&fetch, kStreamNonBlocking)) {
+    driver->stream_destroy(side);
+    return DriverFailure(*driver, "cuStreamCreate", code);
+  }
   if (int code = driver->event_create(&ready, kEventDisableTiming)) {
+    driver->stream_destroy(fetch);
     driver->stream_destroy(side);
     return DriverFailure(*driver, "cuEventCreate", code);
   }
+  return ffi::Error::Success();
+}
+
+ffi::Error Context::Fetch(const std::vector<OnStream::Copy>& copies) {
+  for (const OnStream::Copy& c : copies) {
+    if (int code = driver->copy_to_host(c.host, c.device, c.bytes, fetch)) {
+      driver->stream_synchronize(fetch);  // Nothing in flight on failure.
+      return DriverFailure(*driver, "cuMemcpyDtoHAsync", code);
+    }
+  }
+  if (int code = driver->stream_synchronize(fetch)) {
+    return DriverFailure(*driver, "cuStreamSynchronize", code);
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  fetched_inputs += static_cast<int64_t>(copies.size());
   return ffi::Error::Success();
 }
 
@@ -378,6 +400,7 @@ bool Context::Shutdown(std::chrono::milliseconds limit) {
   }
   for (void* event : events) driver->event_destroy(event);
   driver->event_destroy(ready);
+  driver->stream_destroy(fetch);
   driver->stream_destroy(side);
   return true;
 }
@@ -385,6 +408,11 @@ bool Context::Shutdown(std::chrono::milliseconds limit) {
 int64_t Context::allocations() {
   std::lock_guard<std::mutex> lock(mutex);
   return staging_allocations;
+}
+
+int64_t Context::fetched() {
+  std::lock_guard<std::mutex> lock(mutex);
+  return fetched_inputs;
 }
 
 }  // namespace stream_internal

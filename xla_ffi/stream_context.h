@@ -73,6 +73,8 @@ struct Pending {
   void* stream = nullptr;  // The compute stream it was started from.
   Work work;
   std::vector<OnStream::Copy> out;
+  // Device to staging only if the step asks (Workers::Fetch), when it runs.
+  std::vector<OnStream::Copy> on_demand;
   int slot = -1;
   void* done = nullptr;  // Recorded on the side stream when handled.
   // Recorded on the side stream after the copies to staging; the compute
@@ -106,15 +108,22 @@ struct Context {
                      const std::shared_ptr<Pending>& pending);
   // StreamLaunches::Join for this context's `stream` (context current).
   ffi::Error Join(void* stream);
+  // Copies a running launch's on-demand inputs to staging on the fetch
+  // stream and waits for them (the worker, context current). The launch's
+  // side stream has run its host function, so what the compute stream
+  // wrote before the start is there; the join keeps those buffers alive.
+  ffi::Error Fetch(const std::vector<OnStream::Copy>& copies);
   // Waits up to `limit` for the launches in flight, stops the worker and
   // frees what the context made. False (and nothing freed) where launches
   // were still in flight.
   bool Shutdown(std::chrono::milliseconds limit);
   int64_t allocations();
+  int64_t fetched();
 
   const CudaDriver* const driver;
   void* const cuda_context;
   void* side = nullptr;   // The side stream.
+  void* fetch = nullptr;  // On-demand inputs' copies (the worker's).
   void* ready = nullptr;  // Recorded on a compute stream by each start.
   std::mutex mutex;
   std::condition_variable changed;
@@ -126,6 +135,7 @@ struct Context {
   Slot slots[2];
   int64_t next_launch = 0;
   int64_t staging_allocations = 0;
+  int64_t fetched_inputs = 0;
   bool stop = false;
   std::thread worker;
 };

@@ -65,7 +65,7 @@ ffi::Error OnStream::Stage(std::vector<Touched>& touched,
                            const std::vector<bool>& on_device) {
   struct Staged {
     Copy copy;
-    bool read = false, written = false;
+    bool read = false, written = false, on_demand = false;
   };
   std::map<const void*, size_t> index;  // Buffer -> its entry in `staged`.
   std::vector<Staged> staged;
@@ -79,8 +79,10 @@ ffi::Error OnStream::Stage(std::vector<Touched>& touched,
     }
     Staged& s = staged[it->second];
     s.copy.bytes = std::max(s.copy.bytes, static_cast<size_t>(t.bytes));
-    s.read |= t.role != Touched::Role::kOutput;
-    s.written |= t.role != Touched::Role::kInput;
+    using Role = Touched::Role;
+    s.on_demand |= t.role == Role::kOnDemand;
+    s.read |= t.role != Role::kOutput && t.role != Role::kOnDemand;
+    s.written |= t.role != Role::kInput && t.role != Role::kOnDemand;
   }
   size_t total = 0;
   for (const Staged& s : staged)
@@ -93,7 +95,11 @@ ffi::Error OnStream::Stage(std::vector<Touched>& touched,
   for (Staged& s : staged) {
     s.copy.host = static_cast<char*>(base) + offset;
     offset += stream_internal::Aligned(s.copy.bytes);
-    if (s.read) in_.push_back(s.copy);
+    if (s.read) {
+      in_.push_back(s.copy);
+    } else if (s.on_demand) {
+      on_demand_.push_back(s.copy);
+    }
     if (s.written) out_.push_back(s.copy);
   }
   for (size_t i = 0; i < touched.size(); ++i) {
@@ -117,6 +123,7 @@ ffi::Error OnStream::Run(Work work) {
   pending->stream = stream_;
   pending->work = std::move(work);
   pending->out = std::move(out_);
+  pending->on_demand = std::move(on_demand_);
   pending->slot = slot_;
   JSO_RETURN_IF_ERROR(context_->Enqueue(stream_, in_, pending));
   slot_ = -1;  // The worker releases it.
@@ -160,6 +167,15 @@ Context* StreamLaunches::ContextOf(void* cuda_context, ffi::Error* error) {
     context = std::move(made);
   }
   return context.get();
+}
+
+int64_t StreamLaunches::fetched_inputs() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t total = 0;
+  for (const auto& [cuda_context, context] : contexts_) {
+    total += context->fetched();
+  }
+  return total;
 }
 
 int64_t StreamLaunches::staging_allocations() const {

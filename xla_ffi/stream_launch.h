@@ -11,7 +11,11 @@
 // wait for their done events (the first point where the GPU waits) and
 // returns the first failed launch's error. A failed launch keeps its
 // stream failed: later launches on it run no step and write nothing back
-// until a join has reported the error.
+// until a join has reported the error. A step's on-demand inputs (a
+// re-seeding step's parameters) are not copied at the start: the worker
+// copies them, on the context's fetch stream, only if the step asks when
+// it runs (Workers::Fetch: the device-side test said they changed); the
+// join keeps them alive until then.
 //
 // Optimizer state must be in host memory (pinned_host operands); state in
 // device memory is staged like the other device operands where it is small
@@ -139,6 +143,8 @@ class StreamLaunches {
   const CudaDriver* driver() const { return driver_; }
   // Pinned staging allocations (cuMemHostAlloc calls) so far.
   int64_t staging_allocations() const;
+  // On-demand inputs copied to staging (Workers::Fetch) so far.
+  int64_t fetched_inputs() const;
 
  private:
   friend class OnStream;
@@ -183,6 +189,7 @@ class OnStream final : public Launch {
   bool placed_ = false;
   std::vector<Copy> in_;   // Device to staging, before the step.
   std::vector<Copy> out_;  // Staging to device, after a step that succeeded.
+  std::vector<Copy> on_demand_;  // Device to staging, if the step asks.
 };
 
 // A bucket handler's body `Body(Launch&, operands...)` as the handler of

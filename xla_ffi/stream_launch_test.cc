@@ -618,6 +618,78 @@ void TestWeightsCopiedToDeviceAfterTheJoin() {
              e.message());
 }
 
+// Point 5: a re-seeding step's parameters (Role::kOnDemand) are copied to
+// the host only when the step asks, that is when its device-side
+// `unchanged` flag (staged with the start) is zero; then by the worker,
+// after the side stream has passed the start, so they hold what the compute
+// stream wrote before it. Returns the step's view of params[0] (-1: not
+// read) through `seen`.
+ffi::Error StartReseeding(Rig& rig, const float* params, int64_t n,
+                          const int32_t* unchanged, float* seen) {
+  OnStream launch(rig.launches.get(), rig.stream);
+  std::vector<Touched> touched = {Touch(unchanged, 4, Role::kInput),
+                                  Touch(params, 4 * n, Role::kOnDemand),
+                                  Touch(seen, 4, Role::kOutput)};
+  JSO_RETURN_IF_ERROR(launch.Place(touched));
+  return launch.Run([=](Workers workers) {
+    bool reads = false;
+    JSO_RETURN_IF_ERROR(ReadsParams(unchanged, true, workers, &reads));
+    *seen = reads ? params[0] + params[n - 1] : -1.0f;
+    return ffi::Error::Success();
+  });
+}
+
+void TestParamsCopiedOnlyWhenChanged() {
+  Rig rig;
+  const int64_t n = 4096;
+  std::vector<float> params(n, 1.0f);
+  int32_t unchanged = 1;
+  float seen = 0.0f;
+  rig.fake.MarkDevice(params.data(), 4 * n);
+  rig.fake.MarkDevice(&unchanged, 4);
+  rig.fake.MarkDevice(&seen, 4);
+  auto param_copies = [&] {
+    int copies = 0;
+    for (const FakeCuda::CopyRecord& c : rig.fake.Copies()) {
+      copies += c.to_host && c.bytes == 4 * n;
+    }
+    return copies;
+  };
+  for (int step = 0; step < 3; ++step) {  // Steady steps: never copied.
+    Expect(StartReseeding(rig, params.data(), n, &unchanged, &seen).success(),
+           "an unchanged step starts");
+    Expect(rig.Join().success(), "and joins");
+    Expect(seen == -1.0f, "it does not read the parameters");
+  }
+  Expect(param_copies() == 0 && rig.launches->fetched_inputs() == 0,
+         "no parameter copy in steady steps: " +
+             std::to_string(param_copies()));
+  // Changed: the compute stream writes the flag and the parameters (a
+  // kernel) before the start; the step sees what it wrote.
+  rig.fake.Hold(true);
+  rig.fake.Enqueue(rig.stream, "kernel", [&] {
+    unchanged = 0;
+    params[0] = 5.0f;
+    params[n - 1] = 7.0f;
+  });
+  Expect(StartReseeding(rig, params.data(), n, &unchanged, &seen).success(),
+         "a changed step starts");
+  rig.fake.Hold(false);
+  Expect(rig.Join().success(), "and joins");
+  Expect(seen == 12.0f, "it reads the parameters the compute stream wrote "
+                        "before the start: " + std::to_string(seen));
+  Expect(param_copies() == 1 && rig.launches->fetched_inputs() == 1,
+         "one parameter copy");
+  std::vector<std::string> log = rig.fake.Log();
+  int host = -1, fetch = -1;
+  for (int i = 0; i < static_cast<int>(log.size()); ++i) {
+    if (log[i] == "side: host function") host = i;
+    if (log[i] == "side#2: copy to host " + std::to_string(4 * n)) fetch = i;
+  }
+  Expect(host >= 0 && fetch > host,
+         "copied on the fetch stream after the start's host function");
+}
+
 // Row steps (row_ffi.h) of one leaf's stacked fp32 state in host memory:
 // kRows rows of n elements; the row's bf16 gradient, the count, the scalars
 // and the row itself in "device" memory, as a scan's loop hands them over.
@@ -843,6 +915,7 @@ int main(int argc, char** argv) {
       {"driver_failures", TestDriverFailuresAreErrors},
       {"adam_bucket", TestAdamBucketMatchesTheCpu},
       {"weights_to_device", TestWeightsCopiedToDeviceAfterTheJoin},
+      {"params_on_demand", TestParamsCopiedOnlyWhenChanged},
       {"row_read_when_run", TestRowIsReadWhenTheStepRuns},
       {"row_no_shared_staging", TestTwoRowLaunchesShareNoStaging},
       {"row_out_of_range", TestRowOutOfRangeIsAStickyError},

@@ -248,7 +248,16 @@ class Stream(_Plain):
     place = steps.stream_place(b.barrier, b.staging_bytes)
     dtypes = weight_dtypes(b)
     out = steps.kernel_step(
-      hyper, dtypes, master, mu, nu, grads, params, place=place, **skip
+      hyper,
+      dtypes,
+      master,
+      mu,
+      nu,
+      grads,
+      params,
+      place=place,
+      unchanged=b.unchanged,
+      **skip,
     )
     if place.join:  # The join copied the new weights to the device.
       weights = steps.joined_weights(b, out.weights, grads, lambda: master)

@@ -169,13 +169,13 @@ def adam_step(
   state_type = jax.ShapeDtypeStruct(master.shape, jnp.float32)
   out_types = [jax.ShapeDtypeStruct((1,), jnp.float32), *[state_type] * 3]
   # master, mu and nu are updated in place when the caller donates them.
-  aliases = _aliases(2, 1, 3)
+  aliases = _aliases(3, 1, 3)
   extra = []
   if lowp is not None:
     out_types.append(jax.ShapeDtypeStruct(master.shape, lowp))
   if lowp_out is not None:
     _check_lowp_out(lowp_out, master.shape, lowp)
-    aliases[6] = 4
+    aliases[7] = 4
     extra.append(lowp_out)
   call = jax.ffi.ffi_call(
     ADAM_STEP_SEGMENTS_TARGET,
@@ -185,7 +185,7 @@ def adam_step(
     vmap_method='broadcast_all',
     input_output_aliases=aliases,
   )
-  scalars = (jnp.asarray(count, jnp.int32), hyper.packed())
+  scalars = (jnp.asarray(count, jnp.int32), hyper.packed(), _unchanged(False))
   out = call(*scalars, master, mu, nu, grad, *extra, **_bucket_attrs(hyper, 1))
   return tuple(out[1:])
 
@@ -282,6 +282,7 @@ def _joined(
   on_host: set[int],
   read: set[int] = frozenset(),
   copy: Sequence[int] = (),
+  keep: Sequence[jax.Array] | None = None,
 ) -> tuple[list, list]:
   """`out` through a stream join when `place` asks for one, and copies.
 
@@ -291,8 +292,10 @@ def _joined(
   host results at `read`, which the step reads after this call: passed
   through the join, aliased, they cannot be read before the host step has
   written them. `copy`: joined host results (the new weights) to
-  copy to the device after the join (`_to_device`). Returns `out` and
-  those copies (none without a join).
+  copy to the device after the join (`_to_device`). `keep`: operands the
+  step may still read after its start (the parameters, which its worker
+  copies only when they changed), kept alive until the join. Returns `out`
+  and those copies (none without a join).
   """
   out = list(out)
   if not getattr(place, 'join', False):
@@ -315,7 +318,7 @@ def _joined(
     input_output_aliases=_aliases(0, 0, len(results)),
     has_side_effect=True,  # It waits, and must not be dropped when unused.
   )
-  done = call(*results, barrier)
+  done = call(*results, barrier, *(keep or ()))
   for i, x in zip(joined, done, strict=True):
     # XLA keeps a result aliased to a host operand in host memory.
     out[i] = jax.device_put(x, jax.memory.Space.Host) if i in on_host else x
@@ -380,6 +383,11 @@ def _scalar_operands(hyper: Hyperparams, place: Place) -> list[jax.Array]:
   return [place(jnp.asarray(hyper.count, jnp.int32)), place(hyper.packed())]
 
 
+def _unchanged(flag: jax.typing.ArrayLike) -> jax.Array:
+  """The s32[1] `unchanged` operand of a re-seeding bucket call."""
+  return jnp.asarray(flag, jnp.int32).reshape(1)
+
+
 def _like(xs: list[jax.Array], dtype=None) -> list[jax.ShapeDtypeStruct]:
   return [jax.ShapeDtypeStruct(x.shape, dtype or x.dtype) for x in xs]
 
@@ -397,6 +405,7 @@ def adam_step_segments(
   hyper: Hyperparams,
   *,
   params: list[jax.Array] | None = None,
+  params_unchanged: jax.typing.ArrayLike = False,
   keep_nonfinite: bool = False,
   compute_sumsq: bool = False,
   place: Place | None = None,
@@ -407,7 +416,10 @@ def adam_step_segments(
   aliased to its result (updated in place when donated); `grads` their
   gradients (f32, bf16 or f16), of the same shapes. With `params`, the step
   starts from them where they differ from the master rounded to their dtype
-  (the parameters are the source of truth). Returns the new master, mu and
+  (the parameters are the source of truth), unless `params_unchanged` (a
+  scalar, traced or not) is true: it says that they are the weights the
+  last step produced, which re-seed nothing, and the step does not read
+  them. Returns the new master, mu and
   nu per leaf, the new weights in `weight_dtypes` (or an empty list), and
   the sum of the squared scaled gradients (f32[1]; zero unless
   `compute_sumsq`). `place` moves every operand but the state where the
@@ -420,6 +432,7 @@ def adam_step_segments(
     weight_dtypes,
     params,
     hyper,
+    (_unchanged(params_unchanged),),
     place=place,
     keep_nonfinite=bool(keep_nonfinite),
     compute_sumsq=bool(compute_sumsq),
@@ -481,7 +494,7 @@ def _bucket_call(
     range(1, 1 + k) if weight_dtypes is None else range(1 + n * k, len(out))
   )
   out, copies = _joined(
-    place, out, _host_results(1, flat_state), read, copy=weights
+    place, out, _host_results(1, flat_state), read, copy=weights, keep=params
   )
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(n)]
   if place is not _as_is:
@@ -501,6 +514,7 @@ def adam_step_lowp_segments(
   hyper: Hyperparams,
   *,
   params: list[jax.Array] | None = None,
+  params_unchanged: jax.typing.ArrayLike = False,
   keep_nonfinite: bool = False,
   compute_sumsq: bool = False,
   skip: jax.typing.ArrayLike = False,
@@ -514,7 +528,8 @@ def adam_step_lowp_segments(
   step taken in fp32 and the new moments stored rounded. Returns the new
   master, mu, nu and scales (or None) per leaf, the new weights in
   `weight_dtypes` (or an empty list) and the sum of the squared scaled
-  gradients (f32[1]; zero unless `compute_sumsq`). With `skip` true
+  gradients (f32[1]; zero unless `compute_sumsq`). `params_unchanged`: as
+  in `adam_step_segments`. With `skip` true
   (a scalar, traced or not) the call steps nothing: the state comes back
   as it was and the weights are left unwritten.
   """
@@ -526,7 +541,7 @@ def adam_step_lowp_segments(
     weight_dtypes,
     params,
     hyper,
-    (jnp.asarray(skip, jnp.int32).reshape(1),),
+    (jnp.asarray(skip, jnp.int32).reshape(1), _unchanged(params_unchanged)),
     place=place,
     keep_nonfinite=bool(keep_nonfinite),
     compute_sumsq=bool(compute_sumsq),
@@ -547,6 +562,7 @@ def adam_step_speculative(
   hyper: Hyperparams,
   *,
   params: list[jax.Array] | None = None,
+  params_unchanged: jax.typing.ArrayLike = False,
   keep_nonfinite: bool = False,
   place: Place | None = None,
 ) -> tuple[list, list, list, list, jax.Array, list]:
@@ -569,6 +585,7 @@ def adam_step_speculative(
   operands = [
     *_scalar_operands(hyper, place),
     place(jnp.asarray(row, jnp.int32).reshape(1)),
+    place(_unchanged(params_unchanged)),
     *master,
     *mu,
     *nu,
@@ -580,7 +597,7 @@ def adam_step_speculative(
     ADAM_STEP_SPECULATIVE_TARGET,
     out_types,
     vmap_method='sequential',
-    input_output_aliases=_aliases(3, 1, 4 * k),
+    input_output_aliases=_aliases(4, 1, 4 * k),
   )
   out = call(
     *operands,
@@ -594,7 +611,7 @@ def adam_step_speculative(
   )
   state = (master, mu, nu, kept)
   on_host = _host_results(1, [x for run in state for x in run])
-  out, _ = _joined(place, out, on_host)
+  out, _ = _joined(place, out, on_host, keep=params)
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(4)]
   if place is not _as_is:
     runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]

@@ -68,6 +68,10 @@ class Bucket(NamedTuple):
   # bucket (`staging_bound`), which sizes its pinned staging slots at once;
   # 0 elsewhere.
   staging_bytes: int = 0
+  # The stream executor: a bool scalar, true where `params` are the weights
+  # the last step produced (weights_digest.py), so that its host step need
+  # not read them; None elsewhere (they are read).
+  unchanged: jax.Array | None = None
 
 
 class Verdict(NamedTuple):
@@ -164,16 +168,26 @@ def kernel_step(
   params,
   skip=False,
   place: grace_adam.Place | None = None,
+  unchanged=None,
 ):
   """The step by the Grace Adam kernel (in host compute, or `Stream`'s).
 
   `skip` (low-precision moments only): no step where it is true. `place`:
-  see `grace_adam.Place`.
+  see `grace_adam.Place`. `unchanged`: see `Bucket.unchanged`.
   """
+  unchanged = False if unchanged is None else unchanged
   if all(x.dtype == jnp.float32 for x in jax.tree.leaves((mu, nu))):
     assert skip is False, 'fp32 moments are skipped by the paired kernel'
     m, a, v, w, _ = grace_adam.adam_step_segments(
-      master, mu, nu, list(grads), dtypes, hyper, params=params, place=place
+      master,
+      mu,
+      nu,
+      list(grads),
+      dtypes,
+      hyper,
+      params=params,
+      params_unchanged=unchanged,
+      place=place,
     )
     # A joined call returns the new masters' device copies as its weights.
     return BucketOut(m, a, v, w or None)
@@ -191,6 +205,7 @@ def kernel_step(
     dtypes,
     hyper,
     params=params,
+    params_unchanged=unchanged,
     skip=skip,
     place=place,
   )
@@ -385,6 +400,7 @@ def speculate(
       dtypes,
       hyper,
       params=params,
+      params_unchanged=False if b.unchanged is None else b.unchanged,
       place=place,
     )
     # On the stream the weights are flat until finish_pair shapes them.
