@@ -227,6 +227,24 @@ def test_stream_staging_is_sized_from_the_plan(extra):
   assert largest <= bound <= largest + 64 * 1024, calls
 
 
+# Issue 37 point 5: a bucket call's parameters are not staged at its
+# start; its worker copies them only when the device-side digest says they
+# changed (weights_digest.py). Every re-seeding call of the trainer's step
+# (it passes the parameters) marks them on demand, all of them: the fp32
+# parameters' 4 B each, at the staging's alignment.
+@pytest.mark.parametrize('extra', ['host', 'device', 'stv'])
+def test_stream_bucket_parameters_are_copied_on_demand(extra):
+  result = compiled('stream', 'noscan', overrides=SMALL + EXTRA[extra])
+  calls = result['stream_staging']
+  starts = [c for c in calls if c['on_demand']]
+  if extra != 'stv':  # STV's validated calls read no parameters.
+    assert starts == calls, calls
+  assert starts and all(c['on_demand'] < c['staged'] for c in starts), calls
+  total = sum(c['on_demand'] for c in starts)
+  assert 4 * result['num_params'] <= total, (total, result['num_params'])
+  assert total <= 4 * result['num_params'] + 256 * 64, total  # Alignment.
+
+
 # The ffi executor's staging, stated: XLA stages host compute's operands
 # through buffers of its own (notes section 5), so its host temporaries and
 # host-to-host copies are bounded by the state it steps, once per step.

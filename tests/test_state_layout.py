@@ -216,6 +216,35 @@ def test_a_checkpoint_of_the_old_layout_restores_and_continues():
   _same_bits(updates, {k: want[k] for k in want.files})
 
 
+def test_an_old_checkpoint_restores_into_a_stream_state_with_a_digest():
+  """The stream executor's state has a `weights_digest` the old one lacks.
+
+  Restored through the old layout, it gets a digest matching nothing (the
+  first step compares the parameters on the host) and steps as the old
+  code did, bit for bit.
+  """
+  ocp = pytest.importorskip('orbax.checkpoint')
+  fixture = fixture_module()
+  offload = superoffload.Offload(executor='stream')
+  tx = optax.chain(
+    optax.clip_by_global_norm(1.0), superoffload.adamw(1e-2, offload=offload)
+  )
+  params = fixture.params0()
+  like = {'params': params, 'opt_state': tx.init(params)}
+  assert like['opt_state'][1].weights_digest is not None
+  target = superoffload.legacy_layout(like)
+  assert 'weights_digest' not in target['opt_state'][1]
+  old = ocp.StandardCheckpointer().restore(_DATA / 'legacy_state_ckpt', target)
+  restored = superoffload.from_legacy_layout(old, like)
+  state = restored['opt_state']
+  assert not np.any(np.asarray(state[1].weights_digest))
+  p = restored['params']
+  updates, new = tx.update(fixture.grads(p, 2), state, p)
+  want = np.load(_DATA / 'legacy_state_next_updates.npz')
+  _same_bits(updates, {k: want[k] for k in want.files})
+  assert np.any(np.asarray(new[1].weights_digest))
+
+
 def test_an_old_layout_state_is_refused_in_one_line():
   params = _params()
   tx = superoffload.adamw(1e-2)

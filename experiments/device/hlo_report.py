@@ -381,6 +381,16 @@ def _aligned(nbytes: int, to: int = 256) -> int:
   return -(-nbytes // to) * to
 
 
+# The bucket calls whose parameters (their last `num_leaves` device
+# operands, after the gradients) are copied only when they changed, and
+# the operands before their leaves (count, scalars and flags).
+ON_DEMAND_PARAMS = {
+  'jax_superoffload_adam_step_segments': 3,
+  'jax_superoffload_adam_step_lowp_segments': 4,
+  'jax_superoffload_adam_step_speculative': 4,
+}
+
+
 def stream_staging(hlo: str) -> list[dict[str, int]]:
   """Per stream start: its slot bound and the device bytes it stages.
 
@@ -388,6 +398,8 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
   every operand and result in device memory, each at the staging slots'
   256-byte alignment (xla_ffi/stream_context.h). A result aliased to a
   device operand is counted twice, so `staged` is an upper bound.
+  `on_demand`: of those, the parameters of a re-seeding bucket call, which
+  its worker copies only when they changed (weights_digest.py).
   """
   module = _Module(hlo)
   out = []
@@ -397,15 +409,30 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
       if i.op != 'custom-call' or not bound:
         continue
       names = _operands(i)
-      shapes = [module.shapes.get(n, '') for n in names] + [i.shape]
-      staged = sum(
-        _aligned(a.bytes)
-        for shape in shapes
-        for a in arrays(shape)
-        if not a.on_host
+      device = lambda ns: [  # noqa: E731
+        a for n in ns for a in arrays(module.shapes.get(n, '')) if not a.on_host
+      ]
+      results = [a for a in arrays(i.shape) if not a.on_host]
+      staged = sum(_aligned(a.bytes) for a in device(names) + results)
+      out.append(
+        dict(
+          name=i.name,
+          bound=int(bound[1]),
+          staged=staged,
+          on_demand=_on_demand_bytes(i, names, device),
+        )
       )
-      out.append(dict(name=i.name, bound=int(bound[1]), staged=staged))
   return out
+
+
+def _on_demand_bytes(i, names: list[str], device) -> int:
+  """The device bytes of call `i`'s parameters that it fetches on demand."""
+  front = ON_DEMAND_PARAMS.get(i.attr('custom_call_target') or '')
+  if front is None or not re.search(r'reseed = true', i.rest):
+    return 0
+  k = int(re.search(r'num_leaves = (\d+)', i.rest)[1])
+  leaves = device(names[front:])
+  return sum(_aligned(a.bytes) for a in leaves[-k:]) if k else 0
 
 
 def to_device_calls(hlo: str) -> list[dict[str, Any]]:

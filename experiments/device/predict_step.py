@@ -15,8 +15,10 @@ A model, to be checked on the next GPU, from two kinds of input:
 The step it models: the forward and backward as optax's less optax's
 update; each host step's operands copied to pinned staging when it starts
 (its gradients, and the parameters it re-seeds from: the compiled
-launches' staged bytes), the compute stream waiting for that copy (so
-every copy is on the critical path); the host steps one at a time (FIFO)
+launches' staged bytes, less a bucket's parameters, which in a steady
+step are unchanged and not copied; `overlap_scan`'s rows copy theirs),
+the compute stream waiting for that copy (so every copy is on the
+critical path); the host steps one at a time (FIFO)
 on the host's cores; at the join, the wait for the last host step, then
 the new weights copied to the device (the compiled copies' bytes). The
 backward is taken as 2/3 of the forward and backward (the share of GEMM
@@ -102,7 +104,11 @@ def main(argv: list[str]) -> int:
     and r['fields'].get('param_dtype', 'float32') == dtype
     and r['fields'].get('overlap_scan', True)
   )
-  staged = {s['name']: s['staged'] for s in case['stream_staging']}
+  # In a steady step the parameters are unchanged: not copied.
+  staged = {
+    s['name']: s['staged'] - s.get('on_demand', 0)
+    for s in case['stream_staging']
+  }
   starts = [
     (c['backward_flops_before'], staged[c['name']])
     for c in case['optimizer_calls']

@@ -20,6 +20,7 @@ from jax_superoffload._src.core import layout
 from jax_superoffload._src.optim import init as init_lib
 from jax_superoffload._src.optim import options as options_lib
 from jax_superoffload._src.optim import scan_scope
+from jax_superoffload._src.optim import state as state_lib
 from jax_superoffload._src.optim import update as update_lib
 from jax_superoffload._src.optim.offload import Offload
 
@@ -283,7 +284,7 @@ def _on_device(state: Any) -> Any:
     for name in fields
     if getattr(state, name) is not None
   }
-  return state.replace(**moved)
+  return state_lib.with_fields(state, **moved)
 
 
 def _transformation(

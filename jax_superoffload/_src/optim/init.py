@@ -15,6 +15,7 @@ from jax_superoffload._src.core import host_memory
 from jax_superoffload._src.core import moments
 from jax_superoffload._src.optim import options as options_lib
 from jax_superoffload._src.optim import state as state_lib
+from jax_superoffload._src.optim import weights_digest
 from jax_superoffload._src.parallel import following
 from jax_superoffload._src.parallel import zero as zero_lib
 
@@ -80,7 +81,22 @@ def _build_state(
     mu_scales=tree(mu_scales) if opts.moments_8bit else None,
     nu_scales=tree(nu_scales) if opts.moments_8bit else None,
     placement=plan.placement,
+    weights_digest=_weights_digest(opts, plan, leaves),
   )
+
+
+def _weights_digest(opts, plan, leaves: list) -> jax.Array | None:
+  """The digest of a fresh state: its kernel leaves' parameters.
+
+  The master starts as them, so they are the weights it rounds to.
+  """
+  if not opts.digests_weights:
+    return None
+  digested = []
+  for ids in weights_digest.groups(state_lib.buckets_of(plan.lay)):
+    xs = [leaves[i] for i in ids]
+    digested.append((ids, xs, xs))
+  return weights_digest.after_step(len(leaves), digested)
 
 
 def _typer(opts, shardings: Any) -> Callable[[str, int, jax.Array], Any]:
@@ -189,6 +205,9 @@ def _state_shardings(
     mu_scales=tree(scales) if opts.moments_8bit else None,
     nu_scales=tree(scales) if opts.moments_8bit else None,
     placement=plan.placement,
+    weights_digest=(
+      sharding(zero_lib.P(), False, 2) if opts.digests_weights else None
+    ),
   )
 
 

@@ -56,10 +56,17 @@ def legacy_layout(tree: Any) -> Any:
       fields['placement'] = None  # Static: not in the checkpoint.
       return fields
     if _grouped(x):
-      return type(x)({**x['adam'], **x['offload']})
+      flat = {**x['adam'], **x['offload']}
+      flat.pop('weights_digest', None)
+      return type(x)(flat)
     return x
 
   return jax.tree.map(old, tree, is_leaf=_grouped)
+
+
+def _nothing(digest: Any) -> Any:
+  """A `weights_digest` that matches no parameters, like `digest`."""
+  return jax.tree.map(jax.numpy.zeros_like, digest)
 
 
 def from_legacy_layout(restored: Any, like: Any) -> Any:
@@ -84,7 +91,7 @@ def from_legacy_layout(restored: Any, like: Any) -> Any:
     if isinstance(x, state_lib.SuperOffloadState):
       want = set(state_lib.LEGACY_FIELDS)
     else:
-      want = set(x['adam']) | set(x['offload'])
+      want = (set(x['adam']) | set(x['offload'])) - {'weights_digest'}
     if not isinstance(old, Mapping) or set(old) != want:
       keys = sorted(old) if isinstance(old, Mapping) else type(old).__name__
       raise ValueError(
@@ -92,8 +99,17 @@ def from_legacy_layout(restored: Any, like: Any) -> Any:
         f'of the old layout (the fields {sorted(want)}): got {keys}'
       )
     if isinstance(x, state_lib.SuperOffloadState):
-      return state_lib.SuperOffloadState.of(**{**old, 'placement': x.placement})
-    regroup = lambda part: type(part)({n: old[n] for n in part})  # noqa: E731
+      # A digest matching nothing: the next step compares on the host.
+      digest = _nothing(x.weights_digest)
+      return state_lib.SuperOffloadState.of(
+        **{**old, 'placement': x.placement, 'weights_digest': digest}
+      )
+
+    def regroup(part):
+      return type(part)(
+        {n: old[n] if n in old else _nothing(part[n]) for n in part}
+      )
+
     return type(x)(
       {'adam': regroup(x['adam']), 'offload': regroup(x['offload'])}
     )

@@ -71,6 +71,15 @@ class Options:
     return self.executor.paired
 
   @property
+  def digests_weights(self) -> bool:
+    """Whether the state keeps a digest of the weights (weights_digest.py).
+
+    The "stream" executor's host step then reads the parameters only when
+    they changed. Not under ZeRO, whose shards step inside `shard_map`.
+    """
+    return self.executor.name == 'stream' and self.zero is None
+
+  @property
   def use_kernel(self) -> bool:
     if self.mu_dtype is None or np.dtype(self.mu_dtype) == np.float32:
       return True

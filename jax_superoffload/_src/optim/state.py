@@ -15,6 +15,7 @@ from typing import Any
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -49,6 +50,13 @@ class OffloadState(NamedTuple):
     placement: The device buckets and casting side `init` chose for this
       tree (a static node: no arrays), which `update` reads; None in a
       state made otherwise, for which `update` decides them itself.
+    weights_digest: With the "stream" executor (without ZeRO), a uint32
+      array of one row per parameter leaf, in device memory: a digest of
+      the weights the master rounds to, which `update` compares with the
+      parameters it is given, on the device, so that the host step copies
+      them only when they changed (weights_digest.py); else None, and
+      the step copies them every time. `replace(master=...)` without a
+      digest clears it.
   """
 
   master: Any
@@ -59,13 +67,16 @@ class OffloadState(NamedTuple):
   mu_scales: Any = None
   nu_scales: Any = None
   placement: placement_lib.Placement | None = None
+  weights_digest: jax.Array | None = None
 
 
 ADAM_FIELDS = optax.ScaleByAdamState._fields
 OFFLOAD_FIELDS = OffloadState._fields
 # The fields of the one flat NamedTuple the state was before it held
 # optax's ScaleByAdamState (checkpoints written then have these names).
-LEGACY_FIELDS = ADAM_FIELDS + OFFLOAD_FIELDS
+FIELDS = ADAM_FIELDS + OFFLOAD_FIELDS
+# (weights_digest came later: none of those checkpoints has one.)
+LEGACY_FIELDS = tuple(n for n in FIELDS if n != 'weights_digest')
 HOW_TO_CONVERT = (
   'restore a checkpoint written before the state held optax.ScaleByAdamState'
   ' into superoffload.legacy_layout(target), then convert it with '
@@ -132,11 +143,12 @@ class SuperOffloadState(NamedTuple):
   mu_scales = _read_only('offload', 'mu_scales')
   nu_scales = _read_only('offload', 'nu_scales')
   placement = _read_only('offload', 'placement')
+  weights_digest = _read_only('offload', 'weights_digest')
 
   @classmethod
   def of(cls, **fields: Any) -> SuperOffloadState:
     """A state from the fields of both parts, by name."""
-    unknown = sorted(set(fields) - set(LEGACY_FIELDS))
+    unknown = sorted(set(fields) - set(FIELDS))
     if unknown:
       raise TypeError(f'SuperOffloadState has no field(s) {unknown}')
     return cls(
@@ -145,15 +157,19 @@ class SuperOffloadState(NamedTuple):
     )
 
   def replace(self, **fields: Any) -> SuperOffloadState:
-    """This state with the named fields (of either part) replaced."""
-    unknown = sorted(set(fields) - set(LEGACY_FIELDS))
-    if unknown:
-      raise TypeError(f'SuperOffloadState has no field(s) {unknown}')
-    pick = lambda names: {n: fields[n] for n in names if n in fields}  # noqa: E731
-    return SuperOffloadState(
-      self.adam._replace(**pick(ADAM_FIELDS)),
-      self.offload._replace(**pick(OFFLOAD_FIELDS)),
-    )
+    """This state with the named fields (of either part) replaced.
+
+    A new `master` without a new `weights_digest` makes the digest match
+    no parameters: the next step compares them with the master itself.
+    """
+    digest = self.weights_digest
+    if (
+      'master' in fields
+      and 'weights_digest' not in fields
+      and digest is not None
+    ):
+      fields['weights_digest'] = jnp.zeros_like(digest)
+    return with_fields(self, **fields)
 
   def current(self) -> stv.HostState:
     """The current master, mu and nu, trees like the parameters."""
@@ -166,6 +182,22 @@ class SuperOffloadState(NamedTuple):
         for xs in (self.master, self.mu, self.nu)
       )
     )
+
+
+def with_fields(state: SuperOffloadState, **fields: Any) -> SuperOffloadState:
+  """`state` with the named fields replaced, its digest kept as it is.
+
+  For the library's own changes of a state's memory space or types, which
+  keep every value.
+  """
+  unknown = sorted(set(fields) - set(FIELDS))
+  if unknown:
+    raise TypeError(f'SuperOffloadState has no field(s) {unknown}')
+  pick = lambda names: {n: fields[n] for n in names if n in fields}  # noqa: E731
+  return SuperOffloadState(
+    state.adam._replace(**pick(ADAM_FIELDS)),
+    state.offload._replace(**pick(OFFLOAD_FIELDS)),
+  )
 
 
 class Bucketing(NamedTuple):
@@ -192,13 +224,13 @@ def bucketing_for(
   if opts.double_buffered:
     paired = frozenset(range(lay.num_buckets)) - on_device
   bucket_of = {}
-  for k, leaf_ids in enumerate(_buckets(lay)):
+  for k, leaf_ids in enumerate(buckets_of(lay)):
     for i in leaf_ids:
       bucket_of[i] = k
   return Bucketing(lay, placement, on_device, paired, bucket_of)
 
 
-def _buckets(lay: layout.Layout) -> list[list[int]]:
+def buckets_of(lay: layout.Layout) -> list[list[int]]:
   """Leaf indices of each bucket, in state order."""
   return [
     [group.leaves[j] for j in bucket]

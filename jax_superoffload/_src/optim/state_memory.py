@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.optim import state as state_lib
 
 _ARRAY_FIELDS = ('master', 'mu', 'nu', 'kept_grads', 'mu_scales', 'nu_scales')
 
@@ -26,7 +27,7 @@ def read_typed(state: Any) -> Any:
     for name in _ARRAY_FIELDS
     if getattr(state, name) is not None
   }
-  return state.replace(**fields)
+  return state_lib.with_fields(state, **fields)
 
 
 def kept_in_place(old: Any, new: Any) -> Any:
@@ -66,4 +67,4 @@ def kept_in_place(old: Any, new: Any) -> Any:
       'shardings, to keep them in host memory',
       stacklevel=2,
     )
-  return new.replace(**fields)
+  return state_lib.with_fields(new, **fields)

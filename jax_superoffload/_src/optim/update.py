@@ -2,13 +2,15 @@
 
 1. `_inputs`: the plan of the tree, the state checked leaf by leaf against
    the parameters, the gradients and parameters flattened.
-2. `_schedule`: the buckets, each with its executor and hyperparameters;
+2. `_schedule`: the buckets, each with its executor and hyperparameters
+   (and, with a `weights_digest`, whether its parameters are unchanged);
    every bucket's step starts at once (speculatively with STV).
 3. `stv.validate_buckets` (STV only): the global norm, and each executor's
    fix of its step (a redo or a drop) when it says so.
 4. `_assemble`: the updates, in the parameters' dtypes.
 5. `_optax_leaves`: the leaves the kernel does not cover, by optax's math.
-6. `_new_state`.
+6. `_new_state`, with the digest of the parameters the caller passes next
+   (`weights_digest.after_update`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from jax_superoffload._src.optim import scan_overlap
 from jax_superoffload._src.optim import state as state_lib
 from jax_superoffload._src.optim import state_memory
 from jax_superoffload._src.optim import stv
+from jax_superoffload._src.optim import weights_digest
 from jax_superoffload._src.parallel import following
 from jax_superoffload._src.parallel import zero as zero_lib
 
@@ -101,11 +104,12 @@ def _shards(opts, plan, ids: list[int], grads, params) -> _Shards:
 
 
 def _schedule(
-  opts, inputs: Inputs, count, cast_on_device: bool, rows=None
+  opts, inputs: Inputs, count, cast_on_device: bool, rows=None, digest=None
 ) -> list:
   """The buckets of this step, with their gradients ready for the kernel.
 
   `rows`: the `overlap_scan` scope whose started leaves no bucket holds.
+  `digest`: the state's `weights_digest`, for each bucket's `unchanged`.
   """
   plan = inputs.plan
   want_delta = inputs.params is None
@@ -144,6 +148,14 @@ def _schedule(
           barrier=barrier,
         )
       )
+  if digest is not None and not want_delta:
+    flags = weights_digest.bucket_flags(
+      digest, inputs.params, [b.leaves for b in out]
+    )
+    out = [
+      b._replace(unchanged=None if b.executor is executors.RESIDENT else f)
+      for b, f in zip(out, flags, strict=True)
+    ]
   if barrier is not None:  # The stream executor on a GPU, without ZeRO.
     bound = max(steps.staging_bound(out), rows.reserve if rows else 0)
     out = [b._replace(staging_bytes=bound) for b in out]
@@ -176,8 +188,12 @@ def _before(inputs: Inputs, b: executors.Bucket, row) -> executors.LeafState:
   return executors.LeafState(*fields, _pick(st['kept_grads'], b.leaves), row)
 
 
-def _assemble(opts, inputs: Inputs, buckets, results, verdict) -> list:
-  """The updates per leaf: `params + u` is the new master, cast."""
+def _assemble(opts, inputs: Inputs, buckets, results, verdict) -> tuple:
+  """The updates per leaf: `params + u` is the new master, cast.
+
+  Also returns the weights each bucket leaf's new master rounds to, by
+  leaf (none without params), for the state's `weights_digest`.
+  """
   plan, zero = inputs.plan, opts.zero
   ids = [i for b in buckets for i in b.leaves]
   weights = [w for b in buckets for w in results[b.index].weights]
@@ -199,7 +215,9 @@ def _assemble(opts, inputs: Inputs, buckets, results, verdict) -> list:
     # Without params, the weights are the fp32 change of the master.
     u = w if inputs.params is None else _exact_delta(w, inputs.params[i])
     out[i] = stv.drop_if_skipped(verdict, u)
-  return out
+  if inputs.params is None:
+    return out, {}
+  return out, dict(zip(ids, weights, strict=True))
 
 
 def _exact_delta(new: jax.Array, old: jax.Array) -> jax.Array:
@@ -348,7 +366,8 @@ def update(opts, updates, state, params):
   if rows is not None:
     inputs = inputs._replace(state=scan_overlap.with_stacks(rows, inputs.state))
   cast_on_device = inputs.plan.placement.cast_on_device
-  buckets = _schedule(opts, inputs, state.count, cast_on_device, rows)
+  digest = weights_digest.checked(opts, state, len(inputs.grads))
+  buckets = _schedule(opts, inputs, state.count, cast_on_device, rows, digest)
   before = {b.index: _before(inputs, b, state.row) for b in buckets}
   results = {
     b.index: b.executor.step(opts.zero, b, before[b.index]) for b in buckets
@@ -358,7 +377,7 @@ def update(opts, updates, state, params):
     verdict, results, kept = stv.validate_buckets(
       opts, inputs, buckets, before, results
     )
-  out = _assemble(opts, inputs, buckets, results, verdict)
+  out, produced = _assemble(opts, inputs, buckets, results, verdict)
   started = {} if rows is None else _finish_rows(rows, inputs, out)
   optax_new = _optax_leaves(opts, inputs, state.count, verdict, out)
   for i, u in enumerate(out):  # Zero-size leaves no bucket holds.
@@ -367,6 +386,11 @@ def update(opts, updates, state, params):
   new_state = _new_state(
     opts, inputs, state, buckets, results, kept, optax_new, verdict, started
   )
+  if state.weights_digest is not None:
+    new_digest = weights_digest.after_update(
+      opts, state, digest, buckets, (inputs.params, produced, out), verdict
+    )
+    new_state = state_lib.with_fields(new_state, weights_digest=new_digest)
   new_state = state_memory.kept_in_place(typed, new_state)
   return jax.tree.unflatten(inputs.plan.lay.treedef, out), new_state
 
