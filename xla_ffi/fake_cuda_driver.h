@@ -143,7 +143,7 @@ class FakeCuda {
   Stats stats_;
   bool held_ = false;
   bool stop_ = false;
-  int context_tag_ = 0;  // Its address is the one context.
+  int context_tag_ = 0;      // Its address is the one context.
   int created_streams_ = 0;  // By cuStreamCreate.
   std::thread thread_;
 };

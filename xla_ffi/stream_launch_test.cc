@@ -661,9 +661,9 @@ void TestParamsCopiedOnlyWhenChanged() {
     Expect(rig.Join().success(), "and joins");
     Expect(seen == -1.0f, "it does not read the parameters");
   }
-  Expect(param_copies() == 0 && rig.launches->fetched_inputs() == 0,
-         "no parameter copy in steady steps: " +
-             std::to_string(param_copies()));
+  Expect(
+      param_copies() == 0 && rig.launches->fetched_inputs() == 0,
+      "no parameter copy in steady steps: " + std::to_string(param_copies()));
   // Changed: the compute stream writes the flag and the parameters (a
   // kernel) before the start; the step sees what it wrote.
   rig.fake.Hold(true);
@@ -676,8 +676,10 @@ void TestParamsCopiedOnlyWhenChanged() {
          "a changed step starts");
   rig.fake.Hold(false);
   Expect(rig.Join().success(), "and joins");
-  Expect(seen == 12.0f, "it reads the parameters the compute stream wrote "
-                        "before the start: " + std::to_string(seen));
+  Expect(seen == 12.0f,
+         "it reads the parameters the compute stream wrote "
+         "before the start: " +
+             std::to_string(seen));
   Expect(param_copies() == 1 && rig.launches->fetched_inputs() == 1,
          "one parameter copy");
   std::vector<std::string> log = rig.fake.Log();
