@@ -170,19 +170,18 @@ Context* StreamLaunches::ContextOf(void* cuda_context, ffi::Error* error) {
 }
 
 int64_t StreamLaunches::fetched_inputs() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  int64_t total = 0;
-  for (const auto& [cuda_context, context] : contexts_) {
-    total += context->fetched();
-  }
-  return total;
+  return SumOverContexts(&Context::fetched);
 }
 
 int64_t StreamLaunches::staging_allocations() const {
+  return SumOverContexts(&Context::allocations);
+}
+
+int64_t StreamLaunches::SumOverContexts(int64_t (Context::*count)()) const {
   std::lock_guard<std::mutex> lock(mutex_);
   int64_t total = 0;
   for (const auto& [cuda_context, context] : contexts_) {
-    total += context->allocations();
+    total += (context.get()->*count)();
   }
   return total;
 }

@@ -152,6 +152,8 @@ class StreamLaunches {
   // the first time; null with `error`. The context must be current.
   stream_internal::Context* ContextOf(void* context, ffi::Error* error);
   stream_internal::Context* FindContext(void* context);
+  // A count of every context's, summed.
+  int64_t SumOverContexts(int64_t (stream_internal::Context::*count)()) const;
 
   const CudaDriver* driver_;
   mutable std::mutex mutex_;
