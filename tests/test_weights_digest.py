@@ -329,3 +329,39 @@ def test_a_restored_run_keeps_its_digest(tmp_path):
   want = step(_grads(params, 1), state, params)
   got = step(_grads(params, 1), restored['opt_state'], restored['params'])
   assert _bits(want) == _bits(got)
+
+
+@pytest.mark.parametrize('target', ['concrete', 'eval_shape'])
+def test_a_run_restored_under_multisteps_continues_exactly(tmp_path, target):
+  """A user's restart: MultiSteps, an Orbax restore into a fresh or an
+  abstract target, then the same steps as the uninterrupted run."""
+  ocp = pytest.importorskip('orbax.checkpoint')
+
+  def make():
+    return optax.MultiSteps(_tx('stream'), 2)
+
+  def run(tx, params, state, steps):
+    @jax.jit
+    def step(params, state, grads):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    for t in steps:
+      params, state = step(params, state, _grads(params, t))
+    return params, state
+
+  tx = make()
+  params0 = _params('bfloat16')
+  params, state = run(tx, params0, tx.init(params0), range(3))
+  want = run(tx, params, state, range(3, 7))
+  fresh = make()
+  like = {'params': params0, 'opt_state': fresh.init(params0)}
+  if target == 'eval_shape':
+    like['opt_state'] = jax.eval_shape(fresh.init, params0)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / 'ckpt', {'params': params, 'opt_state': state})
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / 'ckpt', like)
+  got = run(fresh, restored['params'], restored['opt_state'], range(3, 7))
+  assert _bits(got[0]) == _bits(want[0])
+  assert _bits(got[1]) == _bits(want[1])
