@@ -20,6 +20,10 @@ XLA_FFI_Error* JsoAdamStepValidatedStream(XLA_FFI_CallFrame* call_frame);
 // from a CUDA stream.
 XLA_FFI_Error* JsoAdamStepRow(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoAdamStepRowStream(XLA_FFI_CallFrame* call_frame);
+// Stacked masters re-seeded from stacked parameters a row at a time, before
+// a scan's row steps (row_ffi.h), on XLA:CPU and from a CUDA stream.
+XLA_FFI_Error* JsoAdamReseedRows(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JsoAdamReseedRowsStream(XLA_FFI_CallFrame* call_frame);
 // The join of a step's stream launches: an identity on the CPU, the wait
 // for the launches from a CUDA stream.
 XLA_FFI_Error* JsoStreamJoin(XLA_FFI_CallFrame* call_frame);
@@ -56,6 +60,8 @@ inline constexpr FfiTarget kFfiTargets[] = {
      JsoAdamStepValidated, JsoAdamStepValidatedStream},
     {"ADAM_STEP_ROW_TARGET", "jax_superoffload_adam_step_row", JsoAdamStepRow,
      JsoAdamStepRowStream},
+    {"ADAM_RESEED_ROWS_TARGET", "jax_superoffload_adam_reseed_rows",
+     JsoAdamReseedRows, JsoAdamReseedRowsStream},
     {"STREAM_ROOFLINE_TARGET", "jax_superoffload_stream_roofline",
      JsoStreamRoofline},
     {"STREAM_JOIN_TARGET", "jax_superoffload_stream_join", JsoStreamJoin,

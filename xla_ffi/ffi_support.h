@@ -152,10 +152,14 @@ struct Workers {
   ffi::ThreadPool* xla = nullptr;
   int64_t host_threads = 0;  // The call's host_threads attribute.
   // Brings the step's on-demand inputs (Touched::Role::kOnDemand) to where
-  // it reads them; null where they are read in place (XLA:CPU).
-  std::function<ffi::Error()> fetch;
+  // it reads them, each `window` of its own size on from where it was
+  // touched (a row of a stack touched at its first row); null where they
+  // are read in place (XLA:CPU).
+  std::function<ffi::Error(int64_t window)> fetch;
 
-  ffi::Error Fetch() const { return fetch ? fetch() : ffi::Error::Success(); }
+  ffi::Error Fetch(int64_t window = 0) const {
+    return fetch ? fetch(window) : ffi::Error::Success();
+  }
 };
 
 // RunChunks on XLA's pool where it has more than one thread and nothing

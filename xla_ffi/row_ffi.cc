@@ -139,6 +139,95 @@ ffi::Error AdamStepRow(Launch& launch, Counts count, Scalars scalars, Flag row,
   return StartRowStep(launch, std::move(step), attrs);
 }
 
+// Leaf j of a re-seed (see AdamReseedRows), its row 0, and its rows.
+ffi::Error GetReseedLeaf(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
+                         int64_t k, size_t j, ReseedLeaf* leaf, int64_t* rows) {
+  ffi::AnyBuffer master(nullptr);
+  JSO_RETURN_IF_ERROR(GetArg(args, k, 0, j, -1, &master));
+  JSO_RETURN_IF_ERROR(F32(master, j, "stacked master"));
+  const auto dims = master.dimensions();
+  const int64_t total = static_cast<int64_t>(master.element_count());
+  if (dims.size() < 1 || dims[0] < 1 || total == 0) {
+    return LeafError(j,
+                     "the stacked master must be f32[L, ...] with L >= 1 "
+                     "rows of at least one element");
+  }
+  void* out = nullptr;
+  ElementType out_type = ElementType::kNone;
+  JSO_RETURN_IF_ERROR(GetRet(rets, k, 0, j, total, &out, &out_type));
+  if (out != master.untyped_data()) {
+    return LeafError(j,
+                     "the re-seeded master must alias its operand "
+                     "(input_output_aliases)");
+  }
+  JSO_RETURN_IF_ERROR(GetTyped(args, k, 1, j, total, "parameter", &leaf->params,
+                               &leaf->param_type));
+  *rows = dims[0];
+  leaf->size = total / dims[0];
+  leaf->master = static_cast<float*>(out);
+  return ffi::Error::Success();
+}
+
+// The re-seed, once its operands hold their values: row by row, each
+// row's parameters fetched (or read in place) and re-seeded from.
+ffi::Error ReseedRows(const StackReseed& reseed, Workers workers) {
+  if (*reseed.unchanged != 0) return ffi::Error::Success();
+  // The tolerance of the row steps that follow, from the same scalars.
+  const float tolerance = ReseedTolerance(reseed.set.Read(0));
+  std::vector<int64_t> sizes;
+  for (const ReseedLeaf& leaf : reseed.leaves) sizes.push_back(leaf.size);
+  const std::vector<int64_t> starts = Starts(sizes);
+  const Isa isa = BestIsa();
+  for (int64_t row = 0; row < reseed.rows; ++row) {
+    JSO_RETURN_IF_ERROR(workers.Fetch(row));
+    ForEachPiece(workers, starts,
+                 [&](size_t j, int64_t begin, int64_t end, int64_t) {
+                   const ReseedLeaf& leaf = reseed.leaves[j];
+                   const int64_t first = row * leaf.size;
+                   // A staged row sits where row 0 was placed.
+                   const void* params =
+                       static_cast<const char*>(leaf.params) +
+                       (leaf.staged ? 0 : ElementBytes(leaf.param_type, first));
+                   float* master = leaf.master + first;
+                   ReseedRange(master, params, leaf.param_type, tolerance,
+                               master, begin, end, isa);
+                 });
+  }
+  return ffi::Error::Success();
+}
+
+// k stacked leaves' masters re-seeded from their stacked parameters, row
+// by row, as the row steps would re-seed each row (see ReseedRange), so
+// that they step without parameters. Operands after the count and the
+// scalars (those of the row steps): `unchanged` (s32, read when the
+// re-seed runs: nonzero, the parameters are the weights the last step
+// produced, and nothing is read or written), k masters (f32[L, ...], host
+// memory) and k parameters (f32, bf16 or f16, as many elements, read a row
+// at a time). Results: the k masters, aliased to their operands.
+ffi::Error AdamReseedRows(Launch& launch, Counts count, Scalars scalars,
+                          Flag unchanged, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets, BucketAttrs attrs) {
+  const LeafRuns runs(attrs.num_leaves, args.size(), rets.size());
+  JSO_RETURN_IF_ERROR(runs.Expect(2, 1));
+  if (runs.k() < 1) return InvalidArgument("a re-seed needs a leaf");
+  StackReseed reseed;
+  JSO_RETURN_IF_ERROR(CheckUnchanged(unchanged, &reseed.unchanged));
+  reseed.leaves.resize(runs.k());
+  for (int64_t j = 0; j < runs.k(); ++j) {
+    int64_t rows = 0;
+    JSO_RETURN_IF_ERROR(
+        GetReseedLeaf(args, rets, runs.k(), j, &reseed.leaves[j], &rows));
+    if (j > 0 && rows != reseed.rows) {
+      return LeafError(j, "stacked master has " + std::to_string(rows) +
+                              " rows, leaf 0's has " +
+                              std::to_string(reseed.rows));
+    }
+    reseed.rows = rows;
+  }
+  JSO_RETURN_IF_ERROR(CheckScalarSets(count, scalars, attrs, -1, &reseed.set));
+  return StartReseedRows(launch, std::move(reseed), attrs);
+}
+
 }  // namespace
 
 ffi::Error StartRowStep(Launch& launch, RowStep step,
@@ -166,8 +255,33 @@ ffi::Error StartRowStep(Launch& launch, RowStep step,
   });
 }
 
+ffi::Error StartReseedRows(Launch& launch, StackReseed reseed,
+                           const BucketAttrs& attrs) {
+  using Role = Touched::Role;
+  std::vector<Touched> touched = TouchScalars(reseed.set);
+  touched.push_back(Touch(reseed.unchanged, 4, Role::kInput));
+  for (ReseedLeaf& leaf : reseed.leaves) {
+    touched.push_back(
+        Touch(leaf.master, 4 * reseed.rows * leaf.size, Role::kState));
+    // Row 0 on demand: its stand-in takes each row in turn.
+    touched.push_back(Touched{leaf.params,
+                              ElementBytes(leaf.param_type, leaf.size),
+                              Role::kOnDemand, [&leaf](void* to) {
+                                leaf.params = to;
+                                leaf.staged = true;
+                              }});
+  }
+  JSO_RETURN_IF_ERROR(launch.Place(touched));
+  return RunWith(launch, attrs, [reseed = std::move(reseed)](Workers workers) {
+    return ReseedRows(reseed, workers);
+  });
+}
+
 }  // namespace jax_superoffload
 
+JSO_DEFINE_BUCKET_HANDLERS(JsoAdamReseedRows, JsoAdamReseedRowsStream,
+                           ::jax_superoffload::AdamReseedRows, false,
+                           ::jax_superoffload::Flag);
 JSO_DEFINE_BUCKET_HANDLERS(JsoAdamStepRow, JsoAdamStepRowStream,
                            ::jax_superoffload::AdamStepRow, false,
                            ::jax_superoffload::Flag);

@@ -7,9 +7,13 @@
 // The row is an operand (the loop's counter, a device scalar on a GPU) and
 // is read when the step runs, like the scalars.
 //
-// fp32 weights only, for this first cut: no low-precision weight copies
-// (the new weights are the master's row) and no sum of squares. Its
-// handler symbols are declared with the others, in adam_ffi.h.
+// No low-precision weight copies (the new weights are the master's row)
+// and no sum of squares. The re-seed from the parameters, where they are
+// not the weights the last step produced, is a call of its own per row
+// (AdamReseedRows), made before the loop, where the whole stacked parameters
+// are alive: inside the loop a row's parameters are a temporary that XLA
+// may reuse before a worker could copy them on demand. The handler symbols
+// are declared with the others, in adam_ffi.h.
 
 #ifndef JAX_SUPEROFFLOAD_XLA_FFI_ROW_FFI_H_
 #define JAX_SUPEROFFLOAD_XLA_FFI_ROW_FFI_H_
@@ -37,6 +41,37 @@ struct RowStep {
 // step of its row; a row outside [0, rows) is the work's error, and then
 // nothing is written.
 ffi::Error StartRowStep(Launch& launch, RowStep step, const BucketAttrs& attrs);
+
+// One leaf of a re-seed (AdamReseedRows): its stacked master, re-seeded in
+// place, and its stacked parameters, each `rows` rows of `size` elements,
+// as row 0's pointers. `staged`: the parameters' row 0 was given a stand-in
+// (a staging window that Workers::Fetch fills with each row in turn).
+struct ReseedLeaf {
+  float* master = nullptr;
+  const void* params = nullptr;
+  ElementType param_type = ElementType::kNone;
+  int64_t size = 0;
+  bool staged = false;
+};
+
+// A re-seed, decoded: the scalars of the row steps that follow (their
+// learning rate sets the tolerance, ReseedTolerance), the s32 `unchanged`
+// flag, read when the re-seed runs, the rows and the leaves.
+struct StackReseed {
+  ScalarSet set;
+  const int32_t* unchanged = nullptr;
+  int64_t rows = 0;
+  std::vector<ReseedLeaf> leaves;
+};
+
+// Places `reseed`'s buffers through `launch` (the parameters' row 0 on
+// demand, Touched::Role::kOnDemand: one row of staging) and runs (or
+// enqueues) it: where `unchanged` is zero, each row's parameters are read
+// in turn and that row of the master re-seeded as a row step with those
+// parameters would have (ReseedRange); otherwise nothing is read or
+// written.
+ffi::Error StartReseedRows(Launch& launch, StackReseed reseed,
+                           const BucketAttrs& attrs);
 
 }  // namespace jax_superoffload
 

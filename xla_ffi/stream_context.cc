@@ -61,7 +61,9 @@ std::string RunStep(Context& c, Pending& pending) {
   std::string error;
   try {
     Workers workers;
-    workers.fetch = [&c, &pending] { return c.Fetch(pending.on_demand); };
+    workers.fetch = [&c, &pending](int64_t window) {
+      return c.Fetch(pending.on_demand, window);
+    };
     ffi::Error result = pending.work(workers);
     if (result.failure()) error = result.message();
   } catch (const std::exception& e) {
@@ -230,9 +232,11 @@ ffi::Error Context::Create() {
   return ffi::Error::Success();
 }
 
-ffi::Error Context::Fetch(const std::vector<OnStream::Copy>& copies) {
+ffi::Error Context::Fetch(const std::vector<OnStream::Copy>& copies,
+                          int64_t window) {
   for (const OnStream::Copy& c : copies) {
-    if (int code = driver->copy_to_host(c.host, c.device, c.bytes, fetch)) {
+    const uint64_t from = c.device + static_cast<uint64_t>(window) * c.bytes;
+    if (int code = driver->copy_to_host(c.host, from, c.bytes, fetch)) {
       driver->stream_synchronize(fetch);  // Nothing in flight on failure.
       return DriverFailure(*driver, "cuMemcpyDtoHAsync", code);
     }

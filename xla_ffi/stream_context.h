@@ -108,11 +108,12 @@ struct Context {
                      const std::shared_ptr<Pending>& pending);
   // StreamLaunches::Join for this context's `stream` (context current).
   ffi::Error Join(void* stream);
-  // Copies a running launch's on-demand inputs to staging on the fetch
-  // stream and waits for them (the worker, context current). The launch's
-  // side stream has run its host function, so what the compute stream
-  // wrote before the start is there; the join keeps those buffers alive.
-  ffi::Error Fetch(const std::vector<OnStream::Copy>& copies);
+  // Copies a running launch's on-demand inputs, each `window` of its size
+  // on (Workers::Fetch), to staging on the fetch stream and waits for them
+  // (the worker, context current). The launch's side stream has run its
+  // host function, so what the compute stream wrote before the start is
+  // there; the join keeps those buffers alive.
+  ffi::Error Fetch(const std::vector<OnStream::Copy>& copies, int64_t window);
   // Waits up to `limit` for the launches in flight, stops the worker and
   // frees what the context made. False (and nothing freed) where launches
   // were still in flight.

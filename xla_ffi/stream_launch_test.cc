@@ -31,6 +31,7 @@
 #include "xla_ffi/adam_kernel.h"
 #include "xla_ffi/fake_cuda_driver.h"
 #include "xla_ffi/ffi_support.h"
+#include "xla_ffi/float_convert.h"
 #include "xla_ffi/host_pool.h"
 #include "xla_ffi/launch.h"
 #include "xla_ffi/row_ffi.h"
@@ -868,6 +869,59 @@ void TestRowOutOfRangeIsAStickyError() {
   Expect(later.SameState(want), "and steps its row");
 }
 
+// Point 5 for the rows: a stack's re-seed (AdamReseedRows) reads nothing
+// while `unchanged` is set; cleared, its worker fetches the stack's
+// parameters a row at a time (on demand, through one row of staging) and
+// re-seeds each row of the master as ReseedRange does.
+void TestStackReseedFetchesRowByRowOnlyWhenChanged() {
+  Rig rig;
+  RowStack stack(1000, 47);
+  stack.MarkDevice(rig.fake);
+  const int64_t n = stack.n, rows = RowStack::kRows;
+  std::vector<uint16_t> params(rows * n);
+  for (int64_t i = 0; i < rows * n; ++i) {  // Far from every master.
+    params[i] = FloatToBf16Bits(stack.master[i] + 0.5f * (i % 3));
+  }
+  int32_t unchanged = 1;
+  rig.fake.MarkDevice(params.data(), 2 * rows * n);
+  rig.fake.MarkDevice(&unchanged, 4);
+  auto start = [&] {
+    StackReseed reseed;
+    reseed.set = stack.Step().set;
+    reseed.unchanged = &unchanged;
+    reseed.rows = rows;
+    reseed.leaves.push_back(
+        {stack.master.data(), params.data(), ElementType::kBF16, n});
+    OnStream launch(rig.launches.get(), rig.stream);
+    return StartReseedRows(launch, std::move(reseed), kRowAttrs);
+  };
+  const std::vector<float> before = stack.master;
+  Expect(start().success() && rig.Join().success(), "an unchanged re-seed");
+  Expect(stack.master == before && rig.launches->fetched_inputs() == 0,
+         "reads and writes nothing while unchanged");
+  unchanged = 0;
+  Expect(start().success() && rig.Join().success(), "a changed re-seed");
+  std::vector<float> want = before;
+  const float tolerance = ReseedTolerance(stack.Step().set.Read(0));
+  ReseedRange(want.data(), params.data(), ElementType::kBF16, tolerance,
+              want.data(), 0, rows * n, Isa::kScalar);
+  Expect(stack.master == want && want != before,
+         "re-seeds every row as ReseedRange");
+  std::vector<int64_t> fetched;  // Row of each copy from the parameters.
+  bool row_sized = true;
+  const char* first = reinterpret_cast<const char*>(params.data());
+  for (const FakeCuda::CopyRecord& c : rig.fake.Copies()) {
+    const char* from = reinterpret_cast<const char*>(c.device);
+    if (!c.to_host || from < first || from >= first + 2 * rows * n) continue;
+    fetched.push_back((from - first) / (2 * n));
+    row_sized &= c.bytes == static_cast<size_t>(2 * n);
+  }
+  Expect(fetched == std::vector<int64_t>{0, 1, 2} && row_sized &&
+             rig.launches->fetched_inputs() == rows,
+         "fetches each row once, in order, a row at a time: " +
+             std::to_string(fetched.size()));
+}
+
 void TestHostPoolResultsDoNotDependOnWorkers() {
   std::vector<double> data(100000);
   for (size_t i = 0; i < data.size(); ++i) data[i] = 1.0 / (1.0 + i);
@@ -921,6 +975,7 @@ int main(int argc, char** argv) {
       {"row_read_when_run", TestRowIsReadWhenTheStepRuns},
       {"row_no_shared_staging", TestTwoRowLaunchesShareNoStaging},
       {"row_out_of_range", TestRowOutOfRangeIsAStickyError},
+      {"stack_reseed_on_demand", TestStackReseedFetchesRowByRowOnlyWhenChanged},
       {"host_pool", TestHostPoolResultsDoNotDependOnWorkers},
   };
   std::vector<std::string> names;  // Flags (--quick) name no test.
