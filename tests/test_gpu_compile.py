@@ -245,6 +245,32 @@ def test_stream_bucket_parameters_are_copied_on_demand(extra):
   assert total <= 4 * result['num_params'] + 256 * 64, total  # Alignment.
 
 
+# Issue 37 point 5 for the rows: a scanned step's row calls (one per leaf
+# of OWN_CALL_BYTES or more, one per decay group of the others, in the
+# loop) stage their gradients and scalars only: per layer no more than the
+# layer's fp32 parameters' bytes, which is one row of what the stack's
+# re-seeds read on demand (they staged those parameters too: twice that).
+# The re-seeds sit before the backward pass, one per decay group, each
+# staging one row within the plan's bound.
+def test_scanned_rows_read_their_parameters_on_demand_before_the_loop():
+  result = compiled('stream', 'scan', param_dtype='float32')
+  calls = result['stream_staging']
+  rows = [c for c in calls if c['target'].endswith('_adam_step_row')]
+  reseeds = [c for c in calls if c['target'].endswith('_adam_reseed_rows')]
+  assert len(rows) == 5 and len(reseeds) == 2, calls
+  assert all(0 < c['on_demand'] < c['staged'] <= c['bound'] for c in reseeds)
+  per_layer = sum(c['on_demand'] for c in reseeds)
+  staged = sum(c['staged'] for c in rows)
+  assert staged <= per_layer + 1024 * len(rows), (staged, per_layer)
+  placed = [
+    c
+    for c in result['optimizer_calls']
+    if c['target'].endswith('_adam_reseed_rows')
+  ]
+  assert len(placed) == 2, placed
+  assert all(c['backward_flops_before'] == 0.0 for c in placed), placed
+
+
 # The ffi executor's staging, stated: XLA stages host compute's operands
 # through buffers of its own (notes section 5), so its host temporaries and
 # host-to-host copies are bounded by the state it steps, once per step.

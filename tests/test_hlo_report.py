@@ -128,3 +128,48 @@ def test_copies_to_the_device_read_host_and_write_device_memory():
   assert hlo_report.to_device_calls(wrong)[0]['to_device'] is False
   from_device = HLO.replace('  ROOT %r', to_device + '  ROOT %r')
   assert hlo_report.to_device_calls(from_device)[0]['from_host'] is False
+
+
+def test_a_later_start_may_read_a_host_result_before_the_join():
+  # A stack's re-seeded masters (host memory) read by the next start: its
+  # worker runs after the first's, in side-stream order. In device memory
+  # the later start's copy to staging could run before the first's worker
+  # wrote it.
+  later = (
+    '  %next = f32[64]{0:S(5)} custom-call(%call.opt), '
+    'custom_call_target="jax_superoffload_adam_reseed_rows"\n'
+  )
+  hlo = HLO.replace('  %init =', later + '  %init =')
+  assert hlo_report.reads_before_join(hlo) == []
+  on_device = hlo.replace(
+    '%call.opt = f32[64]{0:S(5)}', '%call.opt = f32[64]{0}'
+  )
+  assert hlo_report.reads_before_join(on_device) == ['next']
+
+
+RESEED = """HloModule reseed
+
+ENTRY %main (c: s32[], s: f32[8], u: s32[1], m: f32[3,64], p: bf16[192]) -> f32[3,64] {
+  %c = s32[] parameter(0)
+  %s = f32[8]{0} parameter(1)
+  %u = s32[1]{0} parameter(2)
+  %m = f32[3,64]{1,0:S(5)} parameter(3)
+  %p = bf16[192]{0} parameter(4)
+  ROOT %r = f32[3,64]{1,0:S(5)} custom-call(%c, %s, %u, %m, %p), custom_call_target="jax_superoffload_adam_reseed_rows", backend_config={num_leaves = 1 : i64, reseed = true, staging_bytes = 2048 : i64}
+}
+"""
+
+
+def test_a_stacks_reseed_stages_one_row_of_its_parameters():
+  # Three 256-byte-aligned scalars and a row's 64 bf16 parameters (128
+  # bytes, aligned), not the stack's 384: the rows are read on demand, in
+  # turn, through one row of staging. It starts no host step.
+  (call,) = hlo_report.stream_staging(RESEED)
+  assert call == {
+    'name': 'r',
+    'target': 'jax_superoffload_adam_reseed_rows',
+    'bound': 2048,
+    'staged': 1024,
+    'on_demand': 256,
+  }
+  assert hlo_report.summarize(RESEED, {})['first_start_at'] is None

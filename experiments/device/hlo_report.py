@@ -335,6 +335,10 @@ def _depends_on(by_name: dict[str, Instr], name: str, targets: set[str]):
   return False
 
 
+def _in_host_memory(i: Instr) -> bool:
+  return all(a.on_host for a in arrays(i.shape))
+
+
 def reads_before_join(hlo: str) -> list[str]:
   """Instructions that read a joined optimizer call's results unjoined.
 
@@ -343,7 +347,9 @@ def reads_before_join(hlo: str) -> list[str]:
   (by an instruction that depends on that join, such as STV's validated
   step after the norm), or as a result of the step, which ends after every
   join. The joined results' copies to the device read them after the
-  join, by their operands. Returns the offenders' names.
+  join, by their operands. So may a later start read results in host
+  memory (a stack's re-seeded masters): its worker runs after the first's,
+  in the order the side stream reached them. Returns the offenders' names.
   """
   through = {'get-tuple-element', 'bitcast', 'copy', 'copy-start', 'copy-done'}
   target = lambda i: i.attr('custom_call_target') or ''  # noqa: E731
@@ -357,12 +363,16 @@ def reads_before_join(hlo: str) -> list[str]:
     readers = []
     for i in instrs:  # In order: a reader follows what it reads.
       name = target(i)
-      if OPTIMIZER_TARGET.match(name) and name not in (
+      is_start = OPTIMIZER_TARGET.match(name) and name not in (
         JOIN_TARGET,
         TO_DEVICE_TARGET,
-      ):
+      )
+      if is_start:
         start_of[i.name] = i.name
-      for start in {start_of[n] for n in _operands(i) if n in start_of}:
+      read = [n for n in _operands(i) if n in start_of]
+      if is_start:  # Ordered after the start it reads, by its worker.
+        read = [n for n in read if not _in_host_memory(by_name[n])]
+      for start in {start_of[n] for n in read}:
         if target(i) == JOIN_TARGET:
           joins[start].add(i.name)
         elif i.op in through:
@@ -389,6 +399,10 @@ ON_DEMAND_PARAMS = {
   'jax_superoffload_adam_step_lowp_segments': 4,
   'jax_superoffload_adam_step_speculative': 4,
 }
+# A stack's re-seed before overlap_scan's loop: its stacked parameters
+# (after the count, scalars, flag and stacked masters) are read on demand,
+# a row at a time, through one row of staging.
+RESEED_ROWS_TARGET = 'jax_superoffload_adam_reseed_rows'
 
 
 def stream_staging(hlo: str) -> list[dict[str, int]]:
@@ -399,7 +413,8 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
   256-byte alignment (xla_ffi/stream_context.h). A result aliased to a
   device operand is counted twice, so `staged` is an upper bound.
   `on_demand`: of those, the parameters of a re-seeding bucket call, which
-  its worker copies only when they changed (weights_digest.py).
+  its worker copies only when they changed (weights_digest.py), and one
+  row of a stack's re-seed, whose worker copies the rows in turn.
   """
   module = _Module(hlo)
   out = []
@@ -414,15 +429,30 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
       ]
       results = [a for a in arrays(i.shape) if not a.on_host]
       staged = sum(_aligned(a.bytes) for a in device(names) + results)
+      on_demand = _on_demand_bytes(i, names, device)
+      if i.attr('custom_call_target') == RESEED_ROWS_TARGET:
+        staged, on_demand = _reseed_row_bytes(module, i, names, device)
       out.append(
         dict(
           name=i.name,
+          target=i.attr('custom_call_target'),
           bound=int(bound[1]),
           staged=staged,
-          on_demand=_on_demand_bytes(i, names, device),
+          on_demand=on_demand,
         )
       )
   return out
+
+
+def _reseed_row_bytes(module, i, names: list[str], device) -> tuple[int, int]:
+  """A stack's re-seed: (bytes staged, of which on demand), one row's."""
+  k = int(re.search(r'num_leaves = (\d+)', i.rest)[1])
+  (first,) = arrays(module.shapes.get(names[3], ''))
+  rows = first.dims[0]
+  params = device(names[3 + k :])
+  on_demand = sum(_aligned(a.bytes // rows) for a in params)
+  scalars = sum(_aligned(a.bytes) for a in device(names[:3]))
+  return scalars + on_demand, on_demand
 
 
 def _on_demand_bytes(i, names: list[str], device) -> int:
@@ -467,8 +497,12 @@ def summarize(hlo: str, memory: dict[str, int]) -> dict[str, Any]:
   """Everything the harness reports about one compiled step."""
   events = timeline(hlo)
   calls = optimizer_calls(events)
+  # Host steps: a stack's re-seed (before the loop, a no-op unless the
+  # parameters changed) starts no step.
   starts = [
-    c for c in calls if c['target'] not in (JOIN_TARGET, TO_DEVICE_TARGET)
+    c
+    for c in calls
+    if c['target'] not in (JOIN_TARGET, TO_DEVICE_TARGET, RESEED_ROWS_TARGET)
   ]
   return {
     **memory_totals(memory),

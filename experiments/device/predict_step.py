@@ -84,10 +84,13 @@ def predict(
   }
 
 
-# Calls that start no host step: the joins and the copies after them.
+# Calls that start no host step: the joins, the copies after them, and
+# overlap_scan's re-seeds before the loop (in a steady step each reads its
+# flag and nothing else: its on-demand row is not copied).
 _NOT_STARTS = (
   'jax_superoffload_stream_join',
   'jax_superoffload_stream_to_device',
+  'jax_superoffload_adam_reseed_rows',
 )
 
 

@@ -25,6 +25,8 @@ ADAM_STEP_SPECULATIVE_TARGET = _grace_adam.ADAM_STEP_SPECULATIVE_TARGET
 ADAM_STEP_VALIDATED_TARGET = _grace_adam.ADAM_STEP_VALIDATED_TARGET
 # One row of stacked state stepped in place, from inside a scan's loop.
 ADAM_STEP_ROW_TARGET = _grace_adam.ADAM_STEP_ROW_TARGET
+# Stacked masters re-seeded before the loop, a row at a time: the rows'.
+ADAM_RESEED_ROWS_TARGET = _grace_adam.ADAM_RESEED_ROWS_TARGET
 # One per step after the bucket starts: every operand aliased to its result.
 STREAM_JOIN_TARGET = _grace_adam.STREAM_JOIN_TARGET
 STREAM_TO_DEVICE_TARGET = _grace_adam.STREAM_TO_DEVICE_TARGET
@@ -782,8 +784,78 @@ def adam_step_row(
   )
 
 
+def reseed_rows(
+  master: list[jax.Array],
+  params: list[jax.Array],
+  hyper: Hyperparams,
+  *,
+  params_unchanged: jax.typing.ArrayLike = False,
+  place: Place | None = None,
+) -> list[jax.Array]:
+  """Stacked masters re-seeded from stacked `params`, a row at a time.
+
+  `master` are ``f32[L, ...]`` per leaf (host memory on a GPU), each
+  aliased to its result; `params` the stacked parameters (f32, bf16 or
+  f16, as many elements); `hyper` the row steps' (their learning rate sets
+  the re-seed's tolerance). Each row becomes what `adam_step_row` with
+  ``params=`` would re-seed it to, so that the row steps then take no
+  parameters. Unless `params_unchanged` (a bool scalar, read when the
+  re-seed runs: the parameters are the weights the last step produced,
+  which would re-seed nothing), the call reads the parameters, a row at a
+  time: on a GPU its worker copies each row then, through one row of
+  staging, while the stack, unlike a row of it inside a loop, is alive.
+  One call per stack: XLA:GPU's host-offload legalization took minutes
+  and 24 GB on the 1B step's twenty per-row calls chained through the
+  masters. The results are the masters, typed where they live. `place`
+  moves every operand but the masters (see `Place`).
+  """
+  if not master:
+    return []
+  if len(params) != len(master):
+    raise ValueError(
+      f'reseed_rows: {len(master)} master leaves but {len(params)} params'
+    )
+  rows = {m.shape[0] if m.ndim else 0 for m in master}
+  for j, (m, p) in enumerate(zip(master, params, strict=True)):
+    if (
+      m.dtype != jnp.float32 or not m.ndim or m.size != p.size or len(rows) > 1
+    ):
+      raise ValueError(
+        f'reseed_rows: leaf {j}: master {m.dtype}{list(m.shape)} must be '
+        f'f32[L, ...] with as many elements as its params {list(p.shape)}, '
+        f'and L rows as every leaf ({sorted(rows)})'
+      )
+  place = place or _as_is
+  operands = [
+    *_scalar_operands(hyper, place),
+    place(_unchanged(params_unchanged)),
+    *master,
+    *(place(p) for p in params),
+  ]
+  call = jax.ffi.ffi_call(
+    ADAM_RESEED_ROWS_TARGET,
+    _like(master),
+    input_output_aliases=_aliases(3, 0, len(master)),
+    has_side_effect=True,
+  )
+  out = call(
+    *operands,
+    **_bucket_attrs(
+      hyper,
+      len(master),
+      reseed=True,
+      staging_bytes=getattr(place, 'staging_bytes', 0),
+    ),
+  )
+  return _typed_like(list(out), master)
+
+
 def join_rows(
-  state: list[jax.Array], barrier: jax.Array, *, to_device: int = 0
+  state: list[jax.Array],
+  barrier: jax.Array,
+  *,
+  to_device: int = 0,
+  keep: Sequence[jax.Array] = (),
 ) -> tuple[list[jax.Array], list[jax.Array]]:
   """Stacked state after every row step started on it: an aliasing join.
 
@@ -796,6 +868,8 @@ def join_rows(
   not donate is copied there, never written under them). Returns the
   state, typed where it lives, and device copies of its first
   `to_device` arrays (a call of our own on a GPU, see `_to_device`).
+  `keep`: operands a launch may still read (`reseed_rows`' parameters),
+  kept alive until the join.
   """
   if not state:
     return [], []
@@ -806,7 +880,7 @@ def join_rows(
     input_output_aliases=_aliases(0, 0, len(state)),
     has_side_effect=True,
   )
-  out = _typed_like(list(call(*state, barrier)), state)
+  out = _typed_like(list(call(*state, barrier, *keep)), state)
   first = out[:to_device]
   if backend.target() == 'gpu':
     return out, _to_device(first)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax_superoffload._src.host import grace_adam
 from jax_superoffload._src.host import steps
 from jax_superoffload._src.optim import scan_scope
+from jax_superoffload._src.optim import weights_digest
 
 
 def _matched(
@@ -50,9 +51,7 @@ def _matched(
   return take, [found[j] for j in take]
 
 
-def _start(
-  scope: scan_scope.Scope, ids: list[int], hypers, stacks, grads, weights, row
-):
+def _start(scope: scan_scope.Scope, ids: list[int], hypers, stacks, grads, row):
   """Row `row`'s host steps of leaves `ids`, in `scan_scope.calls`'s calls.
 
   Raises:
@@ -70,14 +69,12 @@ def _start(
     )
   for (_, js), hyper in zip(scan_scope.calls(scope, ids), hypers, strict=True):
     picked = [grads[j] for j in js]
-    params = [weights[j] for j in js]
-    scope.reserve = max(scope.reserve, steps.staged_bytes(picked, params))
+    scope.reserve = max(scope.reserve, steps.staged_bytes(picked, None))
     grace_adam.adam_step_row(
       *([stacks[j][r] for j in js] for r in range(3)),
       picked,
       row,
       hyper,
-      params=params,
       place=steps.stream_place(None, scope.reserve),
     )
   scope.started.update(ids)
@@ -116,10 +113,46 @@ def acquire(stacked: Any, params_path: Any, unroll: Any, inputs: Any) -> Any:
   flat = [scope.candidates[i][r] for r in range(3) for i in fresh]
   joined, _ = grace_adam.join_rows(flat, jnp.zeros((), jnp.int32))
   n = len(fresh)
+  masters = _reseeded(scope, fresh, joined[:n])
   for j, i in enumerate(fresh):
-    scope.stacks[i] = (joined[j], joined[n + j], joined[2 * n + j])
+    scope.stacks[i] = (masters[j], joined[n + j], joined[2 * n + j])
   scope.active.add(scan_scope.as_path(params_path))
   return _noted(scope, stacked, take, ids)
+
+
+def _reseeded(scope: scan_scope.Scope, ids: list[int], masters: list) -> list:
+  """`masters` (leaves `ids`' stacks) re-seeded from the scope's params.
+
+  Before the loop (`grace_adam.reseed_rows`), so that the rows step
+  without parameters: inside the loop a layer's parameters are a
+  temporary, copied to the host with each row's start on the compute
+  stream's time; here the stack is alive, and the worker reads it only if
+  it is not the weights the last step produced. That is decided on the
+  device, per group of leaves (`weights_digest.groups`): their digest
+  against the state's, as the buckets decide. After the join before the
+  loop, whose wait (on a GPU) then has no re-seed to wait for.
+  """
+  new = dict(zip(ids, masters, strict=True))
+  for group in weights_digest.groups([[i] for i in ids]):
+    stacked = [scope.params[i] for i in group]
+    unchanged = False
+    if scope.digest is not None:
+      unchanged = weights_digest.unchanged(scope.digest, stacked, group)
+    scope.row_groups.append(group)
+    for g, js in scan_scope.by_decay_group(scope, group):
+      leaves = [group[j] for j in js]
+      params = [scope.params[i] for i in leaves]
+      row_shapes = [jax.ShapeDtypeStruct(p.shape[1:], p.dtype) for p in params]
+      scope.reserve = max(scope.reserve, steps.staged_bytes(row_shapes, None))
+      out = grace_adam.reseed_rows(
+        [new[i] for i in leaves],
+        params,
+        scope.hyper[g],
+        params_unchanged=unchanged,
+        place=steps.stream_place(None, scope.reserve),
+      )
+      new.update(zip(leaves, out, strict=True))
+  return [new[i] for i in ids]
 
 
 def _primal(x: Any) -> Any:
@@ -188,9 +221,10 @@ def hook(layer_params: Any, row: jax.Array, params_path: Any) -> Any:
   Called by `weight_flow_scan` on each layer's weights in device memory
   (weight flow: the stacks live in host memory), with the loop's counter
   `row`. Outside an active scope, or for a stack `acquire` did not take,
-  it returns `layer_params` as they are. The rows re-seed from these
-  weights, which `acquire` saw are the parameters the scope was opened
-  with. Each large leaf's call takes its gradient as soon as the layer's
+  it returns `layer_params` as they are. The rows step the masters that
+  `acquire` re-seeded from the stack, which it saw is the parameters the
+  scope was opened with. Each large leaf's call takes its gradient as soon
+  as the layer's
   backward has it (`scan_scope.calls`); the small leaves' wait for the
   last of them.
   """
@@ -211,11 +245,11 @@ def hook(layer_params: Any, row: jax.Array, params_path: Any) -> Any:
   def forward(weights, row, stacks, hypers):
     # The state and scalars are primal inputs, not closures: a rule may
     # not close over the jit's tracers.
-    return weights, (weights, row, stacks, hypers)
+    return weights, (row, stacks, hypers)
 
   def backward(res, grads):
-    weights, row, stacks, hypers = res
-    _start(scope, ids, hypers, stacks, grads, weights, row)
+    row, stacks, hypers = res
+    _start(scope, ids, hypers, stacks, grads, row)
     small = [not scan_scope.own_call(scope, i) for i in ids]
     return _not_copied(grads, row, small), None, None, None
 

@@ -16,20 +16,22 @@ the "stream" executor, fp32, bf16 or f16 parameters with fp32 master
 weights and moments in host memory, no STV, ZeRO, 8-bit moments or double
 buffering, and not in a device bucket or on optax's path; a rolled loop
 (`unroll=1`) of two layers or more, whose stack leaves are the parameters'
-own dtype; one device. A 16-bit leaf's row re-seeds from its weights as
-the buckets do, and its new master is rounded to nearest even on the
-device after the join (the buckets round on either side, to the same
-bits). Everything else
-keeps its start after the loop, and with any other transformation
+own dtype; one device. The stacks' masters are re-seeded from their
+parameters before the loop, as the buckets re-seed theirs, and only where
+the state's digest says the parameters changed (`scan_hooks._reseeded`);
+a 16-bit leaf's new master is rounded to nearest even on the device after
+the join (the buckets round on either side, to the same bits). Everything
+else keeps its start after the loop, and with any other transformation
 (optax's, or ours inside a wrapper such as `optax.chain` or
 `optax.MultiSteps`) the scope does nothing.
 
-The rows step with the gradient each stack leaf leaves its loop with, and
-re-seed from the parameters the scope was opened with. So `update` must
-get exactly that gradient (the very value, or `fetch_stacked`'s copy of
-it): a leaf also used outside its scan, a stack transformed before it, a
-gradient scaled, clipped or summed after it, or one from an inner `jit`,
-is refused at trace time (`check_gradients`), before anything runs.
+The rows step with the gradient each stack leaf leaves its loop with,
+from masters re-seeded from the parameters the scope was opened with. So
+`update` must get exactly that gradient (the very value, or
+`fetch_stacked`'s copy of it): a leaf also used outside its scan, a stack
+transformed before it, a gradient scaled, clipped or summed after it, or
+one from an inner `jit`, is refused at trace time (`check_gradients`),
+before anything runs.
 
 At the scope's opening, the state of those leaves passes through the join
 once: the row steps then write buffers of the step's own (a state the
@@ -290,9 +292,10 @@ def finish(scope: scan_scope.Scope, grads: list, params: list | None) -> dict:
   for i in ids:
     # One join and one copy per leaf, as the buckets have: each new weight
     # reaches the device and is applied on its own, so no more than one
-    # leaf's new weights wait in device memory at a time.
+    # leaf's new weights wait in device memory at a time. The parameters
+    # stay alive until then: the re-seed's worker may read them.
     joined, weight = grace_adam.join_rows(
-      list(scope.stacks[i]), barrier, to_device=1
+      list(scope.stacks[i]), barrier, to_device=1, keep=[scope.params[i]]
     )
     done[i] = (*joined, weight[0])
   return done

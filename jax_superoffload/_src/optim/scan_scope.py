@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax_superoffload._src.core import host_memory
 from jax_superoffload._src.host import steps
 from jax_superoffload._src.optim import state as state_lib
+from jax_superoffload._src.optim import weights_digest
 
 CURRENT: contextvars.ContextVar[Scope | None] = contextvars.ContextVar(
   'jax_superoffload_overlap_scan', default=None
@@ -149,6 +150,20 @@ class Scope:
     self.reserve = _plan_staging(self.plan, leaves) if ids else 0
     self.started: set[int] = set()
     self.claimed = False
+    # The state's digest of the parameters: a stack whose parameters have
+    # it re-seeds nothing and reads none (`scan_hooks.acquire`).
+    self.digest = _digest(opts, state, len(leaves)) if ids else None
+    # The stack leaves digested together, as `acquire` took them: `update`
+    # keeps their digest after the step in the same groups.
+    self.row_groups: list[list[int]] = []
+
+
+def _digest(opts, state, num_leaves: int) -> jax.Array | None:
+  """The state's `weights_digest` where the rows may use it, else None."""
+  try:
+    return weights_digest.checked(opts, state, num_leaves)
+  except ValueError:
+    return None  # `update` says what is wrong with it.
 
 
 def calls(scope: Scope, ids: list[int]) -> list[tuple[int, list[int]]]:
@@ -169,6 +184,14 @@ def calls(scope: Scope, ids: list[int]) -> list[tuple[int, list[int]]]:
     else:
       groups.setdefault(scope.group_of[i], []).append(j)
   return out + list(groups.items())
+
+
+def by_decay_group(scope: Scope, ids: list[int]) -> list[tuple[int, list]]:
+  """Positions in `ids` by decay group: (group, positions), as `calls`."""
+  groups: dict[int, list[int]] = {}
+  for j, i in enumerate(ids):
+    groups.setdefault(scope.group_of[i], []).append(j)
+  return list(groups.items())
 
 
 def own_call(scope: Scope, i: int) -> bool:

@@ -279,19 +279,20 @@ def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
   }
 
 
-def _finish_rows(rows, inputs: Inputs, out: list) -> dict:
+def _finish_rows(rows, inputs: Inputs, out: list) -> tuple[dict, dict]:
   """The leaves `overlap_scan` started in the loop, joined.
 
   Their updates go into `out`; returns their new state, ``{i: (master,
-  mu, nu)}``.
+  mu, nu)}``, and the weights their new masters round to, by leaf.
   """
   done = scan_overlap.finish(rows, inputs.grads, inputs.params)
+  weights = {}
   for i, (*_, weight) in done.items():
     # Rounded on the device as the buckets round on the host (to nearest
     # even), then the same exact update.
-    weight = weight.astype(inputs.params[i].dtype)
-    out[i] = _exact_delta(weight, inputs.params[i])
-  return {i: tuple(x[:3]) for i, x in done.items()}
+    weights[i] = weight.astype(inputs.params[i].dtype)
+    out[i] = _exact_delta(weights[i], inputs.params[i])
+  return {i: tuple(x[:3]) for i, x in done.items()}, weights
 
 
 def _new_state(
@@ -378,7 +379,10 @@ def update(opts, updates, state, params):
       opts, inputs, buckets, before, results
     )
   out, produced = _assemble(opts, inputs, buckets, results, verdict)
-  started = {} if rows is None else _finish_rows(rows, inputs, out)
+  started, row_groups = {}, []
+  if rows is not None:
+    started, row_weights = _finish_rows(rows, inputs, out)
+    produced, row_groups = {**produced, **row_weights}, rows.row_groups
   optax_new = _optax_leaves(opts, inputs, state.count, verdict, out)
   for i, u in enumerate(out):  # Zero-size leaves no bucket holds.
     if u is None:
@@ -387,8 +391,14 @@ def update(opts, updates, state, params):
     opts, inputs, state, buckets, results, kept, optax_new, verdict, started
   )
   if state.weights_digest is not None:
+    groups = weights_digest.groups([b.leaves for b in buckets])
     new_digest = weights_digest.after_update(
-      opts, state, digest, buckets, (inputs.params, produced, out), verdict
+      opts,
+      state,
+      digest,
+      groups + row_groups,
+      (inputs.params, produced, out),
+      verdict,
     )
     new_state = state_lib.with_fields(new_state, weights_digest=new_digest)
   new_state = state_memory.kept_in_place(typed, new_state)

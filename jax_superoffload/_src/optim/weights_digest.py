@@ -246,11 +246,13 @@ def checked(opts, state, num_leaves: int) -> jax.Array | None:
   return digest
 
 
-def after_update(opts, state, digest, buckets, step, verdict) -> jax.Array:
+def after_update(opts, state, digest, digested_groups, step, verdict):
   """The `weights_digest` after `update`'s step (a state that has one).
 
-  `step`: the parameters given (by leaf, or None), the weights the bucket
-  leaves' new masters round to (by leaf) and the updates. Unused this
+  `digested_groups`: the groups of leaf ids the next step compares (those
+  of the buckets, `groups`, and of `overlap_scan`'s stacks); `step`: the
+  parameters given (by leaf, or None), the weights the new masters round
+  to (by leaf, where the step made them) and the updates. Unused this
   step (`digest` None: ZeRO) or without parameters, it matches nothing.
   """
   params, produced, updates = step
@@ -258,8 +260,8 @@ def after_update(opts, state, digest, buckets, step, verdict) -> jax.Array:
     return jnp.zeros_like(state.weights_digest)
   kept = True if verdict is None else jnp.logical_not(verdict.skip)
   digested = []
-  for ids in groups([b.leaves for b in buckets]):
-    if not all(covers(params[i]) for i in ids):
+  for ids in digested_groups:
+    if not all(i in produced and covers(params[i]) for i in ids):
       continue  # Its row stays zero: the next step reads them.
     weights = [produced[i] for i in ids]
     # The parameters the caller passes next: optax.apply_updates's.
