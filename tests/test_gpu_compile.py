@@ -271,6 +271,19 @@ def test_scanned_rows_read_their_parameters_on_demand_before_the_loop():
   assert all(c['backward_flops_before'] == 0.0 for c in placed), placed
 
 
+# Point 4 with overlap_scan: the staging bound is a layer's (a stack's
+# re-seed stages one row of each of its leaves), not a stack's, the same
+# for every launch of the step, so the two slots are sized once. Before,
+# the plan's whole-stack buckets set it (1B fp32: 2.68 GB a slot, now
+# 0.20 GB).
+def test_scanned_staging_is_a_layers_worth_and_one_bound():
+  result = compiled('stream', 'scan', param_dtype='float32')
+  calls = result['stream_staging']
+  (bound,) = {c['bound'] for c in calls}
+  largest = max(c['staged'] for c in calls)
+  assert largest <= bound <= largest + 64 * 1024, (bound, largest)
+
+
 # The ffi executor's staging, stated: XLA stages host compute's operands
 # through buffers of its own (notes section 5), so its host temporaries and
 # host-to-host copies are bounded by the state it steps, once per step.

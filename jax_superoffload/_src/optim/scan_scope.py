@@ -102,15 +102,43 @@ def one_device(tree: Any) -> bool:
   return all(m is None or m.empty or m.size == 1 for m in meshes)
 
 
-def _plan_staging(plan, params) -> int:
-  """The staging bound of the plan's host buckets (`steps.staged_bytes`)."""
+def _plan_staging(plan, params, rows: set[int]) -> int:
+  """The staging bound of the plan's host buckets (`steps.staged_bytes`).
+
+  Without the leaves in `rows`, which the rows step a layer at a time
+  (each row call, and each re-seed, raises the bound to what it stages:
+  a row's worth, not the stack's).
+  """
   bound = 0
   for group in plan.lay.groups:
     for bucket in group.buckets:
       ids = [group.leaves[j] for j in bucket]
-      leaves = [params[i] for i in ids]
-      if plan.bucket_of.get(ids[0]) not in plan.on_device:
+      on_device = plan.bucket_of.get(ids[0]) in plan.on_device
+      leaves = [params[i] for i in ids if i not in rows]
+      if leaves and not on_device:
         bound = max(bound, steps.staged_bytes(leaves, leaves))
+  return bound
+
+
+def _rows_staging(group_of: dict, params, ids: list[int]) -> int:
+  """A bound of what one row call or one stack's re-seed stages.
+
+  A row call stages a row of a leaf's gradient (fp32 at most), or those
+  of a decay group's small leaves; a re-seed, a row of each of its decay
+  group's leaves. Taken up front, so that every launch of the step
+  carries the same bound and the slots are sized once (a launch that
+  stages more still grows them, in the first step only).
+  """
+  rows: dict[int, list] = {}
+  bound = 0
+  for i in ids:
+    shape = jnp.shape(params[i])[1:]
+    widest = jax.ShapeDtypeStruct(shape, jnp.float32)
+    bound = max(bound, steps.staged_bytes([widest], None))
+    row = jax.ShapeDtypeStruct(shape, jnp.result_type(params[i]))
+    rows.setdefault(group_of[i], []).append(row)
+  for group in rows.values():
+    bound = max(bound, steps.staged_bytes(group, None))
   return bound
 
 
@@ -147,7 +175,12 @@ class Scope:
     self.moves: dict[int, list] = {}  # Copies of them (`layer_hooks.moved`).
     self.param_moves: dict[int, list] = {}  # Copies of `params`, likewise.
     self.count = state.count  # The rows' step; update must get that one.
-    self.reserve = _plan_staging(self.plan, leaves) if ids else 0
+    self.reserve = 0
+    if ids:
+      self.reserve = max(
+        _plan_staging(self.plan, leaves, set(ids)),
+        _rows_staging(self.group_of, leaves, ids),
+      )
     self.started: set[int] = set()
     self.claimed = False
     # The state's digest of the parameters: a stack whose parameters have
