@@ -64,6 +64,16 @@ ffi::Error GetRowLeaf(ffi::RemainingArgs& args, int64_t k, bool reseed,
   return ffi::Error::Success();
 }
 
+// Leaf j's `rows`, checked against leaf 0's (`*all`, which leaf 0 sets).
+ffi::Error SameRows(size_t j, int64_t rows, int64_t* all) {
+  if (j > 0 && rows != *all) {
+    return LeafError(j, "stacked state has " + std::to_string(rows) +
+                            " rows, leaf 0's has " + std::to_string(*all));
+  }
+  *all = rows;
+  return ffi::Error::Success();
+}
+
 // `b`, row 0's buffers of stacked state, moved to row `row`.
 void AtRow(int64_t row, AdamBuffers* b) {
   const int64_t offset = row * b->size;
@@ -127,12 +137,7 @@ ffi::Error AdamStepRow(Launch& launch, Counts count, Scalars scalars, Flag row,
     JSO_RETURN_IF_ERROR(
         GetRowLeaf(args, runs.k(), attrs.reseed, j, &step.leaves[j], &rows));
     step.leaves[j].b.prefetch = prefetch;
-    if (j > 0 && rows != step.rows) {
-      return LeafError(j, "stacked state has " + std::to_string(rows) +
-                              " rows, leaf 0's has " +
-                              std::to_string(step.rows));
-    }
-    step.rows = rows;
+    JSO_RETURN_IF_ERROR(SameRows(j, rows, &step.rows));
   }
   JSO_RETURN_IF_ERROR(CheckScalarSets(count, scalars, attrs, -1, &step.set));
   step.row = row.typed_data();
@@ -217,12 +222,7 @@ ffi::Error AdamReseedRows(Launch& launch, Counts count, Scalars scalars,
     int64_t rows = 0;
     JSO_RETURN_IF_ERROR(
         GetReseedLeaf(args, rets, runs.k(), j, &reseed.leaves[j], &rows));
-    if (j > 0 && rows != reseed.rows) {
-      return LeafError(j, "stacked master has " + std::to_string(rows) +
-                              " rows, leaf 0's has " +
-                              std::to_string(reseed.rows));
-    }
-    reseed.rows = rows;
+    JSO_RETURN_IF_ERROR(SameRows(j, rows, &reseed.rows));
   }
   JSO_RETURN_IF_ERROR(CheckScalarSets(count, scalars, attrs, -1, &reseed.set));
   return StartReseedRows(launch, std::move(reseed), attrs);

@@ -224,9 +224,8 @@ def hook(layer_params: Any, row: jax.Array, params_path: Any) -> Any:
   it returns `layer_params` as they are. The rows step the masters that
   `acquire` re-seeded from the stack, which it saw is the parameters the
   scope was opened with. Each large leaf's call takes its gradient as soon
-  as the layer's
-  backward has it (`scan_scope.calls`); the small leaves' wait for the
-  last of them.
+  as the layer's backward has it (`scan_scope.calls`); the small leaves'
+  wait for the last of them.
   """
   scope = scan_scope.CURRENT.get()
   if scope is None or scan_scope.as_path(params_path) not in scope.active:
