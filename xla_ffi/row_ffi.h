@@ -9,11 +9,11 @@
 //
 // No low-precision weight copies (the new weights are the master's row)
 // and no sum of squares. The re-seed from the parameters, where they are
-// not the weights the last step produced, is a call of its own per row
-// (AdamReseedRows), made before the loop, where the whole stacked parameters
-// are alive: inside the loop a row's parameters are a temporary that XLA
-// may reuse before a worker could copy them on demand. The handler symbols
-// are declared with the others, in adam_ffi.h.
+// not the weights the last step produced, is a call of its own per stack
+// (AdamReseedRows), made before the loop, where the whole stacked
+// parameters are alive: inside the loop a row's parameters are a temporary
+// that XLA may reuse before a worker could copy them on demand. The
+// handler symbols are declared with the others, in adam_ffi.h.
 
 #ifndef JAX_SUPEROFFLOAD_XLA_FFI_ROW_FFI_H_
 #define JAX_SUPEROFFLOAD_XLA_FFI_ROW_FFI_H_

@@ -431,7 +431,7 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
       staged = sum(_aligned(a.bytes) for a in device(names) + results)
       on_demand = _on_demand_bytes(i, names, device)
       if i.attr('custom_call_target') == RESEED_ROWS_TARGET:
-        staged, on_demand = _reseed_row_bytes(module, i, names, device)
+        staged, on_demand = _reseed_rows_bytes(module, i, names, device)
       out.append(
         dict(
           name=i.name,
@@ -444,7 +444,7 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
   return out
 
 
-def _reseed_row_bytes(module, i, names: list[str], device) -> tuple[int, int]:
+def _reseed_rows_bytes(module, i, names: list[str], device) -> tuple[int, int]:
   """A stack's re-seed: (bytes staged, of which on demand), one row's."""
   k = int(re.search(r'num_leaves = (\d+)', i.rest)[1])
   (first,) = arrays(module.shapes.get(names[3], ''))

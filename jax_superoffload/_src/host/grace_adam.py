@@ -815,15 +815,16 @@ def reseed_rows(
     raise ValueError(
       f'reseed_rows: {len(master)} master leaves but {len(params)} params'
     )
-  rows = {m.shape[0] if m.ndim else 0 for m in master}
   for j, (m, p) in enumerate(zip(master, params, strict=True)):
-    if (
-      m.dtype != jnp.float32 or not m.ndim or m.size != p.size or len(rows) > 1
-    ):
+    if m.dtype != jnp.float32 or not m.ndim or m.size != p.size:
       raise ValueError(
         f'reseed_rows: leaf {j}: master {m.dtype}{list(m.shape)} must be '
-        f'f32[L, ...] with as many elements as its params {list(p.shape)}, '
-        f'and L rows as every leaf ({sorted(rows)})'
+        f'f32[L, ...] with as many elements as its params {list(p.shape)}'
+      )
+    if m.shape[0] != master[0].shape[0]:
+      raise ValueError(
+        f'reseed_rows: leaf {j} has {m.shape[0]} rows, leaf 0 '
+        f'{master[0].shape[0]}'
       )
   place = place or _as_is
   operands = [

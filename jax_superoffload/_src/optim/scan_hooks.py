@@ -141,12 +141,11 @@ def _reseeded(scope: scan_scope.Scope, ids: list[int], masters: list) -> list:
     scope.row_groups.append(group)
     for g, js in scan_scope.by_decay_group(scope, group):
       leaves = [group[j] for j in js]
-      params = [scope.params[i] for i in leaves]
-      row_shapes = [jax.ShapeDtypeStruct(p.shape[1:], p.dtype) for p in params]
-      scope.reserve = max(scope.reserve, steps.staged_bytes(row_shapes, None))
+      # The staging bound (`scope.reserve`) already covers a decay group's
+      # rows (`scan_scope._rows_staging`).
       out = grace_adam.reseed_rows(
         [new[i] for i in leaves],
-        params,
+        [scope.params[i] for i in leaves],
         scope.hyper[g],
         params_unchanged=unchanged,
         place=steps.stream_place(None, scope.reserve),
