@@ -20,6 +20,7 @@ from jax_superoffload._src.optim.legacy import from_legacy_layout
 from jax_superoffload._src.optim.legacy import legacy_layout
 from jax_superoffload._src.optim.offload import Offload
 from jax_superoffload._src.optim.scan_overlap import overlap_scan
+from jax_superoffload._src.optim.shardings import state_shardings
 from jax_superoffload._src.optim.state import OffloadState
 from jax_superoffload._src.optim.state import SuperOffloadState
 from jax_superoffload._src.parallel.weight_flow import WEIGHT_POLICIES
@@ -93,6 +94,7 @@ __all__ = [
   'plan',
   'replicated_state_bytes',
   'resolve_executor',
+  'state_shardings',
   'ulysses',
   'update_offloaded',
   'weight_flow_scan',

@@ -63,6 +63,9 @@ with ocp.StandardCheckpointer() as checkpointer:
       lambda: {'p': params0, 's': tx.init(params0)}),
   }[target_kind]()
   restored = checkpointer.restore(path, target)
+if sys.argv[3:] == ['placed']:  # As the refusal below says to.
+  restored['s'] = jax.device_put(
+    restored['s'], superoffload.state_shardings(tx, restored['p']))
 got, state = run(jax.tree.map(jnp.copy, restored['p']), restored['s'],
                  range(3, 5), True)
 for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -73,9 +76,11 @@ print('same', *sorted(spaces))
 """
 
 
-def _child(target: str, executor: str) -> subprocess.CompletedProcess:
+def _child(
+  target: str, executor: str, *extra: str
+) -> subprocess.CompletedProcess:
   return subprocess.run(
-    [sys.executable, '-c', textwrap.dedent(_CHILD), target, executor],
+    [sys.executable, '-c', textwrap.dedent(_CHILD), target, executor, *extra],
     capture_output=True,
     text=True,
     timeout=300,
@@ -96,24 +101,17 @@ def test_restored_into_a_target_with_shardings_steps_donated_on_the_host(
 
 
 @pytest.mark.parametrize('executor', ['plain', 'stv'])
-def test_restored_without_shardings_steps_donated_in_device_memory(executor):
+@pytest.mark.parametrize('target', ['eval_shape', 'jit_init'])
+def test_restored_into_device_memory_is_refused_then_placed(target, executor):
   # jax.eval_shape of `init` (as nnx.eval_shape builds a target) has no
-  # shardings: Orbax restores in device memory, where the state stays
-  # (update warns), donated or not.
-  child = _child('eval_shape', executor)
-  assert child.returncode == 0, child.stderr[-3000:]
-  assert child.stdout.split()[-2:] == ['same', 'MemorySpace.Device']
-
-
-@pytest.mark.xfail(
-  strict=True,
-  reason='aborts: init traced inside a jit returns SingleDeviceShardings '
-  '(out_shardings place the state but leave the mesh out of its type), so '
-  'Orbax restores the host leaves typed as device memory, which update '
-  'keeps there and the donated step aliases to their host buffers. Typing '
-  'them in init would give jax.eval_shape(tx.init) targets abstract '
-  'meshes, which Orbax cannot restore into.',
-)
-def test_restored_into_the_state_of_a_jitted_init_steps_donated():
-  child = _child('jit_init', 'plain')
-  assert child.returncode == 0, child.stderr[-3000:]
+  # shardings, and a jitted init's leave the mesh out of the host leaves'
+  # types: Orbax restores them typed as device memory. The donated step
+  # refuses them with the fix (no abort, no silent device state), and
+  # placed with state_shardings they step on the host as the run did.
+  child = _child(target, executor)
+  assert child.returncode == 1, child.stderr[-3000:]
+  assert 'came in device memory' in child.stderr
+  assert 'superoffload.state_shardings(tx, params)' in child.stderr
+  placed = _child(target, executor, 'placed')
+  assert placed.returncode == 0, placed.stderr[-3000:]
+  assert placed.stdout.split()[-2:] == ['same', 'MemorySpace.Host']

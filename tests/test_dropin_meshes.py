@@ -206,8 +206,19 @@ def _shapes(optimizer):
   return jax.tree.map(lambda v: (v.shape, v.dtype), state)
 
 
-@pytest.mark.filterwarnings('ignore:.*came in device memory')
-@pytest.mark.parametrize('built', ['eager', 'jit'])
+def test_nnx_optimizer_built_eagerly_on_an_auto_mesh_is_refused_with_a_fix():
+  # Built eagerly, nnx.Optimizer's own sharding constraint (it names no
+  # memory kind) moves the state of annotated parameters to device
+  # memory: the step says so and how to place it, rather than keep it
+  # there unannounced. Built in nnx.jit (the fix it names), it steps as
+  # optax's with the state in host memory (the test below).
+  mesh = _mesh(AxisType.Auto, (2, 4), ('data', 'model'))
+  x = jnp.ones((8, 8), jnp.float32)
+  with pytest.raises(ValueError, match=r'device memory.*nnx\.jit'):
+    _nnx_run(lambda: superoffload.adamw(LR), 'eager', mesh, x, x[:, :4], 1)
+
+
+@pytest.mark.parametrize('built', ['jit'])
 def test_nnx_optimizer_on_an_auto_mesh_steps_as_optax(built):
   # Under set_mesh with auto axes, a jitted init asked for one device, and
   # every step's shard_map over the state's explicit mesh was refused.
@@ -229,17 +240,36 @@ def test_nnx_optimizer_on_an_auto_mesh_steps_as_optax(built):
     np.testing.assert_allclose(ours[1][name], want, rtol=0, atol=tol)
   # The abstract optimizer (a restore target) is the concrete one's shape.
   assert _shapes(ours[3]) == _shapes(ours[2])
-  if built == 'jit':  # Eagerly, Flax's own with_sharding_constraint moves
-    # the state of annotated parameters to device memory (docs/state.md).
-    assert _memory_kinds(nnx.state(ours[2].opt_state)) == {HOST}
+  assert _memory_kinds(nnx.state(ours[2].opt_state)) == {HOST}
 
 
-@pytest.mark.filterwarnings('ignore:.*came in device memory')
+def _assert_split(x, mesh, spec):
+  """`x` split as Flax's metadata says: in its memory (host for ours)."""
+  kind = x.sharding.memory_kind
+  assert x.sharding.is_equivalent_to(
+    NamedSharding(mesh, P(*spec), memory_kind=kind), ndim=2
+  )
+
+
+def _optimizer(model, tx, eager):
+  """`nnx.Optimizer(model, tx)`, built eagerly or inside `nnx.jit`."""
+  if eager:
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+  return nnx.jit(lambda m: nnx.Optimizer(m, tx, wrt=nnx.Param))(model)
+
+
 def test_nnx_optimizer_with_its_own_optimizer_sharding():
   # Flax's test_separate_opt_sharding (tests/nnx/spmd_test.py), swapped.
   mesh = _mesh(AxisType.Auto, (2, 2, 2), ('row', 'col', 'rest'))
   kernels = []
-  for tx in (superoffload.adam(1e-3), optax.adam(1e-3)):
+  # Ours built in nnx.jit: eagerly, Flax's constraint moves the state to
+  # device memory, which the step refuses (checked first).
+  runs = [
+    (superoffload.adam(1e-3), True),
+    (superoffload.adam(1e-3), False),
+    (optax.adam(1e-3), True),
+  ]
+  for tx, eager in runs:
     with jax.set_mesh(mesh):
       model = nnx.Linear(
         4,
@@ -247,15 +277,11 @@ def test_nnx_optimizer_with_its_own_optimizer_sharding():
         rngs=nnx.Rngs(0),
         kernel_metadata={'optimizer_sharding': ('row', 'col')},
       )
-      optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+      optimizer = _optimizer(model, tx, eager)
       assert model.kernel.sharding.is_equivalent_to(
         NamedSharding(mesh, P()), ndim=2
       )
-      assert (
-        optimizer.opt_state[0]
-        .mu['kernel']
-        .sharding.is_equivalent_to(NamedSharding(mesh, P('row', 'col')), ndim=2)
-      )
+      _assert_split(optimizer.opt_state[0].mu['kernel'], mesh, ('row', 'col'))
 
       def loss(model, x):
         return jnp.sum(model(x))
@@ -264,13 +290,16 @@ def test_nnx_optimizer_with_its_own_optimizer_sharding():
         grads = jax.grad(loss)(model, x)
         optimizer.update(model, grads)
 
+      if eager and tx is runs[0][0]:
+        with pytest.raises(ValueError, match='came in device memory'):
+          train_step(model, jnp.ones(4))
+        continue
       train_step(model, jnp.ones(4))
       train_step(model, jnp.ones(4))
     kernels.append(np.asarray(model.kernel[...]))
   _assert_near_optax({'kernel': kernels[0]}, {'kernel': kernels[1]}, 2)
 
 
-@pytest.mark.filterwarnings('ignore:.*came in device memory')
 def test_nnx_optimizer_on_a_one_device_mesh():
   # Flax's test_logical_rules on a (1, 1, 1) mesh: the state was on our own
   # one-device mesh, whose shape Flax's sharding constraint refused.
@@ -301,15 +330,12 @@ def test_nnx_optimizer_on_a_one_device_mesh():
 
   x = jnp.linspace(0.0, 1.0, 24).reshape(3, 8)
   got = []
-  for tx in (superoffload.adam(1e-2), optax.adam(1e-2)):
+  runs = [(superoffload.adam(1e-2), False), (optax.adam(1e-2), True)]
+  for tx, eager in runs:  # Ours in nnx.jit, as the test above says.
     with jax.set_mesh(mesh), nnx.logical_axis_rules((('col-alias', 'col'),)):
       model = Foo()
-      optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-      assert (
-        optimizer.opt_state[0]
-        .mu['w']
-        .sharding.is_equivalent_to(NamedSharding(mesh, P('row', 'col')), ndim=2)
-      )
+      optimizer = _optimizer(model, tx, eager)
+      _assert_split(optimizer.opt_state[0].mu['w'], mesh, ('row', 'col'))
       for _ in range(STEPS):
         grads = nnx.grad(_mse)(model, x, 0.0)
         optimizer.update(model, grads)

@@ -119,21 +119,59 @@ def test_restored_state_steps_as_the_uninterrupted_run(tmp_path, name, kind):
   assert any(x.sharding.memory_kind == HOST for x in _host_leaves(state))
 
 
-@pytest.mark.parametrize('kind', ['eval_shape'])
-@pytest.mark.parametrize('name', ['multi_steps', 'apply_if_finite'])
-def test_state_restored_as_device_memory_steps_and_says_so(
-  tmp_path, name, kind
-):
+def _assert_placed_as_state_shardings(tx, params, state):
+  shardings = superoffload.state_shardings(tx, params)
+  kinds = [s.memory_kind for s in jax.tree.leaves(shardings)]
+  assert HOST in kinds
+  assert [x.sharding.memory_kind for x in jax.tree.leaves(state)] == kinds
+
+
+@pytest.mark.parametrize(
+  'name', ['chain_clip', 'masked', 'multi_transform', 'inject_hyperparams']
+)
+def test_state_restored_in_device_memory_moves_to_the_host(tmp_path, name):
   # A target without shardings (jax.eval_shape, nnx.eval_shape) restores
-  # in device memory; the wrapper's select between the state it holds and
-  # ours needs one type, so the state stays in device memory, with a
-  # warning.
+  # in device memory: the first step moves the state to host memory, says
+  # so, and returns it there, stepping as the uninterrupted run.
   tx = _WRAPPERS[name]()
   want, _ = _run(tx, _PARAMS, tx.init(_PARAMS), range(6))
   params, state = _run(tx, _PARAMS, tx.init(_PARAMS), range(3))
   trained = {'params': params, 'state': state}
-  restored = _save_and_restore(tmp_path, trained, _target(kind, tx, trained))
-  with pytest.warns(UserWarning, match='came in device memory'):
-    got, _ = _run(tx, restored['params'], restored['state'], range(3, 6))
+  restored = _save_and_restore(
+    tmp_path, trained, _target('eval_shape', tx, trained)
+  )
+  assert not any(
+    x.sharding.memory_kind == HOST for x in jax.tree.leaves(restored['state'])
+  )
+  with pytest.warns(UserWarning, match='came in device memory.*moves it'):
+    got, state = _run(tx, restored['params'], restored['state'], range(3, 6))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_array_equal(a, b)
+  _assert_placed_as_state_shardings(tx, got, state)
+
+
+@pytest.mark.parametrize('name', ['multi_steps', 'apply_if_finite'])
+def test_restored_in_device_memory_under_a_selecting_wrapper_is_placed_first(
+  tmp_path, name
+):
+  # These wrappers select between the state they hold (device memory) and
+  # ours (host memory), which JAX refuses; placed with state_shardings, as
+  # the warning says, the state steps as the uninterrupted run.
+  tx = _WRAPPERS[name]()
+  want, _ = _run(tx, _PARAMS, tx.init(_PARAMS), range(6))
+  params, state = _run(tx, _PARAMS, tx.init(_PARAMS), range(3))
+  trained = {'params': params, 'state': state}
+  restored = _save_and_restore(
+    tmp_path, trained, _target('eval_shape', tx, trained)
+  )
+  with (
+    pytest.warns(UserWarning, match='state_shardings'),
+    pytest.raises((TypeError, ValueError), match='memory_space|host'),
+  ):
+    _run(tx, restored['params'], restored['state'], range(3, 4))
+  shardings = superoffload.state_shardings(tx, restored['params'])
+  placed = jax.device_put(restored['state'], shardings)
+  got, state = _run(tx, restored['params'], placed, range(3, 6))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(a, b)
+  _assert_placed_as_state_shardings(tx, got, state)

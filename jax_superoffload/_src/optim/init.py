@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.interpreters import pxla
 
 from jax_superoffload._src.core import host_memory
 from jax_superoffload._src.core import moments
@@ -21,12 +23,19 @@ from jax_superoffload._src.parallel import zero as zero_lib
 
 
 def _build_state(
-  opts, params: Any, placement, shardings: Any = None
+  opts,
+  params: Any,
+  placement,
+  shardings: Any = None,
+  in_callers_trace: bool = False,
 ) -> state_lib.SuperOffloadState:
   """A fresh state: the master from the parameters, zero moments.
 
   Placed by init's out_shardings (`shardings`, from `_state_shardings`);
-  on a mesh each leaf is also typed with its split (`_typer`).
+  on a mesh each leaf is also typed with its split (`_typer`). With
+  `in_callers_trace`, made in the trace of the caller's own jit, whose
+  shardings place it: each leaf is computed from its parameter
+  (`_zeros_after`), so that XLA splits it as it splits the parameter.
   """
   plan = state_lib.bucketing_for(opts, params, placement)
   leaves = jax.tree.leaves(params)
@@ -62,7 +71,10 @@ def _build_state(
         (nu_scales, 'nu_scales', scales_shape, 'f4'),
       ]
     for out, name, sh, dt in made:
-      if not (host and len(sh) > 0):
+      if in_callers_trace:
+        z = _zeros_after(m, sh, dt)
+        out.append(host_memory.to_host(z) if host and len(sh) > 0 else z)
+      elif not (host and len(sh) > 0):
         out.append(typed(name, i, jnp.zeros(sh, dt)))
       elif opts.zero is None:  # Made by host compute where they live.
         out.append(host_memory.on_host(functools.partial(jnp.zeros, sh, dt)))
@@ -83,6 +95,23 @@ def _build_state(
     placement=plan.placement,
     weights_digest=_weights_digest(opts, plan, leaves),
   )
+
+
+def _zeros_after(master: jax.Array, shape: tuple, dtype: Any) -> jax.Array:
+  """Zeros of `shape` computed from `master`, so split as it is split.
+
+  XLA gives a constant no split of its own (it is made whole on every
+  device) and folds `x & 0`; a select on `master`'s finiteness it cannot
+  fold, and `+ 0.0` turns the `-0.0` of a negative weight into `+0.0`.
+  Leaves of another shape (8-bit scales, the empty rows of leaves that are
+  not double-buffered) are small: made as constants.
+  """
+  if tuple(shape) == master.shape[1:]:  # A paired leaf's kept gradients.
+    master = master[0]
+  if tuple(shape) != master.shape:
+    return jnp.zeros(shape, dtype)
+  zero = jnp.where(jnp.isfinite(master), master * 0, 0) + 0.0
+  return zero.astype(dtype)
 
 
 def _weights_digest(opts, plan, leaves: list) -> jax.Array | None:
@@ -236,6 +265,13 @@ def init(
   placement = opts.decide_placement(opts.layout(params), params)
   if not jax.tree.leaves(params):  # Say optax.tree_map_params' placeholder.
     return _build_state(opts, params, placement)
+  if opts.zero is None and _on_a_hidden_split(params):
+    # Traced for several devices whose split the types do not name (auto
+    # axes, the old `with mesh:`, a jit's in_shardings): a nested jit would
+    # name one device, which the caller's jit refuses. Made in the
+    # caller's trace, the state is split as XLA splits the parameters, and
+    # the caller's out_shardings (see `state_shardings`) place it.
+    return _build_state(opts, params, placement, in_callers_trace=True)
   if jax.sharding.get_abstract_mesh().manual_axes:
     # In a user's shard_map: each shard's state of its own block, in host
     # memory; a sharding naming devices is refused there. A jit, as eager
@@ -257,35 +293,40 @@ def init(
     return made(params)
 
 
+def _on_a_hidden_split(params: Any) -> bool:
+  """Whether traced `params` span several devices, split as types do not say.
+
+  A tracer's type carries the mesh of its jit's input shardings, or of the
+  context (`jax.set_mesh`, the old `with mesh:`); a split it names only
+  over explicit axes, which `following.of_params` reads.
+  """
+  leaves = jax.tree.leaves(params)
+  if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return False
+  if jax.sharding.get_abstract_mesh().manual_axes:
+    return False  # A user's shard_map: each shard's own block.
+  meshes = [following.mesh_of(x) for x in leaves]
+  meshes.append(jax.sharding.get_abstract_mesh())
+  meshes.append(_old_context_mesh())
+  return any(m is not None and not m.empty and m.size > 1 for m in meshes)
+
+
+def _old_context_mesh() -> Any:
+  """The mesh of the old `with mesh:` context, if any (else None).
+
+  Parameters made inside the jit (say from a key) carry no mesh in their
+  types there; JAX deprecates the attribute, not the context.
+  """
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', DeprecationWarning)
+    mesh = pxla.thread_resources.env.physical_mesh
+  return None if mesh.empty else mesh
+
+
 def init_following(opts, params: optax.Params) -> state_lib.SuperOffloadState:
   """`init`, with the state split as the parameters are (without a mesh)."""
   if opts.zero is not None:
     return init(opts, params)
   block = moments.BLOCK if opts.moments_8bit else 0
   zero = following.of_params(params, block)
-  if zero is None:
-    zero = _whole_on_context_mesh(params, block)
   return init(opts.with_zero(zero), params)
-
-
-def _whole_on_context_mesh(params: Any, block: int) -> zero_lib.Follow | None:
-  """The state of traced parameters on a user's mesh, if their types hide it.
-
-  Traced under `jax.set_mesh` with auto axes (a jitted or `eval_shape`d
-  `nnx.Optimizer`, say), the parameters' types do not say how they are
-  split, and a state on one device cannot be made on the mesh's devices.
-  Then each leaf is whole on every device of the mesh (typed with its axes
-  explicit, as `following.of_params` types a split one): correct, with
-  each device's host memory holding all of it. Inside `shard_map` (manual
-  axes) there is no such mesh.
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  leaves = jax.tree.leaves(params)
-  if mesh.empty or mesh.size <= 1 or mesh.manual_axes:
-    return None
-  if not any(isinstance(x, jax.core.Tracer) for x in leaves):
-    return None
-  explicit = dict.fromkeys(mesh.axis_names, jax.sharding.AxisType.Explicit)
-  return zero_lib.Follow(
-    mesh.update_axis_types(explicit), None, block, (zero_lib.P(),) * len(leaves)
-  )

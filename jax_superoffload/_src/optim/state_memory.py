@@ -1,7 +1,8 @@
 """Where the leaves of a state passed to `update` live, as their types say.
 
-`update` reads the state with its host leaves' explicit mesh axis made
-`Auto` (`read_typed`), and gives each leaf of the new state the type the
+`update` refuses a state whose host leaves came in device memory
+(`check_on_host`), reads the state with its host leaves' explicit mesh
+axis made `Auto` (`read_typed`), and gives each leaf of the new state the type the
 leaf came in with (`kept_in_place`): optax's wrappers `select` or `cond`
 between the two states, and a jitted step keeps the host leaves'
 `NamedSharding` (see `host_memory.single_device_sharding`).
@@ -9,10 +10,10 @@ between the two states, and a jitted step keeps the host leaves'
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
+import numpy as np
 
 from jax_superoffload._src.core import host_memory
 from jax_superoffload._src.optim import state as state_lib
@@ -30,41 +31,63 @@ def read_typed(state: Any) -> Any:
   return state_lib.with_fields(state, **fields)
 
 
-def kept_in_place(old: Any, new: Any) -> Any:
-  """`new`, with each leaf that came in device memory kept there.
+def check_on_host(plan: state_lib.Bucketing, state: Any) -> None:
+  """Refuses a state whose host leaves came in device memory.
 
-  A state restored into a target without shardings (`nnx.eval_shape`,
-  `jax.eval_shape`) comes back in device memory. optax's wrappers
-  (`MultiSteps`, `apply_if_finite`) `select` or `cond` between the state
-  they were given and ours, which must then be of one type: so a leaf
-  stays in the memory it came in, as optax's states do, and a warning
-  says so (the numbers are the same; the step moves it to the host and
-  back). A target with the state's shardings keeps it in host memory.
+  Stepped there, the state would cost the device its memory and the step
+  two copies of it, with nothing to say so. It comes so from a jit whose
+  shardings name device memory (a trainer's own sharding rules), a
+  restore into a target without shardings (`jax.eval_shape`,
+  `nnx.eval_shape`), or Flax's eager sharding of an `nnx.Optimizer` built
+  outside `nnx.jit`. The step cannot move it and return it in host memory
+  instead: optax's wrappers (`MultiSteps`, `apply_if_finite`) select
+  between the state they hold and ours, which JAX refuses across memories,
+  and a jit that donates the state would alias a device buffer to a host
+  result, which aborts the process. So the error says how to place it.
   """
-  moved = []
+  if not host_memory.host_memory_available():
+    return
+  resident = len(plan.on_device) == plan.lay.num_buckets
+  wrong = []
+  for name in _ARRAY_FIELDS:
+    tree = getattr(state, name)
+    if tree is None:
+      continue
+    for i, (path, x) in enumerate(jax.tree_util.tree_leaves_with_path(tree)):
+      kernel = i in plan.bucket_of
+      planned = state_lib.host_leaf(plan, i) and (kernel or not resident)
+      if planned and np.ndim(x) > 0 and host_memory.typed_on_device(x):
+        wrong.append(f'{name}{jax.tree_util.keystr(path)}')
+  if wrong:
+    more = f' (and {len(wrong) - 1} more)' if len(wrong) > 1 else ''
+    raise ValueError(
+      f'optimizer state leaf {wrong[0]}{more} came in device memory; '
+      'superoffload keeps it in host memory (pinned_host). Place the state '
+      'with superoffload.state_shardings(tx, params): as the out_shardings '
+      "of the jit that runs tx.init and the shardings of your step's "
+      'state, as a restore target, or once with jax.device_put(state, '
+      'superoffload.state_shardings(tx, params)). Flax NNX: build '
+      'nnx.Optimizer inside nnx.jit. MaxText: run it through '
+      'python -m jax_superoffload.integrations.maxtext.'
+    )
 
-  def keep(path, x, y):
+
+def kept_in_place(old: Any, new: Any) -> Any:
+  """`new`, each leaf typed as it came (host or device memory).
+
+  Leaves that came in device memory are those kept there on purpose
+  (device buckets; `check_on_host` refuses the others).
+  """
+
+  def keep(x, y):
     if x is None:
       return y
     if not host_memory.typed_on_device(x):
       return host_memory.typed_like(y, x)
-    if host_memory.typed_on_device(y):
-      return y
-    moved.append(jax.tree_util.keystr(path))
-    return host_memory.to_device(y)
+    return y if host_memory.typed_on_device(y) else host_memory.to_device(y)
 
   fields = {}
   for name in _ARRAY_FIELDS:
     if getattr(new, name) is not None:
-      fields[name] = jax.tree.map_with_path(
-        keep, getattr(old, name), getattr(new, name)
-      )
-  if moved:
-    warnings.warn(
-      f'{len(moved)} optimizer state leaves (e.g. {moved[0]}) came in device '
-      'memory, not host memory (restored into a target without shardings?):'
-      ' they stay there; restore into tx.init(params), or a target with its '
-      'shardings, to keep them in host memory',
-      stacklevel=2,
-    )
+      fields[name] = jax.tree.map(keep, getattr(old, name), getattr(new, name))
   return state_lib.with_fields(new, **fields)

@@ -267,7 +267,7 @@ def _optax_leaves(opts, inputs: Inputs, count, verdict, out: list) -> tuple:
   for i, x in zip(ids, u, strict=True):
     out[i] = x
   # Back where each leaf lives: host memory, but for scalars and the
-  # leaves that came in device memory (see alias._on_device).
+  # leaves kept in device memory (see alias._on_device).
   return {
     n: [
       host_memory.to_host(x)
@@ -364,6 +364,7 @@ def update(opts, updates, state, params):
   rows = scan_overlap.claim(opts, state, updates, params)
   typed, state = state, state_memory.read_typed(state)
   inputs = _inputs(opts, updates, state, params)
+  state_memory.check_on_host(inputs.plan, typed)
   if rows is not None:
     inputs = inputs._replace(state=scan_overlap.with_stacks(rows, inputs.state))
   cast_on_device = inputs.plan.placement.cast_on_device
