@@ -2,10 +2,10 @@
 
 `update` refuses a state whose host leaves came in device memory
 (`check_on_host`), reads the state with its host leaves' explicit mesh
-axis made `Auto` (`read_typed`), and gives each leaf of the new state the type the
-leaf came in with (`kept_in_place`): optax's wrappers `select` or `cond`
-between the two states, and a jitted step keeps the host leaves'
-`NamedSharding` (see `host_memory.single_device_sharding`).
+axis made `Auto` (`read_typed`), and gives each leaf of the new state the
+type the leaf came in with (`kept_in_place`): optax's wrappers `select`
+or `cond` between the two states, and a jitted step keeps the host
+leaves' `NamedSharding` (see `host_memory.single_device_sharding`).
 """
 
 from __future__ import annotations
