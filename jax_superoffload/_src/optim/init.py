@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.interpreters import pxla
 
 from jax_superoffload._src.core import host_memory
 from jax_superoffload._src.core import moments
@@ -265,12 +263,13 @@ def init(
   placement = opts.decide_placement(opts.layout(params), params)
   if not jax.tree.leaves(params):  # Say optax.tree_map_params' placeholder.
     return _build_state(opts, params, placement)
-  if opts.zero is None and _on_a_hidden_split(params):
-    # Traced for several devices whose split the types do not name (auto
-    # axes, the old `with mesh:`, a jit's in_shardings): a nested jit would
-    # name one device, which the caller's jit refuses. Made in the
-    # caller's trace, the state is split as XLA splits the parameters, and
-    # the caller's out_shardings (see `state_shardings`) place it.
+  if opts.zero is None and _traced(params):
+    # Traced where the types name no split (auto axes, the old `with
+    # mesh:`, parameters made inside the caller's jit, which may span
+    # devices its types do not show): a nested jit would name one device,
+    # which the caller's jit refuses. Made in the caller's trace, the
+    # state is split as XLA splits the parameters, and the caller's
+    # out_shardings (see `state_shardings`) place it.
     return _build_state(opts, params, placement, in_callers_trace=True)
   if jax.sharding.get_abstract_mesh().manual_axes:
     # In a user's shard_map: each shard's state of its own block, in host
@@ -293,34 +292,11 @@ def init(
     return made(params)
 
 
-def _on_a_hidden_split(params: Any) -> bool:
-  """Whether traced `params` span several devices, split as types do not say.
-
-  A tracer's type carries the mesh of its jit's input shardings, or of the
-  context (`jax.set_mesh`, the old `with mesh:`); a split it names only
-  over explicit axes, which `following.of_params` reads.
-  """
-  leaves = jax.tree.leaves(params)
-  if not any(isinstance(x, jax.core.Tracer) for x in leaves):
-    return False
+def _traced(params: Any) -> bool:
+  """Whether `params` are traced, outside a user's `shard_map`."""
   if jax.sharding.get_abstract_mesh().manual_axes:
-    return False  # A user's shard_map: each shard's own block.
-  meshes = [following.mesh_of(x) for x in leaves]
-  meshes.append(jax.sharding.get_abstract_mesh())
-  meshes.append(_old_context_mesh())
-  return any(m is not None and not m.empty and m.size > 1 for m in meshes)
-
-
-def _old_context_mesh() -> Any:
-  """The mesh of the old `with mesh:` context, if any (else None).
-
-  Parameters made inside the jit (say from a key) carry no mesh in their
-  types there; JAX deprecates the attribute, not the context.
-  """
-  with warnings.catch_warnings():
-    warnings.simplefilter('ignore', DeprecationWarning)
-    mesh = pxla.thread_resources.env.physical_mesh
-  return None if mesh.empty else mesh
+    return False  # Each shard's own block: see `init`.
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))
 
 
 def init_following(opts, params: optax.Params) -> state_lib.SuperOffloadState:

@@ -1,0 +1,1 @@
+"""MaxText runs with and without superoffload, recorded for tests and docs."""
