@@ -8,7 +8,8 @@ the loss of every step (MaxText's metrics file), where each optimizer
 state leaf lives after MaxText's init (`init_memory`) and in its compiled
 train step's input (`step_memory`), and the compiled step's copies that
 touch host memory (`step_copies`, from `experiments.device.hlo_report`).
-`--devices` fakes that many CPU devices (set before JAX starts).
+`--devices` fakes that many CPU devices (set before JAX starts, in
+place of any count the environment sets).
 """
 
 from __future__ import annotations
@@ -186,9 +187,13 @@ def _copies(hlo: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
   args, maxtext_args = _args(sys.argv[1:] if argv is None else argv)
-  if args.devices > 1:
-    flag = f'--xla_force_host_platform_device_count={args.devices}'
-    os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {flag}'
+  flags = [
+    f
+    for f in os.environ.get('XLA_FLAGS', '').split()
+    if not f.startswith('--xla_force_host_platform_device_count=')
+  ]
+  flags.append(f'--xla_force_host_platform_device_count={args.devices}')
+  os.environ['XLA_FLAGS'] = ' '.join(flags)
   from absl import app
   from maxtext.trainers.pre_train import train
 

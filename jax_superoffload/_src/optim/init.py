@@ -104,8 +104,8 @@ def _zeros_after(master: jax.Array, shape: tuple, dtype: Any) -> jax.Array:
   Leaves of another shape (8-bit scales, the empty rows of leaves that are
   not double-buffered) are small: made as constants.
   """
-  if tuple(shape) == master.shape[1:]:  # A paired leaf's kept gradients.
-    master = master[0]
+  if master.ndim and tuple(shape) == master.shape[1:]:  # A paired leaf's
+    master = master[0]  # kept gradients: one row of the master's two.
   if tuple(shape) != master.shape:
     return jnp.zeros(shape, dtype)
   zero = jnp.where(jnp.isfinite(master), master * 0, 0) + 0.0
