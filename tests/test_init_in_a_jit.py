@@ -100,9 +100,10 @@ def test_params_made_inside_the_jit_give_a_state_split_as_they_are(context):
   _assert_split_as_params(state[0], mesh)
 
 
+@pytest.mark.parametrize('executor', ['auto', 'stream'])
 @pytest.mark.parametrize('axis_type', [AxisType.Auto, AxisType.Explicit])
 def test_state_shardings_keep_a_trainers_state_on_the_host_per_shard(
-  axis_type,
+  axis_type, executor
 ):
   # A trainer's own jits, their shardings from state_shardings: the state
   # is made and stepped in host memory, split as the parameters, and the
@@ -110,7 +111,11 @@ def test_state_shardings_keep_a_trainers_state_on_the_host_per_shard(
   mesh = _mesh(axis_type)
   params = _params(mesh)
   param_shardings = {k: NamedSharding(mesh, SPECS[k]) for k in SPECS}
-  ours = superoffload.adamw(1e-2, weight_decay=0.1)
+  ours = superoffload.adamw(
+    1e-2, weight_decay=0.1, offload=superoffload.Offload(executor=executor)
+  )
+  # The stream executor's state keeps a digest of the weights: the layout
+  # state_shardings gives must be the one the trainer's init makes.
   shardings = superoffload.state_shardings(ours, params)
 
   def loss(p):

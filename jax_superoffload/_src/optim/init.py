@@ -115,10 +115,13 @@ def _zeros_after(master: jax.Array, shape: tuple, dtype: Any) -> jax.Array:
 def _weights_digest(opts, plan, leaves: list) -> jax.Array | None:
   """The digest of a fresh state: its kernel leaves' parameters.
 
-  The master starts as them, so they are the weights it rounds to.
+  The master starts as them, so they are the weights it rounds to. A
+  state that keeps an unused one gets one that matches nothing.
   """
-  if not opts.digests_weights:
+  if not opts.keeps_digest:
     return None
+  if not opts.digests_weights:
+    return jnp.zeros((len(leaves), weights_digest.COLUMNS), jnp.uint32)
   digested = []
   for ids in weights_digest.groups(state_lib.buckets_of(plan.lay)):
     xs = [leaves[i] for i in ids]
@@ -233,7 +236,7 @@ def _state_shardings(
     nu_scales=tree(scales) if opts.moments_8bit else None,
     placement=plan.placement,
     weights_digest=(
-      sharding(zero_lib.P(), False, 2) if opts.digests_weights else None
+      sharding(zero_lib.P(), False, 2) if opts.keeps_digest else None
     ),
   )
 

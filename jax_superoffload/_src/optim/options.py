@@ -80,6 +80,18 @@ class Options:
     return self.executor.name == 'stream' and self.zero is None
 
   @property
+  def keeps_digest(self) -> bool:
+    """Whether the state has a `weights_digest` leaf at all.
+
+    As `digests_weights`, and also for a state split as its parameters are
+    (`Follow`), which keeps one unused (it matches nothing): whether
+    `init` saw the split or not, the state then has one layout, and
+    `state_shardings` gives a trainer's jit the layout its `init` makes.
+    """
+    follows = isinstance(self.zero, zero_lib.Follow)
+    return self.executor.name == 'stream' and (self.zero is None or follows)
+
+  @property
   def use_kernel(self) -> bool:
     if self.mu_dtype is None or np.dtype(self.mu_dtype) == np.float32:
       return True

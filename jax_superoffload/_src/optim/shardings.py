@@ -127,12 +127,12 @@ def _spec_of(x: Any) -> P:
 def _mesh_of(params: Any) -> Any:
   """The one mesh of the parameters' `NamedSharding`s, else None.
 
-  A one-device mesh counts as one device (its state's own sharding).
+  A trainer's mesh of one device too: its shardings are `NamedSharding`s.
   """
   meshes = {}
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     sharding = getattr(x, 'sharding', None)
-    if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+    if isinstance(sharding, NamedSharding):
       meshes.setdefault(sharding.mesh, jax.tree_util.keystr(path))
   if len(meshes) > 1:
     found = ', '.join(f'{path} on {mesh}' for mesh, path in meshes.items())
