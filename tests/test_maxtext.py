@@ -169,3 +169,21 @@ def test_a_converted_checkpoint_resumes_as_the_unconverted_run(
   )
   resumed = runs(name, resumer, **_CHECKPOINTS)
   _assert_losses_near(resumed, whole, FP32_RTOL, range(10, 20))
+
+
+def test_the_module_command_runs_maxtexts_main(tmp_path):
+  # As a user runs it: MaxText's own main, through the entry.
+  args = tiny.overrides(str(tmp_path), 'command', steps=3)
+  child = subprocess.run(
+    [
+      sys.executable, '-m', 'jax_superoffload.integrations.maxtext',
+      tiny.base_config(), *args,
+    ],
+    cwd=_ROOT, capture_output=True, text=True, timeout=900, check=False,
+    env={
+      **os.environ,
+      'XLA_FLAGS': '--xla_force_host_platform_device_count=1',
+    },
+  )  # fmt: skip
+  assert child.returncode == 0, child.stderr[-4000:]
+  assert 'completed step: 2' in child.stdout + child.stderr

@@ -130,20 +130,28 @@ def test_no_plugin_and_not_a_plugin(monkeypatch):
 
 
 @pytest.mark.parametrize(
-  ('ok', 'asked', 'want'),
+  ('driver', 'ok', 'asked', 'want'),
   [
-    (True, 'auto', 'ffi'),
-    (False, 'auto', 'xla_host'),
-    (False, 'xla_host', 'xla_host'),
-    (True, 'device', 'device'),
+    (True, True, 'auto', 'stream'),
+    (True, False, 'auto', 'stream'),
+    (False, True, 'auto', 'ffi'),
+    (False, False, 'auto', 'xla_host'),
+    (False, False, 'xla_host', 'xla_host'),
+    (True, True, 'device', 'device'),
   ],
 )
-def test_auto_picks_ffi_on_gpu_only_when_registered(
-  monkeypatch, ok, asked, want
+def test_auto_on_a_gpu_is_stream_where_the_driver_files_it(
+  monkeypatch, driver, ok, asked, want
 ):
+  # Else ffi where the kernel registers with the plugin's host compute,
+  # else xla_host.
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
   registration = pf.Registration(ok, 'test')
   monkeypatch.setattr(pf, 'host_registration', lambda: registration)
+  filed = (driver, '' if driver else 'no CUDA driver here')
+  monkeypatch.setattr(
+    executors.grace_adam, 'stream_registration', lambda: filed
+  )
   assert executors.resolve(asked) == want
 
 

@@ -45,6 +45,7 @@ def predict(
   h2d_bytes: int,
   batch: int,
   serial: bool = False,
+  optax_s: float | None = None,
 ) -> dict:
   """Seconds per step for `params` parameters in len(starts) host steps.
 
@@ -52,10 +53,13 @@ def predict(
   before it and the bytes it copies to the host (its gradients, and the
   parameters it re-seeds from); its parameters are taken in proportion to
   those bytes. `h2d_bytes`: the new weights copied back after the join.
-  `serial`: the design before issue 37, where the compute stream waits for
-  each bucket's whole host step, not only its copy.
+  `serial`: the earlier design, where the compute stream waits for each
+  bucket's whole host step, not only its copy. `optax_s`: optax's step of
+  this model at this batch (default: the measured 1B step, linear in the
+  batch).
   """
-  optax_s = OPTAX_STEP_S[4] * batch / 4  # Linear in the batch.
+  if optax_s is None:
+    optax_s = OPTAX_STEP_S[4] * batch / 4  # Linear in the batch.
   fb = optax_s - OPTAX_UPDATE_S
   forward, backward = fb * (1 - BACKWARD_SHARE), fb * BACKWARD_SHARE
   total = sum(b for _, b in starts) or 1

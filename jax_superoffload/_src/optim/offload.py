@@ -56,10 +56,12 @@ class Offload:
       "ffi" (the same kernel as XLA host compute), "xla_host" (the same
       math in `jax.numpy` as host compute), "device" (state in host memory
       between steps, update on the accelerator: the MaxText-style
-      baseline) or "auto" ("ffi" on CPU, and on an accelerator where the
-      kernel registers with its PJRT plugin's host compute; "xla_host"
-      elsewhere). "stream" is opt-in until a GPU run has measured it; on
-      the CPU backend it gives the same bits as "ffi".
+      baseline) or "auto": "ffi" on CPU; on a GPU "stream" where the CUDA
+      driver loads (compiled for an H200 it alone keeps the state out of
+      device memory and copies nothing host to host; no GPU has run it
+      yet, docs/gpu.md), else "ffi" where the kernel registers with the
+      PJRT plugin's host compute, else "xla_host". On the CPU backend
+      "stream" gives the same bits as "ffi".
     clip_norm: If set, gradients are clipped to this global norm, with the
       result of `optax.chain(optax.clip_by_global_norm(clip_norm), ...)`,
       by speculation-then-validation: each bucket's step starts without
