@@ -37,16 +37,14 @@ from typing import Any
 import jax
 import optax
 
-from jax_superoffload._src.optim.alias import adamw
-from jax_superoffload._src.optim.offload import Offload
-from jax_superoffload._src.optim.shardings import state_shardings
+import jax_superoffload as superoffload
 
 TESTED_MAXTEXT = ('0.2.5',)
 # Marks what apply() replaced, so that a second apply() changes nothing.
 _APPLIED = '_jax_superoffload_applied'
 
 
-def apply(offload: Offload | None = None) -> None:
+def apply(offload: superoffload.Offload | None = None) -> None:
   """Makes MaxText train with `superoffload.adamw`, its state on the host.
 
   Idempotent. Imports MaxText (only here).
@@ -66,7 +64,7 @@ def apply(offload: Offload | None = None) -> None:
   if getattr(optimizers, _APPLIED, False):
     return
   ours: set[tuple] = set()  # Paths of our state's leaves, once placed.
-  optimizers.optax = _optax_with_our_adamw(offload or Offload())
+  optimizers.optax = _optax_with_our_adamw(offload or superoffload.Offload())
   maxtext_utils.get_abstract_state = _placing_our_state(
     maxtext_utils.get_abstract_state, maxtext_utils_nnx, ours
   )
@@ -86,11 +84,11 @@ def _check_version() -> None:
     )
 
 
-def _optax_with_our_adamw(offload: Offload) -> types.ModuleType:
+def _optax_with_our_adamw(offload: superoffload.Offload) -> types.ModuleType:
   """Optax as MaxText's optimizer module sees it: `adamw` is ours."""
   module = types.ModuleType('optax', optax.__doc__)
   module.__dict__.update(vars(optax))
-  module.adamw = functools.partial(adamw, offload=offload)
+  module.adamw = functools.partial(superoffload.adamw, offload=offload)
   return module
 
 
@@ -113,7 +111,7 @@ def _placing_our_state(
     ours_by_path = {
       _plain(path): s
       for path, s in jax.tree_util.tree_leaves_with_path(
-        state_shardings(optimizer.tx, params)
+        superoffload.state_shardings(optimizer.tx, params)
       )
     }
     shardings.optimizer.opt_state = _with_ours(

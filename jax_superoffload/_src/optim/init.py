@@ -45,12 +45,7 @@ def _build_state(
     state_lib.leaf_state_types(opts, plan)
   ):
     host = state_lib.host_leaf(plan, i)
-    m = leaves[i].astype(m_t)
-    if paired:
-      m = jnp.broadcast_to(m[None], shape)
-    elif not host:  # jit would hand the parameter itself back otherwise.
-      m = jnp.copy(m)
-    m = typed('master', i, m)
+    m = typed('master', i, _master(leaves[i], m_t, shape, paired, host))
     kshape = shape[1:] if paired else (0,) * (len(shape) + 2)
     # Moved to host memory inside too: jit's out_shardings alone leave the
     # arrays typed as device memory (JAX 0.10), which host compute refuses.
@@ -72,12 +67,8 @@ def _build_state(
       if in_callers_trace:
         z = _zeros_after(m, sh, dt)
         out.append(host_memory.to_host(z) if host and len(sh) > 0 else z)
-      elif not (host and len(sh) > 0):
-        out.append(typed(name, i, jnp.zeros(sh, dt)))
-      elif opts.zero is None:  # Made by host compute where they live.
-        out.append(host_memory.on_host(functools.partial(jnp.zeros, sh, dt)))
       else:
-        out.append(host_memory.to_host(typed(name, i, jnp.zeros(sh, dt))))
+        out.append(_zeros(opts, host and len(sh) > 0, typed, name, i, sh, dt))
   tree = lambda xs: jax.tree.unflatten(plan.lay.treedef, xs)  # noqa: E731
   return state_lib.SuperOffloadState.of(
     count=jnp.zeros([], jnp.int32),
@@ -93,6 +84,25 @@ def _build_state(
     placement=plan.placement,
     weights_digest=_weights_digest(opts, plan, leaves),
   )
+
+
+def _master(param, dtype, shape, paired: bool, host: bool) -> jax.Array:
+  """A master leaf from its parameter (both rows of a paired leaf)."""
+  m = param.astype(dtype)
+  if paired:
+    return jnp.broadcast_to(m[None], shape)
+  if not host:  # jit would hand the parameter itself back otherwise.
+    return jnp.copy(m)
+  return m
+
+
+def _zeros(opts, host: bool, typed, name: str, i: int, shape, dtype) -> Any:
+  """A zero state leaf, made where it lives (host compute, on the host)."""
+  if not host:
+    return typed(name, i, jnp.zeros(shape, dtype))
+  if opts.zero is None:  # Made by host compute where they live.
+    return host_memory.on_host(functools.partial(jnp.zeros, shape, dtype))
+  return host_memory.to_host(typed(name, i, jnp.zeros(shape, dtype)))
 
 
 def _zeros_after(master: jax.Array, shape: tuple, dtype: Any) -> jax.Array:
