@@ -18,6 +18,7 @@ import jax
 import pytest
 
 from experiments.device import aot
+from experiments.device import aot_planner
 from experiments.device import aot_steps
 from experiments.device import deviceless
 
@@ -100,6 +101,44 @@ def test_every_executor_and_layout_compiles_for_h200(optimizer, layout):
   result = compiled(optimizer, layout)
   assert result['compiles'], result.get('error')
   assert result['backward_gemms'] > 0
+
+
+# `auto` (the harness's default beside optax) compiles what a plain
+# superoffload.adamw(...) resolves to on a GPU: here, with the CUDA plugin
+# found, `ffi` (Grace Adam filed as host compute); the same program as the
+# executor named.
+def test_auto_compiles_as_the_executor_the_library_resolves():
+  auto = compiled('auto')
+  assert auto['compiles'], auto.get('error')
+  assert 'handlers filed' in auto['host_registration'], auto
+  assert auto['executor'] == 'ffi' and auto['case'].startswith('auto=ffi:')
+  named = compiled(auto['executor'])
+  for field in ('custom_calls', 'copies', 'memory', 'optimizer_calls'):
+    assert auto[field] == named[field], field
+
+
+# The model's shape and the GPU come from the command line and reach the
+# compiled step: an H100 and an H200 target, a model of the flags' shape
+# (its parameters counted from the trainer's model of that config).
+def test_shape_and_gpu_flags_reach_the_compiled_step(tmp_path):
+  from flax import nnx
+
+  from experiments.trainer import model as model_lib
+
+  out = tmp_path / 'aot.json'
+  flags = (
+    '--gpu h100,h200 --optimizers optax --layouts scan --layers 2 '
+    '--d-model 128 --heads 2 --mlp-dim 256 --seq-len 64 --vocab 512 '
+    f'--batch 1 --json {out}'
+  )
+  assert aot.main(flags.split()) == 0
+  results = json.loads(out.read_text())
+  kinds = [r['device_kind'] for r in results]
+  assert kinds == ['NVIDIA H100 80GB HBM3', 'NVIDIA H200 141GB HBM3e']
+  cfg = aot_planner.trainer_config(results[0]['fields'])
+  assert (cfg.d_model, cfg.num_heads, cfg.vocab_size) == (128, 2, 512)
+  model = nnx.eval_shape(lambda: model_lib.init_model(cfg))
+  assert results[0]['num_params'] == model_lib.count_params(model)
 
 
 @pytest.mark.parametrize(
