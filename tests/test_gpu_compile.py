@@ -1,4 +1,4 @@
-"""The trainer's step compiled for an H200 without a GPU (issues 33, 37).
+"""The trainer's step compiled for an H200 without a GPU.
 
 Each case compiles in its own process (`experiments.device.aot`) at small
 sizes: two layers, width 256, sequences of 256, 64 KiB buckets (so the
@@ -149,14 +149,15 @@ def test_stream_compiles_with_bf16_params_and_zero(fields):
   assert result['compiles'], result.get('error')
 
 
-# Issue 37 point 2, failed before it (0.53 GB over scanned at 1B, 0.71
-# unrolled; 0.41 and 6.56 MB here): the optimizer state must never take
-# device memory, so the step needs at most what optax's step needs less
-# optax's state. The allowance is the measure's, not the step's: the bytes
-# are XLA's packed temporary allocation, whose fragmentation differs
-# between two programs whose peak live bytes agree (unrolled here, 21.22 MB
-# allocated against optax's 21.22, 6.8 KB apart, for peak live bytes 64 B
-# apart; 19 KB and 124 KB at 1B).
+# Failed before the library copied the new weights to the device itself
+# (0.53 GB over scanned at 1B, 0.71 unrolled; 0.41 and 6.56 MB here): the
+# optimizer state must never take device memory, so the step needs at most
+# what optax's step needs less optax's state. The allowance is the
+# measure's, not the step's: the bytes are XLA's packed temporary
+# allocation, whose fragmentation differs between two programs whose peak
+# live bytes agree (unrolled here, 21.22 MB allocated against optax's
+# 21.22, 6.8 KB apart, for peak live bytes 64 B apart; 19 KB and 124 KB at
+# 1B).
 PACKING = 1e-3
 
 
@@ -215,7 +216,7 @@ def test_stream_results_are_read_after_their_join(cast, layout):
   assert result['reads_before_join'] == [], result['reads_before_join']
 
 
-# Issue 37 point 5: with STV armed (clip_norm) the weights reach the device
+# With STV armed (clip_norm) the weights reach the device
 # once, as without it: the speculative step's copies stay in host memory
 # through the validated step (rewritten there only on a redo). Before, the
 # validated step's join took a whole master pair as its ticket: three times
@@ -227,7 +228,7 @@ def test_stv_moves_the_weights_to_the_device_once():
   assert 0 < moved(stv) <= moved(plain) + 4096, stv['to_device']
 
 
-# Issue 37 point 2: the new weights reach the device by the library's own
+# The new weights reach the device by the library's own
 # copies after each join (stream_to_device), not by XLA's: an asynchronous
 # copy opens a window XLA's scheduler fills with work moved from earlier,
 # which kept activations alive (0.53 GB scanned at 1B). Every such call
@@ -251,7 +252,7 @@ def test_new_weights_reach_the_device_by_the_librarys_copies(case):
   assert result['copies'].get('H2D', {'bytes': 0})['bytes'] <= 4096
 
 
-# Issue 37 point 4: each stream start carries the plan's staging bound,
+# Each stream start carries the plan's staging bound,
 # the same for every bucket of the step, at least what any of them stages
 # from device memory (read from the compiled call's operands and results)
 # and no more than one bucket's worth over it: two slots, double-buffered,
@@ -266,7 +267,7 @@ def test_stream_staging_is_sized_from_the_plan(extra):
   assert largest <= bound <= largest + 64 * 1024, calls
 
 
-# Issue 37 point 5: a bucket call's parameters are not staged at its
+# A bucket call's parameters are not staged at its
 # start; its worker copies them only when the device-side digest says they
 # changed (weights_digest.py). Every re-seeding call of the trainer's step
 # (it passes the parameters) marks them on demand, all of them: the fp32
@@ -284,7 +285,7 @@ def test_stream_bucket_parameters_are_copied_on_demand(extra):
   assert total <= 4 * result['num_params'] + 256 * 64, total  # Alignment.
 
 
-# Issue 37 point 5 for the rows: a scanned step's row calls (one per leaf
+# The same for the rows: a scanned step's row calls (one per leaf
 # of OWN_CALL_BYTES or more, one per decay group of the others, in the
 # loop) stage their gradients and scalars only: per layer no more than the
 # layer's fp32 parameters' bytes, which is one row of what the stack's
@@ -310,7 +311,7 @@ def test_scanned_rows_read_their_parameters_on_demand_before_the_loop():
   assert all(c['backward_flops_before'] == 0.0 for c in placed), placed
 
 
-# Point 4 with overlap_scan: the staging bound is a layer's (a stack's
+# The staging bound with overlap_scan is a layer's (a stack's
 # re-seed stages one row of each of its leaves), not a stack's, the same
 # for every launch of the step, so the two slots are sized once. Before,
 # the plan's whole-stack buckets set it (1B fp32: 2.68 GB a slot, now
@@ -335,7 +336,7 @@ def test_ffi_staging_is_bounded_by_its_state(layout):
   assert copied <= state, (copied, state)
 
 
-# Issue 37, fails before it: the first bucket's host step starts before 30%
+# Failed before start/join: the first bucket's host step starts before 30%
 # of the backward's GEMM FLOPs are issued, and the compute stream waits for
 # none until every backward GEMM is issued. Scanned, the stacked gradients
 # exist only after the backward loop, so the layers' steps start inside it

@@ -1,4 +1,4 @@
-"""Probe for issue 37 point 1: can a start run inside a scan's backward loop?
+"""Probe: can a stream start run inside a scan's backward loop?
 
   python -m experiments.device.probe_scan_start   # deviceless, H200 target
 

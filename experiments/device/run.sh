@@ -24,7 +24,7 @@ then
   export PYTHONPATH="$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # The default parts, most important first: the link, the 1B optimizer step
-# and the 1B train step against optax at batch 8 (issue 37's targets),
+# and the 1B train step against optax at batch 8 (the overlap's targets),
 # unrolled (where buckets can overlap the backward) then scanned (the rows
 # started in the backward loop, then after it: overlap_scan's gain and
 # its 0.87 GB), STV's costs, a profile. Estimated 500 s on a warm H200
