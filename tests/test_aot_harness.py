@@ -52,6 +52,12 @@ def test_auto_is_the_trainers_default_executor_resolved_on_a_gpu():
   assert resolved['case'] == f'auto={resolved["executor"]}:scan:float32'
 
 
+def test_every_optimizer_the_harness_names_passes_the_trainers_checks():
+  # The trainer's own CLI takes each of them (--config.executor=stream).
+  names = ','.join(aot_steps.OPTIMIZERS)
+  assert len(_cases(f'--optimizers {names} --layouts scan')) == 6
+
+
 def test_an_unknown_optimizer_is_refused_by_the_parser(capsys):
   with pytest.raises(SystemExit):
     aot.parse_args(['--optimizers', 'optax,adam'])
