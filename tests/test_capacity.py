@@ -11,7 +11,7 @@ checkpointed layer input). The device total also holds the one layer's
 activations that the backward pass rebuilds, which the planner takes from
 Korthikanti et al. rather than from XLA's unfused attention: at these
 widths that term is most of the step, so the total is checked at the 1B
-width instead (docs/gpu.md, "Capacity by compilation"). Skips without the
+width instead (results/gpu_capacity_2026-12-05.md). Skips without the
 CUDA plugin wheels, as tests/test_gpu_compile.py does.
 """
 

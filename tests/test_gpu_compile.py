@@ -13,6 +13,11 @@ import dataclasses
 import functools
 import json
 import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -375,3 +380,46 @@ def test_bf16_stacks_start_their_rows_in_the_backward_loop():
 def test_weight_flow_starts_the_rows_in_the_backward_loop():
   flow = (*SMALL, ('weights_policy', 'flow'))
   _check_rows(compiled('stream', 'scan', overrides=flow)['optimizer_calls'], 2)
+
+
+# docs/deviceless.md, as printed: its first `make gpu-compile` (the tiny
+# model, every default optimizer) and its Python example, run with this
+# venv's Python from a folder outside the checkout.
+_PAGE = pathlib.Path(__file__).resolve().parents[1] / 'docs' / 'deviceless.md'
+
+
+def test_the_deviceless_pages_small_compile_runs(tmp_path):
+  line = next(x for x in _PAGE.read_text().splitlines() if '--small' in x)
+  (word,) = [w for w in shlex.split(line) if w.startswith('AOT_ARGS=')]
+  argv = shlex.split(word.removeprefix('AOT_ARGS='))
+  assert aot.main([*argv, '--json', str(tmp_path / 'aot.json')]) == 0
+  results = json.loads((tmp_path / 'aot.json').read_text())
+  names = [r['case'].split(':')[0] for r in results]
+  assert names == ['optax', 'auto=ffi', 'stream', 'device'], names
+
+
+def test_the_deviceless_pages_example_runs(tmp_path):
+  (code,) = re.findall(
+    r'^```python\n(.*?)^```$', _PAGE.read_text(), re.S | re.M
+  )
+  (tmp_path / 'my_step.py').write_text(code)
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+  env[deviceless.PLUGIN_PATH_ENV] = str(deviceless.plugin_path())
+  done = subprocess.run(
+    [sys.executable, 'my_step.py'],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  lines = done.stdout.splitlines()
+  assert (
+    lines[0].startswith('optax.adamw: device ') and ' GB, host ' in lines[0]
+  )
+  assert lines[1].startswith('stream: device '), lines
+  start = re.search(r'at (\d+)% of the backward', lines[2])
+  wait = re.search(r'one at (\d+)%', lines[3])
+  assert int(start[1]) < int(wait[1]) == 100, lines

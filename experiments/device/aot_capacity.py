@@ -89,7 +89,7 @@ def case_fields(spec: Spec, layers: int, gpu: str, args: Any) -> dict[str, Any]:
     # The program the planner models: host steps after the backward loop.
     # With overlap_scan, a 16-bit stack's rows return fp32 masters to the
     # device, and the host holds no 16-bit weights (2 B a parameter less
-    # than planned, docs/gpu.md).
+    # than planned, results/gpu_capacity_2026-12-05.md).
     overlap_scan=False,
   )
   return json.loads(json.dumps(dataclasses.asdict(case)))
