@@ -84,7 +84,8 @@ cuda-plugin: $(PLUGIN_SO)
 # the venv's jaxlib with ptxas and libdevice, unpacked aside (--target) so
 # that only the harness's processes see them (they put the folder on
 # sys.path before JAX starts). No GPU, no CUDA toolkit. jax 0.11+ (Python
-# 3.12): `make gpu-compile PYTHON=python3.12 VENV=.venv312`.
+# 3.12): `make gpu-compile PYTHON="$(pyenv prefix 3.12)/bin/python"
+# VENV=.venv312` (or PYTHON=python3.12 where that command runs).
 AOT_DIR := $(VENV)/cuda-aot
 AOT_STAMP := $(AOT_DIR)/.installed
 $(AOT_STAMP): $(STAMP)
@@ -96,8 +97,12 @@ $(AOT_STAMP): $(STAMP)
 
 aot-deps: $(AOT_STAMP)
 
-# The table of the 1B step compiled for an H200 (every executor and optax,
-# scanned and unrolled); JSON in results/tmp/aot.json. AOT_ARGS adds flags.
+# The table of the 1B step compiled for an H200 (optax, the library's
+# default executor `auto`, `stream` and `device`; scanned and unrolled);
+# JSON in results/tmp/aot.json. AOT_ARGS adds flags: the model's shape
+# (--layers, --d-model, --heads, --mlp-dim, --seq-len, --batch, --vocab),
+# the GPU (--gpu h100,h200), --capacity; `python -m experiments.device.aot
+# --help` lists them.
 gpu-compile: $(AOT_STAMP)
 	JAX_SUPEROFFLOAD_CUDA_AOT=$(abspath $(AOT_DIR)) $(RUN_ENV) $(PY) -m experiments.device.aot $(AOT_ARGS)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU command on a simulated device image (issue 33): a
+# The prepared GPU command on a simulated device image: a
 # Python 3.12 venv holding only what the lent H200 machine's image holds
 # (jax and jaxlib 0.11.2, optax 0.2.8, flax 0.12.10, and what they pull
 # in), and the tree as a device call carries it (the tracked files, plus

@@ -1,4 +1,4 @@
-"""The planner's memory against the compiled GPU step (issue 33), small sizes.
+"""The planner's memory against the compiled GPU step, small sizes.
 
 The trainer's scanned step is compiled for an H200 without a GPU
 (`experiments.device.aot`) at the harness's small widths, with two and four
@@ -11,7 +11,7 @@ checkpointed layer input). The device total also holds the one layer's
 activations that the backward pass rebuilds, which the planner takes from
 Korthikanti et al. rather than from XLA's unfused attention: at these
 widths that term is most of the step, so the total is checked at the 1B
-width instead (docs/gpu.md, "Capacity by compilation"). Skips without the
+width instead (results/gpu_capacity_2026-12-05.md). Skips without the
 CUDA plugin wheels, as tests/test_gpu_compile.py does.
 """
 
@@ -52,7 +52,7 @@ def compiled(name: str, layers: int, cast: str = 'host') -> tuple[dict, dict]:
   'name, layers', [('stream:fp32', 2), ('stream:fp32', 4), ('stream:8bit', 2)]
 )
 def test_planner_host_bytes_are_the_compiled_steps(name, layers):
-  # Fails before issue 33's planner fix: 16 B/param of host state where
+  # Failed before the planner counted the library's state: 16 B/param where
   # the library keeps 12 (8-bit moments: 10 where it keeps 6), and no
   # returned weights.
   result, predicted = compiled(name, layers)

@@ -1,6 +1,6 @@
 """Checkpoints the trainer can trust: damage, shared folders, copied runs.
 
-Each test is one failure a user met (issue 15): a damaged newest checkpoint,
+Each test is one failure a user met: a damaged newest checkpoint,
 two trainers on one checkpoint folder, a copied run folder, an unwritable
 folder, and failed starts leaving empty run folders behind.
 """

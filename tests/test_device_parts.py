@@ -1,4 +1,4 @@
-"""The prepared GPU command's dry run (issue 25): every kind of part, tiny.
+"""The prepared GPU command's dry run: every kind of part, tiny.
 
 `experiments/device/run.sh --dry-run` runs each part in its own process at
 tiny sizes on the CPU; this checks that each prints its result line with

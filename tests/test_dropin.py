@@ -1,13 +1,13 @@
-"""Acceptance tests of issue 13: `superoffload.adam`/`adamw` as a drop-in.
+"""`superoffload.adam`/`adamw` as a drop-in for optax's.
 
-One test per contract of optax's that the issue lists. Each is judged
+One test per contract of optax's that a drop-in must keep. Each is judged
 against optax itself or against a float64 Adam written from the math below,
 never against jax_superoffload's own results: where numbers are compared,
 the tolerance is derived from optax's own fp32 deviation from the float64
 reference (or from fp32 rounding), not from ours.
 
-The whole module is skipped until the interchange API of the issue
-(`jax_superoffload.export_adam_state`) exists.
+The whole module is skipped where the interchange API
+(`jax_superoffload.export_adam_state`) does not exist.
 """
 
 import re
@@ -27,7 +27,7 @@ import jax_superoffload as superoffload
 
 pytestmark = pytest.mark.skipif(
   not hasattr(jax_superoffload, 'export_adam_state'),
-  reason='issue 13 not merged',
+  reason='no jax_superoffload.export_adam_state',
 )
 
 B1, B2, EPS = 0.9, 0.999, 1e-8

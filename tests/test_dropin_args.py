@@ -1,5 +1,4 @@
-"""Issue 34 point 5 and issue 35 point 5: the arguments, read and checked
-as optax's are.
+"""The arguments, read and checked as optax's are.
 
 The signatures' annotations are the objects optax's are (not the strings
 `from __future__ import annotations` makes of them), so code that inspects

@@ -1,4 +1,4 @@
-"""optax's contracts, as an optax or Flax user relies on them (issue 13).
+"""optax's contracts, as an optax or Flax user relies on them.
 
 Each test fails on the flat-bucket state of before: updates came back in
 fp32, `tree_get(state, 'mu')` found no param-shaped tree, external params

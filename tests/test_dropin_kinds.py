@@ -1,4 +1,4 @@
-"""Issue 34 point 2: the parameter kinds optax's adamw takes.
+"""The parameter kinds optax's adamw takes.
 
 Python and NumPy scalars and 0-d arrays as parameters, and an abstract
 `init` on `jax.ShapeDtypeStruct`s (optax's needs only shapes and dtypes).

@@ -1,4 +1,4 @@
-"""Issue 34 point 2: Flax's mutable (hijax and ref) Variables, as optax's.
+"""Flax's mutable (hijax and ref) Variables, as optax's.
 
 With `nnx.var_defaults(hijax=True)` an `nnx.Optimizer` hands `tx.init`
 Flax's hijax Variables; with `ref=True` their arrays live in `jax.Ref`s,

@@ -1,4 +1,4 @@
-"""Issue 34 point 2: integer and bool parameters, as optax.adamw steps them.
+"""Integer and bool parameters, as optax.adamw steps them.
 
 optax's adamw steps such leaves with its own math: updates in float32, `mu`
 made like the parameter then floating after the first step, `nu` cast back

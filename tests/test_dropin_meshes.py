@@ -1,4 +1,4 @@
-"""Issue 34 point 3: every mesh kind that optax's adamw runs on.
+"""Every mesh kind that optax's adamw runs on.
 
 Explicit-axes meshes (an eager step, a jitted init's types), a user's own
 `shard_map` (init and update inside it), and Flax NNX's `nnx.Optimizer` on
@@ -6,7 +6,7 @@ an Auto mesh (built eagerly, inside `nnx.jit` and under `nnx.eval_shape`
 on the abstract mesh, with its own optimizer sharding, on one device).
 Each is judged against optax's adamw run the same way: the same math in
 fp32, so the weights may differ by a few roundings per step, and the
-losses of a model by the issue's 1e-5 relative.
+losses of a model by at most 1e-5 relative.
 """
 
 import jax

@@ -1,4 +1,4 @@
-"""Issue 34's acceptance script: docs/orbax.md's Flax NNX block runs.
+"""docs/orbax.md's Flax NNX block runs, as a user would run it.
 
 The block trains `nnx.Optimizer(model, optax.MultiSteps(optax.chain(
 optax.clip_by_global_norm(1.0), superoffload.adamw(schedule)), 2))`, saves

@@ -1,4 +1,4 @@
-"""Issue 34 point 4: a state restored by Orbax steps as the fresh one did.
+"""A state restored by Orbax steps as the fresh one did.
 
 Each case runs one optax wrapper around `superoffload.adamw` six steps
 uninterrupted, and three steps, an Orbax save, a restore into a new target

@@ -1,4 +1,4 @@
-"""The trainer's step compiled for an H200 without a GPU (issues 33, 37).
+"""The trainer's step compiled for an H200 without a GPU.
 
 Each case compiles in its own process (`experiments.device.aot`) at small
 sizes: two layers, width 256, sequences of 256, 64 KiB buckets (so the
@@ -13,11 +13,17 @@ import dataclasses
 import functools
 import json
 import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
 
 import jax
 import pytest
 
 from experiments.device import aot
+from experiments.device import aot_planner
 from experiments.device import aot_steps
 from experiments.device import deviceless
 
@@ -102,6 +108,44 @@ def test_every_executor_and_layout_compiles_for_h200(optimizer, layout):
   assert result['backward_gemms'] > 0
 
 
+# `auto` (the harness's default beside optax) compiles what a plain
+# superoffload.adamw(...) resolves to on a GPU: here, with the CUDA plugin
+# found, `ffi` (Grace Adam filed as host compute); the same program as the
+# executor named.
+def test_auto_compiles_as_the_executor_the_library_resolves():
+  auto = compiled('auto')
+  assert auto['compiles'], auto.get('error')
+  assert 'handlers filed' in auto['host_registration'], auto
+  assert auto['executor'] == 'ffi' and auto['case'].startswith('auto=ffi:')
+  named = compiled(auto['executor'])
+  for field in ('custom_calls', 'copies', 'memory', 'optimizer_calls'):
+    assert auto[field] == named[field], field
+
+
+# The model's shape and the GPU come from the command line and reach the
+# compiled step: an H100 and an H200 target, a model of the flags' shape
+# (its parameters counted from the trainer's model of that config).
+def test_shape_and_gpu_flags_reach_the_compiled_step(tmp_path):
+  from flax import nnx
+
+  from experiments.trainer import model as model_lib
+
+  out = tmp_path / 'aot.json'
+  flags = (
+    '--gpu h100,h200 --optimizers optax --layouts scan --layers 2 '
+    '--d-model 128 --heads 2 --mlp-dim 256 --seq-len 64 --vocab 512 '
+    f'--batch 1 --json {out}'
+  )
+  assert aot.main(flags.split()) == 0
+  results = json.loads(out.read_text())
+  kinds = [r['device_kind'] for r in results]
+  assert kinds == ['NVIDIA H100 80GB HBM3', 'NVIDIA H200 141GB HBM3e']
+  cfg = aot_planner.trainer_config(results[0]['fields'])
+  assert (cfg.d_model, cfg.num_heads, cfg.vocab_size) == (128, 2, 512)
+  model = nnx.eval_shape(lambda: model_lib.init_model(cfg))
+  assert results[0]['num_params'] == model_lib.count_params(model)
+
+
 @pytest.mark.parametrize(
   'fields', ({'param_dtype': 'bfloat16'}, {'devices': 2})
 )
@@ -110,14 +154,15 @@ def test_stream_compiles_with_bf16_params_and_zero(fields):
   assert result['compiles'], result.get('error')
 
 
-# Issue 37 point 2, failed before it (0.53 GB over scanned at 1B, 0.71
-# unrolled; 0.41 and 6.56 MB here): the optimizer state must never take
-# device memory, so the step needs at most what optax's step needs less
-# optax's state. The allowance is the measure's, not the step's: the bytes
-# are XLA's packed temporary allocation, whose fragmentation differs
-# between two programs whose peak live bytes agree (unrolled here, 21.22 MB
-# allocated against optax's 21.22, 6.8 KB apart, for peak live bytes 64 B
-# apart; 19 KB and 124 KB at 1B).
+# Failed before the library copied the new weights to the device itself
+# (0.53 GB over scanned at 1B, 0.71 unrolled; 0.41 and 6.56 MB here): the
+# optimizer state must never take device memory, so the step needs at most
+# what optax's step needs less optax's state. The allowance is the
+# measure's, not the step's: the bytes are XLA's packed temporary
+# allocation, whose fragmentation differs between two programs whose peak
+# live bytes agree (unrolled here, 21.22 MB allocated against optax's
+# 21.22, 6.8 KB apart, for peak live bytes 64 B apart; 19 KB and 124 KB at
+# 1B).
 PACKING = 1e-3
 
 
@@ -176,7 +221,7 @@ def test_stream_results_are_read_after_their_join(cast, layout):
   assert result['reads_before_join'] == [], result['reads_before_join']
 
 
-# Issue 37 point 5: with STV armed (clip_norm) the weights reach the device
+# With STV armed (clip_norm) the weights reach the device
 # once, as without it: the speculative step's copies stay in host memory
 # through the validated step (rewritten there only on a redo). Before, the
 # validated step's join took a whole master pair as its ticket: three times
@@ -188,7 +233,7 @@ def test_stv_moves_the_weights_to_the_device_once():
   assert 0 < moved(stv) <= moved(plain) + 4096, stv['to_device']
 
 
-# Issue 37 point 2: the new weights reach the device by the library's own
+# The new weights reach the device by the library's own
 # copies after each join (stream_to_device), not by XLA's: an asynchronous
 # copy opens a window XLA's scheduler fills with work moved from earlier,
 # which kept activations alive (0.53 GB scanned at 1B). Every such call
@@ -212,7 +257,7 @@ def test_new_weights_reach_the_device_by_the_librarys_copies(case):
   assert result['copies'].get('H2D', {'bytes': 0})['bytes'] <= 4096
 
 
-# Issue 37 point 4: each stream start carries the plan's staging bound,
+# Each stream start carries the plan's staging bound,
 # the same for every bucket of the step, at least what any of them stages
 # from device memory (read from the compiled call's operands and results)
 # and no more than one bucket's worth over it: two slots, double-buffered,
@@ -227,7 +272,7 @@ def test_stream_staging_is_sized_from_the_plan(extra):
   assert largest <= bound <= largest + 64 * 1024, calls
 
 
-# Issue 37 point 5: a bucket call's parameters are not staged at its
+# A bucket call's parameters are not staged at its
 # start; its worker copies them only when the device-side digest says they
 # changed (weights_digest.py). Every re-seeding call of the trainer's step
 # (it passes the parameters) marks them on demand, all of them: the fp32
@@ -245,7 +290,7 @@ def test_stream_bucket_parameters_are_copied_on_demand(extra):
   assert total <= 4 * result['num_params'] + 256 * 64, total  # Alignment.
 
 
-# Issue 37 point 5 for the rows: a scanned step's row calls (one per leaf
+# The same for the rows: a scanned step's row calls (one per leaf
 # of OWN_CALL_BYTES or more, one per decay group of the others, in the
 # loop) stage their gradients and scalars only: per layer no more than the
 # layer's fp32 parameters' bytes, which is one row of what the stack's
@@ -271,7 +316,7 @@ def test_scanned_rows_read_their_parameters_on_demand_before_the_loop():
   assert all(c['backward_flops_before'] == 0.0 for c in placed), placed
 
 
-# Point 4 with overlap_scan: the staging bound is a layer's (a stack's
+# The staging bound with overlap_scan is a layer's (a stack's
 # re-seed stages one row of each of its leaves), not a stack's, the same
 # for every launch of the step, so the two slots are sized once. Before,
 # the plan's whole-stack buckets set it (1B fp32: 2.68 GB a slot, now
@@ -296,7 +341,7 @@ def test_ffi_staging_is_bounded_by_its_state(layout):
   assert copied <= state, (copied, state)
 
 
-# Issue 37, fails before it: the first bucket's host step starts before 30%
+# Failed before start/join: the first bucket's host step starts before 30%
 # of the backward's GEMM FLOPs are issued, and the compute stream waits for
 # none until every backward GEMM is issued. Scanned, the stacked gradients
 # exist only after the backward loop, so the layers' steps start inside it
@@ -335,3 +380,46 @@ def test_bf16_stacks_start_their_rows_in_the_backward_loop():
 def test_weight_flow_starts_the_rows_in_the_backward_loop():
   flow = (*SMALL, ('weights_policy', 'flow'))
   _check_rows(compiled('stream', 'scan', overrides=flow)['optimizer_calls'], 2)
+
+
+# docs/deviceless.md, as printed: its first `make gpu-compile` (the tiny
+# model, every default optimizer) and its Python example, run with this
+# venv's Python from a folder outside the checkout.
+_PAGE = pathlib.Path(__file__).resolve().parents[1] / 'docs' / 'deviceless.md'
+
+
+def test_the_deviceless_pages_small_compile_runs(tmp_path):
+  line = next(x for x in _PAGE.read_text().splitlines() if '--small' in x)
+  (word,) = [w for w in shlex.split(line) if w.startswith('AOT_ARGS=')]
+  argv = shlex.split(word.removeprefix('AOT_ARGS='))
+  assert aot.main([*argv, '--json', str(tmp_path / 'aot.json')]) == 0
+  results = json.loads((tmp_path / 'aot.json').read_text())
+  names = [r['case'].split(':')[0] for r in results]
+  assert names == ['optax', 'auto=ffi', 'stream', 'device'], names
+
+
+def test_the_deviceless_pages_example_runs(tmp_path):
+  (code,) = re.findall(
+    r'^```python\n(.*?)^```$', _PAGE.read_text(), re.S | re.M
+  )
+  (tmp_path / 'my_step.py').write_text(code)
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+  env[deviceless.PLUGIN_PATH_ENV] = str(deviceless.plugin_path())
+  done = subprocess.run(
+    [sys.executable, 'my_step.py'],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  lines = done.stdout.splitlines()
+  assert (
+    lines[0].startswith('optax.adamw: device ') and ' GB, host ' in lines[0]
+  )
+  assert lines[1].startswith('stream: device '), lines
+  start = re.search(r'at (\d+)% of the backward', lines[2])
+  wait = re.search(r'one at (\d+)%', lines[3])
+  assert int(start[1]) < int(wait[1]) == 100, lines

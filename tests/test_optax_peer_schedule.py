@@ -7,7 +7,7 @@ checks that a constant schedule steps as the same constant does. Its
 source is read from the installed optax and run with superoffload's adam
 and adamw in the place of optax's (the adam and adamw cases of optax's
 optimizer table only). A skip counts as a failure here: the annotation is
-what the test is about (issue 34, point 5).
+what the test is about (the arguments are read as optax reads them).
 """
 
 import importlib.util

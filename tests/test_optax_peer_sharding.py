@@ -7,7 +7,7 @@ mesh, checks that the state's types (sharding included) are the same from
 installed optax, its `optax` is optax with our adam and adamw, and only
 the cases of those two run here.
 
-Every case passes, as optax's do. Before issue 34 point 3 the
+Every case passes, as optax's do. Before the state took optax's layout the
 sharding-in-types ones failed: the eager update's `shard_map` refused its
 move to host memory, and a jitted init's zero moments lost the split from
 their types (tests/test_dropin_meshes.py checks both on their own).

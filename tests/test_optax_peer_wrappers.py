@@ -8,7 +8,7 @@ they build optax's. Only their cases that build them run here.
 
 `test_extra_args` (both modules) inits and steps Adam on Python ints
 (`{'a': 1, 'b': 2}`): integer leaves take optax's path, as optax steps
-them (issue 34 point 2; tests/test_dropin_kinds_int.py checks the numbers).
+them (tests/test_dropin_kinds_int.py checks the numbers).
 
 `test_multi_steps_mixed_precision` steps MultiSteps eagerly for 9 dtype
 pairs: about 35 s a case on a loaded 2-core VM (optax's own: 21 s).

@@ -1,4 +1,4 @@
-"""Host steps started inside a scanned stack's backward loop (issue 37).
+"""Host steps started inside a scanned stack's backward loop.
 
 `superoffload.overlap_scan` around the gradient and the update, with
 ``weight_flow_scan(..., params_path=...)``, moves each layer's host step

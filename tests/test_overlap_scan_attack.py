@@ -1,4 +1,4 @@
-"""Adversarial checks of `overlap_scan` (issue 37): the scoped step must
+"""Adversarial checks of `overlap_scan`: the scoped step must
 equal the same jitted step without the scope, bit for bit, do nothing, or
 refuse at trace time; never step with other numbers.
 

@@ -1,4 +1,4 @@
-"""Adversarial checks of `overlap_scan` with bf16 and f16 stacks (issue 37).
+"""Adversarial checks of `overlap_scan` with bf16 and f16 stacks.
 
 A 16-bit stack's rows re-seed their fp32 masters from the weights and the
 new masters are rounded on the device after the join; the buckets round

@@ -1,6 +1,6 @@
 """`overlap_scan`'s rows read their parameters only when they changed.
 
-Issue 37 point 5 for the rows: the row steps in the loop take no
+For the rows of a scanned stack: the row steps in the loop take no
 parameters; a re-seed of the stack before the loop (`reseed_rows`, one
 call per decay group) reads them, a row at a time, and only where the
 state's digest of the stack's parameters (weights_digest.py) says they are

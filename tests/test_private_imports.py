@@ -1,4 +1,4 @@
-"""Only the library and its tests import jax_superoffload._src (issue 27).
+"""Only the library and its tests import jax_superoffload._src.
 
 experiments/ and configs/ use the public API, as a user's code would.
 """

@@ -1,4 +1,4 @@
-"""Issue 26: `init` and `update` are pure functions of their arguments.
+"""`init` and `update` are pure functions of their arguments.
 
 A run restored as Orbax users restore it (a fresh transformation, an
 abstract target from `jax.eval_shape(tx.init, params)`, the state filled by

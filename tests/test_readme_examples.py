@@ -1,4 +1,4 @@
-"""Every Python code block of the README and the getting-started page runs.
+"""Every Python code block of the README and the guide's pages runs.
 
 Each block is a whole program that fits a linear layer to a constant target
 and leaves its last loss in `loss`. .ci/docs.sh runs this file beside the
@@ -12,7 +12,7 @@ import re
 import pytest
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-_PAGES = ('README.md', 'docs/getting_started.md')
+_PAGES = ('README.md', 'docs/getting_started.md', 'docs/gpu.md')
 _BLOCK = re.compile(r'^```python\n(.*?)^```$', re.DOTALL | re.MULTILINE)
 
 

@@ -1,6 +1,6 @@
 """The row step of stacked state (`grace_adam.adam_step_row`), on the CPU.
 
-Issue 37 point 1: a scanned layer's backward starts its host step inside
+A scanned layer's backward starts its host step inside
 the loop, on row i of the stacked fp32 state, written in place. Called for
 every row inside a jitted `lax.scan` (the state a loop-invariant operand,
 a join after the loop as the stream executor has), the state must be the

@@ -1,4 +1,4 @@
-"""Issue 34, point 1: a state that optax-aware code reads as optax's.
+"""A state that optax-aware code reads as optax's.
 
 optax's adam/adamw state is a tuple whose first element is
 `ScaleByAdamState(count, mu, nu)`; code written for it reads

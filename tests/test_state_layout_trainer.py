@@ -1,4 +1,4 @@
-"""Checkpoints of Flax models of the state's layout before issue 34 restore.
+"""Checkpoints of Flax models of the state's flat layout of before restore.
 
 The trainer resumes its own; an `nnx.state` one restores through
 `legacy_layout` / `from_legacy_layout`. The old code wrote the fixtures

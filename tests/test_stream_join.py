@@ -1,4 +1,4 @@
-"""The stream join target (issue 37) as Python calls it, on the CPU backend.
+"""The stream join target as Python calls it, on the CPU backend.
 
 On a GPU the join waits for the step's stream launches; on the CPU, where
 every step has run before its call returned, its aliased results are an

@@ -1,6 +1,6 @@
 """The `stream` executor reads the parameters only when they changed.
 
-Issue 37, point 5: the state keeps a digest of the weights its master
+The state keeps a digest of the weights its master
 rounds to (weights_digest.py), `update` compares it on the device with the
 parameters it is given, and the host step skips the re-seed, and the copy,
 where they are equal. Checked here against what the code does not define:

@@ -1,11 +1,11 @@
 // One row of stacked (scanned) layers' fp32 Adam state stepped in place:
-// the host step a scanned layer's backward starts inside the loop (issue
-// 37 point 1). Each leaf's master, mu and nu hold L rows of n elements
-// (f32[L, ...], pinned host memory on a GPU, never copied); a call steps
-// elements [row * n, (row + 1) * n) of each with the row's gradient, with
-// exactly the math of a Segments bucket of that row (StepSegmentPiece).
-// The row is an operand (the loop's counter, a device scalar on a GPU) and
-// is read when the step runs, like the scalars.
+// the host step a scanned layer's backward starts inside the loop
+// (`overlap_scan`). Each leaf's master, mu and nu hold L rows of n
+// elements (f32[L, ...], pinned host memory on a GPU, never copied); a
+// call steps elements [row * n, (row + 1) * n) of each with the row's
+// gradient, with exactly the math of a Segments bucket of that row
+// (StepSegmentPiece). The row is an operand (the loop's counter, a device
+// scalar on a GPU) and is read when the step runs, like the scalars.
 //
 // No low-precision weight copies (the new weights are the master's row)
 // and no sum of squares. The re-seed from the parameters, where they are

@@ -1,5 +1,5 @@
-// Grace Adam started from a CUDA stream without holding it (issue 37's
-// start/join design). A bucket call on XLA's compute stream ("start")
+// Grace Adam started from a CUDA stream without holding it (the start/join
+// design). A bucket call on XLA's compute stream ("start")
 // returns at once, having enqueued, on a side stream of the library's own
 // (one per CUDA context) that waits for the compute stream's work so far:
 // copies of the bucket's device operands into pinned staging, and a host

@@ -1,12 +1,12 @@
 // The stream launches (start and join, stream_launch.h) against a fake
 // CUDA driver (fake_cuda_driver.h) that, like CUDA, runs copies and host
-// functions later on a thread of its own. One test per rule of issue 37's
-// point 3 (a failed step writes nothing back and its error reaches the
-// join; a failed stream stays failed until joined; no exception leaves a
-// host function; only "not registered" means host memory; capture is
-// refused; concurrent launches share no staging; the host function returns
-// within microseconds), point 4 (staging allocated once, portable, in the
-// stream's context, freed) and point 6 (small device state is staged), and
+// functions later on a thread of its own. One test per rule the launches
+// keep (a failed step writes nothing back and its error reaches the join;
+// a failed stream stays failed until joined; no exception leaves a host
+// function; only "not registered" means host memory; capture is refused;
+// concurrent launches share no staging; the host function returns within
+// microseconds), per rule of their staging (allocated once, portable, in
+// the stream's context, freed; small device state is staged), and
 // a Grace Adam bucket step staged through the fake, bit for bit equal to
 // the same step run at once on the CPU; and the row step of stacked state
 // (row_ffi.h): its row staged and read when the step runs, no staging

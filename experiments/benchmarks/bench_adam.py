@@ -164,7 +164,7 @@ MOMENT_FORMATS = {
 def moment_bytes(name: str) -> tuple[float, float]:
   """(bytes moved per step, host bytes per param) of a moment format.
 
-  Host bytes count what the issue's table does: master, gradient, mu, nu
+  Host bytes count what the paper's 16 B/param does: master, gradient, mu, nu
   (and 8-bit scales), 4 B each in fp32.
   """
   mu, nu, blockwise = MOMENT_FORMATS[name]
@@ -306,8 +306,8 @@ def grace_adam_mixed(n: int, reseed: bool) -> Callable[[], None]:
 
   With `reseed`, the step is also handed the bf16 parameters (the weights
   it produced last, as in training) and starts from them where they are
-  not the master rounded (issue 13: the parameters are the source of
-  truth); their read is 2 B/param more than the 28 without.
+  not the master rounded (the parameters are the source of truth: weights
+  loaded or swapped in); their read is 2 B/param more than the 28 without.
   """
   params, grads = _state(n, 0)
   box = [
@@ -555,8 +555,8 @@ def ratios(
     # What speculation costs the kernel call (the speculative step's time
     # over the plain one's; its traffic alone would give 32 / 28).
     'stv_step_over_plain': median[groups['ours_stv'][0]] / ours,
-    # What honouring the parameters costs the mixed-precision step (issue
-    # 13 asks for at most 1.03; the read alone is 30 / 28).
+    # What honouring the parameters costs the mixed-precision step (the
+    # goal is at most 1.03; the read alone is 30 / 28).
     'reseed_over_mixed': (
       median[groups['ours_mixed_reseed'][0]] / median[groups['ours_mixed'][0]]
     ),

@@ -2,11 +2,14 @@
 
   python -m experiments.device.aot                  # the 1B step on H200
   python -m experiments.device.aot --small          # tiny sizes (the tests')
+  python -m experiments.device.aot --gpu h100 --layers 4 --d-model 1024
   python -m experiments.device.aot --capacity       # largest model that fits
 
-For each case (optax.adamw, or one of superoffload's executors; scanned or
-unrolled layers; fp32 or bf16 parameters; ZeRO over several GPUs) it prints
-and saves as JSON: whether it compiles (and the error if not),
+For each case (optax.adamw, or one of superoffload's executors: `auto` is
+what a plain `superoffload.adamw(...)` resolves to on a GPU, resolved in
+the compiling process; scanned or unrolled layers; fp32 or bf16
+parameters; ZeRO over several GPUs) it prints and saves as JSON: whether it
+compiles (and the error if not),
 `memory_analysis()` on the device and the host, the copies between device
 and host memory by direction and bytes (host-to-host ones included), the
 custom calls with their streams, host-compute (`HostExecute`) calls, and
@@ -38,6 +41,15 @@ SMALL = (
   ('num_heads', 4),
   ('seq_len', 256),
 )
+# The model's shape flags and the trainer config field each one sets.
+SHAPE_FLAGS = (
+  ('d_model', 'd_model', 'Width of the residual stream.'),
+  ('heads', 'num_heads', 'Attention heads; must divide --d-model.'),
+  ('mlp_dim', 'mlp_dim', 'Hidden width of each MLP.'),
+  ('seq_len', 'seq_len', 'Tokens per sequence.'),
+  ('vocab', 'vocab_size', 'Vocabulary size.'),
+)
+DEFAULT_JSON = 'results/tmp/aot.json'
 _MARK = 'AOT_CASE_JSON '
 
 
@@ -59,8 +71,10 @@ def compile_case(case_fields: dict[str, Any]) -> dict[str, Any]:
   result['jax'] = jax.__version__
   try:
     with superoffload.compiling_for('gpu'):
+      result.update(resolved_executor(case))
       built = aot_steps.build(case)
       topology = deviceless.topology(case.gpu, case.devices)
+      result['device_kind'] = topology.devices[0].device_kind
       compiled = deviceless.compile_for_gpu(built.step, built.args, topology)
   except Exception as e:  # The error is the finding.
     lines = traceback.format_exception_only(e)
@@ -80,6 +94,25 @@ def compile_case(case_fields: dict[str, Any]) -> dict[str, Any]:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(compiled.hlo)
   return result
+
+
+def resolved_executor(case: Any) -> dict[str, Any]:
+  """The executor a case compiles, `auto` resolved as the library does.
+
+  Call it inside `compiling_for('gpu')`. On a GPU, `auto` is `ffi` where
+  Grace Adam could be filed as host compute in the CUDA plugin (the one
+  this process found), else `xla_host`.
+  """
+  import jax_superoffload as superoffload
+
+  if case.optimizer in ('optax', 'device'):
+    return {'executor': None if case.optimizer == 'optax' else 'device'}
+  resolved = superoffload.resolve_executor(case.optimizer)
+  out: dict[str, Any] = {'executor': resolved}
+  if case.optimizer == 'auto':
+    out['case'] = case.name.replace('auto', f'auto={resolved}', 1)
+    out['host_registration'] = superoffload.host_registration().reason
+  return out
 
 
 def run_case(case_fields: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -122,75 +155,214 @@ def run_case(case_fields: dict[str, Any], timeout: float) -> dict[str, Any]:
   }
 
 
-def cases(args: argparse.Namespace) -> list[dict[str, Any]]:
-  """The cases the command line asks for, as Case fields."""
-  from experiments.device import aot_steps
+def overrides(args: Any) -> tuple[tuple[str, Any], ...]:
+  """Trainer config fields the command line sets, later ones winning.
 
-  out = []
-  for optimizer in args.optimizers.split(','):
-    for layout in args.layouts.split(','):
-      for dtype in args.param_dtypes.split(','):
-        case = aot_steps.Case(
-          optimizer=optimizer,
-          layout=layout,
-          param_dtype=dtype,
-          preset=args.preset,
-          layers=args.layers,
-          batch=args.batch,
-          devices=args.devices,
-          gpu=args.gpu,
-          overlap_scan=not args.after_loop,
-          overrides=(SMALL if args.small else ()) + (('dtype', args.dtype),),
-        )
-        out.append(dataclasses.asdict(case))
+  `--small`'s widths first, then the activation dtype, then each shape
+  flag given (so `--small --seq-len 64` is the small model at 64 tokens).
+  """
+  out = (SMALL if args.small else ()) + (('dtype', args.dtype),)
+  for flag, field, _ in SHAPE_FLAGS:
+    value = getattr(args, flag, None)
+    if value is not None:
+      out += ((field, value),)
   return out
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument(
-    '--gpu', default='h200', help='h100, h200 or gh200; --capacity: a list'
+def cases(args: argparse.Namespace) -> list[dict[str, Any]]:
+  """The cases the command line asks for, as Case fields.
+
+  Raises:
+    ValueError: If a name or a shape is refused (the trainer's own checks
+      of its config: e.g. heads that do not divide the width).
+  """
+  from experiments.device import aot_steps
+  from experiments.trainer import config as config_lib
+
+  out = []
+  for gpu in args.gpu.split(','):
+    for optimizer in args.optimizers.split(','):
+      for layout in args.layouts.split(','):
+        for dtype in args.param_dtypes.split(','):
+          case = aot_steps.Case(
+            optimizer=optimizer,
+            layout=layout,
+            param_dtype=dtype,
+            preset=args.preset,
+            layers=args.layers,
+            batch=args.batch,
+            devices=args.devices,
+            gpu=gpu,
+            overlap_scan=not args.after_loop,
+            overrides=overrides(args),
+          )
+          config_lib.validate(aot_steps.trainer_config(case))
+          out.append(dataclasses.asdict(case))
+  return out
+
+
+def describe(fields: dict[str, Any]) -> str:
+  """One line: the model a case compiles, and for which GPU."""
+  from experiments.device import aot_planner
+  from experiments.device import gpu_targets
+
+  cfg = aot_planner.trainer_config(fields)
+  return (
+    f'model: {cfg.preset} preset, {cfg.num_layers} layers, d_model '
+    f'{cfg.d_model}, {cfg.num_heads} heads, mlp {cfg.mlp_dim}, seq_len '
+    f'{cfg.seq_len}, batch {cfg.batch_size}, vocab {cfg.vocab_size}, '
+    f'activations {cfg.dtype}; for {gpu_targets.TARGETS[fields["gpu"]].name}'
   )
-  p.add_argument('--preset', default='1b', help='A trainer config (configs/).')
-  p.add_argument('--optimizers', default='optax,stream,ffi,device')
-  p.add_argument('--layouts', default='scan,noscan')
-  p.add_argument('--param-dtypes', default='float32')
-  p.add_argument('--dtype', default='bfloat16', help='Activation dtype.')
-  p.add_argument('--layers', type=int, default=None)
-  p.add_argument('--batch', type=int, default=4)
-  p.add_argument('--devices', type=int, default=1, help='>1: ZeRO over GPUs.')
-  p.add_argument('--small', action='store_true', help='Tiny widths (tests).')
-  p.add_argument(
+
+
+def _names(allowed: tuple[str, ...]) -> Any:
+  """An argparse type: a comma-separated list of names from `allowed`."""
+
+  def parse(text: str) -> str:
+    unknown = [n for n in text.split(',') if n not in allowed]
+    if unknown:
+      raise argparse.ArgumentTypeError(
+        f'{",".join(unknown)}: not one of {", ".join(allowed)}'
+      )
+    return text
+
+  return parse
+
+
+def _positive(text: str) -> int:
+  value = int(text)
+  if value < 1:
+    raise argparse.ArgumentTypeError(f'must be at least 1, got {value}')
+  return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+  from experiments.device import aot_steps
+  from experiments.device import gpu_targets
+
+  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  target = p.add_argument_group('target')
+  target.add_argument(
+    '--gpu',
+    default='h200',
+    type=_names(tuple(gpu_targets.TARGETS)),
+    help='GPUs to compile for, comma-separated (default h200): '
+    + ', '.join(f'{k} ({t.name})' for k, t in gpu_targets.TARGETS.items()),
+  )
+  target.add_argument(
+    '--devices', type=_positive, default=1, help='>1: ZeRO over that many GPUs.'
+  )
+  step = p.add_argument_group('the step')
+  step.add_argument(
+    '--optimizers',
+    default='optax,auto,stream,device',
+    type=_names(aot_steps.OPTIMIZERS),
+    help='Comma-separated (default %(default)s): optax (optax.adamw on the '
+    'GPU), auto (what superoffload.adamw(...) picks on a GPU: ffi where '
+    'Grace Adam is filed with the CUDA plugin, else xla_host), or an '
+    'executor: stream, ffi, xla_host, device.',
+  )
+  step.add_argument(
+    '--layouts',
+    default='scan,noscan',
+    type=_names(aot_steps.LAYOUTS),
+    help='scan (lax.scan over the layers) and/or noscan (unrolled); '
+    'default %(default)s.',
+  )
+  step.add_argument(
+    '--param-dtypes',
+    default='float32',
+    help='float32 and/or bfloat16 (default %(default)s).',
+  )
+  step.add_argument(
+    '--dtype', default='bfloat16', help='Activation dtype (%(default)s).'
+  )
+  step.add_argument(
     '--after-loop',
     action='store_true',
     help='Scanned blocks start their host steps after the backward loop '
     '(the trainer without overlap_scan).',
   )
-  p.add_argument('--timeout', type=float, default=1800, help='Per case, s.')
-  p.add_argument('--json', default='results/tmp/aot.json')
-  p.add_argument('--capacity', action='store_true')
-  p.add_argument('--one', help=argparse.SUPPRESS)
+  model = p.add_argument_group(
+    'the model', "unset: the preset's (configs/PRESET.py)"
+  )
+  model.add_argument(
+    '--preset', default='1b', help='A trainer config (default %(default)s).'
+  )
+  model.add_argument(
+    '--layers', type=_positive, default=None, help='Transformer blocks.'
+  )
+  for flag, _, help_ in SHAPE_FLAGS:
+    model.add_argument(
+      '--' + flag.replace('_', '-'), dest=flag, type=_positive, help=help_
+    )
+  model.add_argument(
+    '--batch', type=_positive, default=4, help='Sequences per step (4).'
+  )
+  model.add_argument(
+    '--small',
+    action='store_true',
+    help="Tiny widths, the tests' (shape flags given still apply).",
+  )
+  run = p.add_argument_group('the run')
+  run.add_argument(
+    '--timeout', type=float, default=1800, help='Seconds per case (1800).'
+  )
+  run.add_argument(
+    '--json',
+    default=None,
+    help=f'Where to write the results (default {DEFAULT_JSON}; --capacity: '
+    'results/tmp/aot_capacity.json); written, never read.',
+  )
+  run.add_argument(
+    '--capacity',
+    action='store_true',
+    help='The largest layer count each optimizer fits (aot_capacity).',
+  )
+  run.add_argument(
+    '--cache-dir',
+    default='build/aot_cache',
+    help='--capacity: where compiles are kept for the next run, keyed by '
+    "the JAX version and the library's git commit (default %(default)s, "
+    'under the checkout).',
+  )
+  run.add_argument(
+    '--fresh', action='store_true', help='--capacity: compile all again.'
+  )
   return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = parse_args(argv)
-  if args.one:
-    print(_MARK + json.dumps(compile_case(json.loads(args.one))), flush=True)
+  argv = sys.argv[1:] if argv is None else argv
+  if argv[:1] == ['--one']:  # run_case's process: JAX is not imported yet.
+    print(_MARK + json.dumps(compile_case(json.loads(argv[1]))), flush=True)
     return 0
+  args = parse_args(argv)
   if args.capacity:
     from experiments.device import aot_capacity
 
     return aot_capacity.main(args)
+  try:
+    todo = cases(args)
+  except ValueError as e:  # The trainer's ConfigError is one.
+    print(f'aot: {e}', file=sys.stderr)
+    return 2
   results = []
-  path = pathlib.Path(args.json)
+  path = pathlib.Path(args.json or DEFAULT_JSON)
   path.parent.mkdir(parents=True, exist_ok=True)
-  for fields in cases(args):
+  print(f'{len(todo)} cases, each compiled in its own process', flush=True)
+  by_gpu: dict[str, list[dict[str, Any]]] = {}
+  for fields in todo:
+    if fields['gpu'] not in by_gpu:
+      print(describe(fields), flush=True)
     result = run_case(fields, args.timeout)
     results.append(result)
+    by_gpu.setdefault(fields['gpu'], []).append(result)
     print(aot_table.row(result), flush=True)
     path.write_text(json.dumps(results, indent=1) + '\n')  # As it goes.
-  print(aot_table.table(results))
+  for gpu, gpu_results in by_gpu.items():
+    first = next(f for f in todo if f['gpu'] == gpu)
+    print(f'\n{describe(first)}\n{aot_table.table(gpu_results)}')
   print(f'wrote {path}')
   return 0 if all(r.get('compiles') for r in results) else 1
 

@@ -20,16 +20,23 @@ faster than the line: 1.83 B/param at 16 and 64 layers, 2.0 at 572).
 Beside each row: the planner's prediction (`jax_superoffload.plan` on the
 trainer's model, `aot_planner`) of the device and host bytes at that layer
 count and of the largest layer count that fits. Every compile is kept in
-the JSON and reused on the next run (same case fields, same JAX).
+a cache and reused on the next run with the same case fields, the same
+JAX and the same library: the cache is a file under `--cache-dir`
+(`build/aot_cache/`, ignored by git) named by the JAX version and the
+checkout's git commit (with a digest of uncommitted changes to the code),
+never the `--json` output nor a committed file. `--fresh` compiles all.
 No GPU runs: these are compiled bytes, not a measured step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.metadata
 import json
 import math
 import pathlib
+import subprocess
 from typing import Any
 
 from experiments.device import aot
@@ -43,6 +50,9 @@ FIT_GPU = 'h200'
 # Compiles at most per edge search (the line's guess, then secant steps).
 MAX_EDGE_COMPILES = 6
 DEFAULT_JSON = 'results/tmp/aot_capacity.json'
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+# What a compile depends on beside JAX: a change here is another library.
+_CODE = ('jax_superoffload', 'xla_ffi', 'experiments', 'configs')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +75,7 @@ SPECS = (
 
 def case_fields(spec: Spec, layers: int, gpu: str, args: Any) -> dict[str, Any]:
   """The `aot_steps.Case` fields of `spec` at `layers` on `gpu`."""
-  overrides = (aot.SMALL if args.small else ()) + (('dtype', args.dtype),)
+  overrides = aot.overrides(args)
   case = aot_steps.Case(
     optimizer=spec.optimizer,
     layout='scan',
@@ -79,7 +89,7 @@ def case_fields(spec: Spec, layers: int, gpu: str, args: Any) -> dict[str, Any]:
     # The program the planner models: host steps after the backward loop.
     # With overlap_scan, a 16-bit stack's rows return fp32 masters to the
     # device, and the host holds no 16-bit weights (2 B a parameter less
-    # than planned, docs/gpu.md).
+    # than planned, results/gpu_capacity_2026-12-05.md).
     overlap_scan=False,
   )
   return json.loads(json.dumps(dataclasses.asdict(case)))
@@ -92,16 +102,89 @@ def memory_bytes(result: dict[str, Any], prefix: str = '') -> int:
   return get('argument') + get('output') - get('alias') + get('temp')
 
 
-class Compiles:
-  """Compiled cases by their fields, kept in (and reused from) a JSON file."""
+def _git(*args: str) -> str | None:
+  try:
+    done = subprocess.run(
+      ['git', *args], cwd=_ROOT, capture_output=True, text=True, check=True
+    )
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return done.stdout
 
-  def __init__(self, path: pathlib.Path, timeout: float, save: Any):
+
+def library_commit() -> str | None:
+  """The checkout's commit, `+` a digest of uncommitted code; None: no git.
+
+  The digest covers tracked changes and untracked files under `_CODE`, so
+  an edited tree never reads a compile of the committed one.
+  """
+  head = _git('rev-parse', 'HEAD')
+  if head is None:
+    return None
+  changed = _git('status', '--porcelain', '--untracked-files=all', '--', *_CODE)
+  if not changed:
+    return head.strip()
+  digest = hashlib.sha256((_git('diff', 'HEAD', '--', *_CODE) or '').encode())
+  for line in sorted(changed.splitlines()):
+    if line.startswith('??'):
+      path = _ROOT / line[3:]
+      digest.update(
+        line.encode() + (path.read_bytes() if path.is_file() else b'')
+      )
+  return f'{head.strip()}+{digest.hexdigest()[:12]}'
+
+
+def cache_key() -> dict[str, str | None]:
+  """What a cached compile must share with this run."""
+  return {'jax': importlib.metadata.version('jax'), 'commit': library_commit()}
+
+
+def cache_path(cache_dir: str, key: dict[str, str | None]) -> pathlib.Path:
+  """The cache file of `key` under `cache_dir` (relative: to the checkout)."""
+  commit = (key['commit'] or 'no-git').replace('+', '-')
+  return _ROOT / cache_dir / f'capacity_jax-{key["jax"]}_{commit}.json'
+
+
+def _tracked(path: pathlib.Path) -> bool:
+  """Whether git tracks `path` (a committed result is never a cache)."""
+  try:
+    relative = path.resolve().relative_to(_ROOT)
+  except ValueError:
+    return False
+  return bool(_git('ls-files', '--', str(relative)))
+
+
+class Compiles:
+  """Compiled cases by their fields, kept in (and reused from) a cache file.
+
+  The file is read only when its recorded key is `key` (same JAX, same
+  commit) and git does not track it; `key['commit']` None reads nothing.
+  """
+
+  def __init__(
+    self,
+    path: pathlib.Path,
+    timeout: float,
+    save: Any,
+    key: dict[str, str | None],
+    fresh: bool = False,
+  ):
     self.timeout = timeout
     self.save = save  # Called after each new compile.
+    self.key = key
     self.results: dict[str, dict[str, Any]] = {}
-    if path.exists():
-      for result in json.loads(path.read_text()).get('compiles', []):
-        self.results[self._key(result['fields'])] = result
+    self.cached: set[str] = set()  # Keys read from the cache.
+    self.reused: set[str] = set()  # Those used by this run.
+    if _tracked(path):
+      raise ValueError(f'{path}: a committed file, never a compile cache')
+    if fresh or key['commit'] is None or not path.exists():
+      return
+    cached = json.loads(path.read_text())
+    if cached.get('key') != key:
+      return
+    for result in cached.get('compiles', []):
+      self.results[self._key(result['fields'])] = result
+    self.cached = set(self.results)
 
   @staticmethod
   def _key(fields: dict[str, Any]) -> str:
@@ -110,6 +193,8 @@ class Compiles:
   def get(self, fields: dict[str, Any]) -> dict[str, Any]:
     """The compiled case, compiling it (in its own process) if new."""
     key = self._key(fields)
+    if key in self.cached:
+      self.reused.add(key)
     if key not in self.results:
       result = aot.run_case(fields, self.timeout)
       if not result.get('compiles'):
@@ -354,24 +439,38 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(args: Any) -> int:
-  """`aot --capacity`: every row of `SPECS` on each GPU of `args.gpu`."""
-  path = pathlib.Path(
-    DEFAULT_JSON if args.json == 'results/tmp/aot.json' else args.json
-  )
+  """`aot --capacity`: every row of `SPECS` on each GPU of `args.gpu`.
+
+  Writes the table's JSON to `args.json` (never read) and every compile to
+  the cache of this JAX and commit under `args.cache_dir`.
+  """
+  path = pathlib.Path(args.json or DEFAULT_JSON)
   path.parent.mkdir(parents=True, exist_ok=True)
+  key = cache_key()
+  cache = cache_path(args.cache_dir, key)
   rows: list[dict[str, Any]] = []
 
   def save() -> None:
+    compiled = list(compiles.results.values())
     data = dict(
+      key=key,
       budgets={
         g: dataclasses.asdict(t) for g, t in gpu_targets.TARGETS.items()
       },
       rows=rows,
-      compiles=list(compiles.results.values()),
+      compiles=compiled,
     )
     path.write_text(json.dumps(data, indent=1) + '\n')
+    if key['commit'] is not None:
+      cache.parent.mkdir(parents=True, exist_ok=True)
+      cache.write_text(json.dumps(dict(key=key, compiles=compiled)) + '\n')
 
-  compiles = Compiles(path, args.timeout, save)
+  compiles = Compiles(cache, args.timeout, save, key, args.fresh)
+  print(
+    f'jax {key["jax"]}, commit {key["commit"]}; cache {cache} '
+    f'({len(compiles.results)} compiles in it)',
+    flush=True,
+  )
   edges: dict = {}
   for gpu in args.gpu.split(','):
     if gpu not in gpu_targets.TARGETS:
@@ -381,5 +480,6 @@ def main(args: Any) -> int:
       print(table(rows[-1:]).splitlines()[1], flush=True)
       save()
   print(table(rows))
+  print(f'{len(compiles.reused)} compiles reused from {cache}')
   print(f'wrote {path}')
   return 0 if all(r['confirmed'] for r in rows) else 1

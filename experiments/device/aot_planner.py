@@ -1,4 +1,4 @@
-"""The planner's prediction for a step the harness compiles (issue 33).
+"""The planner's prediction for a step the harness compiles.
 
 `predict` asks `jax_superoffload.plan` about the trainer's step of a case:
 the same model (`planner_spec`), the trainer's policies, and the GPU's

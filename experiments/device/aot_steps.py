@@ -26,8 +26,10 @@ from experiments.trainer import model as model_lib
 from experiments.trainer import optim
 from experiments.trainer import steps as steps_lib
 
-# The optimizers a case names: optax's adamw, or superoffload's executors.
-OPTIMIZERS = ('optax', 'stream', 'ffi', 'xla_host', 'device')
+# The optimizers a case names: optax's adamw, or superoffload's executors;
+# "auto" is the library's default, resolved as on a GPU when the case is
+# compiled (`superoffload.resolve_executor`).
+OPTIMIZERS = ('optax', 'auto', 'stream', 'ffi', 'xla_host', 'device')
 LAYOUTS = ('scan', 'noscan')
 
 
@@ -35,7 +37,7 @@ LAYOUTS = ('scan', 'noscan')
 class Case:
   """One train step to compile: the trainer's config, and the target."""
 
-  optimizer: str = 'stream'  # One of OPTIMIZERS.
+  optimizer: str = 'auto'  # One of OPTIMIZERS.
   layout: str = 'scan'  # 'scan' (lax.scan over layers) or 'noscan'.
   param_dtype: str = 'float32'
   moments: str = 'fp32'  # 'fp32', 'bf16' or '8bit' (superoffload only).

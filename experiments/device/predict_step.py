@@ -53,10 +53,10 @@ def predict(
   before it and the bytes it copies to the host (its gradients, and the
   parameters it re-seeds from); its parameters are taken in proportion to
   those bytes. `h2d_bytes`: the new weights copied back after the join.
-  `serial`: the earlier design, where the compute stream waits for each
-  bucket's whole host step, not only its copy. `optax_s`: optax's step of
-  this model at this batch (default: the measured 1B step, linear in the
-  batch).
+  `serial`: the design before start/join, where the compute stream waits
+  for each bucket's whole host step, not only its copy. `optax_s`: optax's
+  step of this model at this batch (default: the measured 1B step, linear
+  in the batch).
   """
   if optax_s is None:
     optax_s = OPTAX_STEP_S[4] * batch / 4  # Linear in the batch.

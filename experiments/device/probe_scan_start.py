@@ -1,15 +1,16 @@
-"""Probe for issue 37 point 1: can a start run inside a scan's backward loop?
+"""Probe: can a stream start run inside a scan's backward loop?
 
   python -m experiments.device.probe_scan_start   # deviceless, H200 target
 
-Compiles, for an H200 without a GPU, a toy step shaped like the design in
-docs/gpu.md: a `custom_vjp` around each layer's slice of a scanned weight
-stack, whose backward rule starts the host step of the layer's row
-(`jax_superoffload_adam_step_row`, xla_ffi/row_ffi.h) on the layer's
-gradient, the loop's counter and the stacked fp32 state in pinned host
-memory (master, mu and nu, f32[L, n] each, stepped in place); after the
-loop a stream join aliases the state. It prints the calls, the loops'
-tuples and `memory_analysis()`, and checks what the design needs:
+Compiles, for an H200 without a GPU, a toy step shaped like the design that
+results/gpu_design_history_2026-12.md records: a `custom_vjp` around each
+layer's slice of a scanned weight stack, whose backward rule starts the host
+step of the layer's row (`jax_superoffload_adam_step_row`,
+xla_ffi/row_ffi.h) on the layer's gradient, the loop's counter and the
+stacked fp32 state in pinned host memory (master, mu and nu, f32[L, n] each,
+stepped in place); after the loop a stream join aliases the state. It prints
+the calls, the loops' tuples and `memory_analysis()`, and checks what the
+design needs:
 
 - each host stack reaches the backward loop once, not stacked per layer as
   a residual, and uncopied (no host temporaries);

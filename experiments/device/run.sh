@@ -24,11 +24,11 @@ then
   export PYTHONPATH="$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # The default parts, most important first: the link, the 1B optimizer step
-# and the 1B train step against optax at batch 8 (issue 37's targets),
+# and the 1B train step against optax at batch 8 (the overlap's targets),
 # unrolled (where buckets can overlap the backward) then scanned (the rows
 # started in the backward loop, then after it: overlap_scan's gain and
 # its 0.87 GB), STV's costs, a profile. Estimated 500 s on a warm H200
-# machine (docs/gpu.md: process start ~8 s, opt parts ~25 s, unrolled
+# machine (estimates: process start ~8 s, opt parts ~25 s, unrolled
 # train parts ~60 s, scanned ~40 s), within a 9-minute budget. PARTS=all
 # adds the rest.
 DEFAULT="link opt:stream train:stream:noscan:8 train:optax:noscan:8

@@ -17,8 +17,9 @@ Restoring verifies a checkpoint twice: Orbax's own reads (a missing or
 truncated file fails there) and the digest of every restored array against
 the one written at save (bytes changed in place). `restore_newest_intact`
 falls back to older checkpoints past damaged ones. Checkpoints written
-before SuperOffload's state held optax's `ScaleByAdamState` (issue 34)
-restore too: their leaves are found by their paths as they were then.
+before SuperOffload's state held optax's `ScaleByAdamState` (one flat
+NamedTuple) restore too: their leaves are found by their paths as they
+were then.
 
 One job writes a checkpoint folder at a time (`folder_lock.FolderLock`,
 taken by its process 0). Over several processes (`jax.distributed`) every
@@ -383,8 +384,8 @@ def _part_pattern(part: str, fields: Sequence[str]) -> str:
   return rf"(?:\['{part}'\]|\.{part})(?=(?:\['|\.)(?:{names})\b)"
 
 
-# The parts of a `SuperOffloadState` since it holds optax's ScaleByAdamState
-# (issue 34), followed by their fields: dropped, a path is as it was before.
+# The parts of a `SuperOffloadState` since it holds optax's ScaleByAdamState,
+# followed by their fields: dropped, a path is as it was before.
 _STATE_PARTS = re.compile(
   _part_pattern('adam', optax.ScaleByAdamState._fields)
   + '|'
@@ -395,10 +396,10 @@ _STATE_PARTS = re.compile(
 def _saved_keys(saved: list[Any], now: list[Any]) -> list[str] | None:
   """The checkpoint's key of each leaf of `now`, None if they differ.
 
-  A checkpoint of the optimizer state's layout before issue 34 holds the
-  same arrays under paths without the state's two parts (and, in a Flax
-  state, whose keys are sorted, in another order): each leaf is found by
-  its path as it was then.
+  A checkpoint of the optimizer state's flat layout (before it held optax's
+  ScaleByAdamState) holds the same arrays under paths without the state's
+  two parts (and, in a Flax state, whose keys are sorted, in another
+  order): each leaf is found by its path as it was then.
   """
   if saved == now:
     return [_key(i) for i in range(len(now))]

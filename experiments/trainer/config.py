@@ -180,7 +180,8 @@ class Config:
   # Offload.
   executor: str = _offload(
     'auto',
-    'superoffload: where its step runs: "auto", "ffi", "xla_host", "device".',
+    'superoffload: where its step runs: "auto", "ffi", "stream", "xla_host", '
+    '"device".',
   )
   skip_nonfinite: bool = _offload(
     False,
@@ -321,7 +322,7 @@ class Config:
 OPTIMIZERS = ('superoffload', 'optax', 'device')
 POS_ENCODINGS = ('rope', 'learned')
 WEIGHTS_POLICIES = ('stationary', 'flow')
-EXECUTORS = ('auto', 'ffi', 'xla_host', 'device')
+EXECUTORS = ('auto', 'ffi', 'stream', 'xla_host', 'device')
 CASTS = ('host', 'device', 'auto')
 MOMENTS = ('fp32', 'bf16', '8bit')
 SCHEDULES = ('cosine', 'linear', 'constant', 'wsd')

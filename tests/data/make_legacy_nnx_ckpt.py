@@ -1,6 +1,6 @@
 """Writes the fixture of a Flax NNX checkpoint of the old state layout.
 
-Run with the code BEFORE issue 34's layout (main at 1182c2a, whose
+Run with the code BEFORE the optax-shaped state layout (main at 1182c2a, whose
 `SuperOffloadState` was one flat NamedTuple), from the repository root:
 
   PYTHONPATH=$PWD python tests/data/make_legacy_nnx_ckpt.py tests/data

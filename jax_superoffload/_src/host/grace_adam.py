@@ -334,8 +334,8 @@ def _to_device(xs: list[jax.Array]) -> list[jax.Array]:
   in host memory, and copies such a result to the device asynchronously:
   a window its scheduler fills with work independent of the copy (the
   loss, gradient norms), moved to the step's end with the activations it
-  reads (issue 37 point 2). This call's results are device buffers, filled
-  on the compute stream after the join; XLA sees a call, not a copy.
+  reads. This call's results are device buffers, filled on the compute
+  stream after the join; XLA sees a call, not a copy.
   """
   if not xs:
     return []

@@ -309,7 +309,7 @@ def returned_weight_bytes(cast: str) -> float:
   Casting on the host, the host step writes the new bf16 weights into
   host buffers that XLA allocates for the step's results and frees after
   their copies to the device. The compiled stream step (deviceless, H200
-  target, issue 33) keeps them all at once: its host temporaries are
+  target) keeps them all at once: its host temporaries are
   1.83 B/param at the 1B width, 16 and 64 layers alike, and 2 B/param at
   the tests' small width. Casting on the device, the fp32 weights are
   copied from the state itself: no host bytes (the compiled step's host
