@@ -621,12 +621,9 @@ def adam_step_speculative(
     runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]
   weights = list(out[1 + 4 * k :])
   if getattr(place, 'join', False):
-    # Typed as host memory, the weights copies stay there through the
-    # validated step, which rewrites them only on a redo, and reach the
-    # device once, at the end. XLA:GPU of jaxlib 0.12.0.1 has the call
-    # write them there; that of 0.12.1 places the call's results that
-    # alias no operand in device memory (staged by the worker) and copies
-    # them to host memory after the join.
+    # Typed as host memory, the copies stay there through the validated
+    # step (rewritten only on a redo) and reach the device at the end. The
+    # call writes them there, or (XLA:GPU, jaxlib 0.12.1) to the device.
     weights = [jax.device_put(w, jax.memory.Space.Host) for w in weights]
   return (*runs, out[0], weights)
 
