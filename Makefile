@@ -44,7 +44,7 @@ $(STAMP): $(SOURCES)
 	$(call STAGE,2/4,build tools$(COMMA) jax and jaxlib (pip; downloads on a first build))
 # Build tools first: the extension builds without isolation, against the
 # jaxlib it will run with (whose XLA FFI headers it compiles with).
-	@$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=3.1" cmake ninja "jax>=0.10.1,<0.12.1" "jaxlib>=0.10.1,<0.12.1" $(PIP_C)
+	@$(PY) -m pip install -q "scikit-build-core>=0.10" "nanobind>=3.1" cmake ninja "jax>=0.10.1,<0.13" "jaxlib>=0.10.1,<0.13" $(PIP_C)
 	$(call STAGE,3/4,the C++ extension (CMake and Ninja; the longest stage) and the test and experiments extras)
 	@$(PY) -m pip install -q --no-build-isolation -e ".[test,experiments]" $(PIP_C)
 	@rm -f $(CHECKOUT_PTH)

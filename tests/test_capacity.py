@@ -5,14 +5,15 @@ The trainer's scanned step is compiled for an H200 without a GPU
 layers, for optax.adamw (fp32 parameters) and superoffload's `stream`
 executor (bf16 parameters). `aot_planner.predict` asks the planner about
 the same step. What the planner models as the compiled program does, it
-must predict within 10%: the host bytes (the state and the returned
-weights) and the device bytes each layer adds (weights, gradients, the
-checkpointed layer input). The device total also holds the one layer's
-activations that the backward pass rebuilds, which the planner takes from
-Korthikanti et al. rather than from XLA's unfused attention: at these
-widths that term is most of the step, so the total is checked at the 1B
-width instead (results/gpu_capacity_2026-12-05.md). Skips without the
-CUDA plugin wheels, as tests/test_gpu_compile.py does.
+must predict within 10%: the host bytes (the state, and the returned
+weights where XLA keeps them in host memory) and the device bytes each
+layer adds (weights, gradients, the checkpointed layer input). The device
+total also holds the one layer's activations that the backward pass
+rebuilds, which the planner takes from Korthikanti et al. rather than from
+XLA's unfused attention: at these widths that term is most of the step, so
+the total is checked at the 1B width instead
+(results/gpu_capacity_2026-12-05.md). Skips without the CUDA plugin
+wheels, as tests/test_gpu_compile.py does.
 """
 
 import functools
@@ -23,6 +24,7 @@ import pytest
 from experiments.device import aot
 from experiments.device import aot_capacity
 from experiments.device import aot_planner
+from jax_superoffload._src.planning import cost_model
 from tests import test_gpu_compile
 
 pytestmark = pytest.mark.aot
@@ -54,10 +56,19 @@ def compiled(name: str, layers: int, cast: str = 'host') -> tuple[dict, dict]:
 def test_planner_host_bytes_are_the_compiled_steps(name, layers):
   # Failed before the planner counted the library's state: 16 B/param where
   # the library keeps 12 (8-bit moments: 10 where it keeps 6), and no
-  # returned weights.
+  # returned weights. Those weights (bf16, cast on the host) are results
+  # that alias no operand, which XLA places as it chooses: in host memory
+  # (XLA:GPU of jaxlib 0.12.0.1; the planner's host bytes, an upper
+  # bound) or in device memory (0.12.1). The compiled step's copies to the
+  # device say which; the state's bytes are the planner's either way.
   result, predicted = compiled(name, layers)
   host = aot_capacity.memory_bytes(result, 'host_')
-  assert predicted['host'] == pytest.approx(host, rel=0.1)
+  (from_host,) = {c['from_host'] for c in result['to_device']}
+  expected = predicted['host']
+  if not from_host:
+    expected -= cost_model.returned_weight_bytes('host') * result['num_params']
+  assert expected == pytest.approx(host, rel=0.1)
+  assert host <= predicted['host'] * 1.1
 
 
 @pytest.mark.parametrize('name', ['optax:fp32', 'stream:fp32'])

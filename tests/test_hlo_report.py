@@ -155,7 +155,7 @@ ENTRY %main (c: s32[], s: f32[8], u: s32[1], m: f32[3,64], p: bf16[192]) -> f32[
   %u = s32[1]{0} parameter(2)
   %m = f32[3,64]{1,0:S(5)} parameter(3)
   %p = bf16[192]{0} parameter(4)
-  ROOT %r = f32[3,64]{1,0:S(5)} custom-call(%c, %s, %u, %m, %p), custom_call_target="jax_superoffload_adam_reseed_rows", backend_config={num_leaves = 1 : i64, reseed = true, staging_bytes = 2048 : i64}
+  ROOT %r = f32[3,64]{1,0:S(5)} custom-call(%c, %s, %u, %m, %p), custom_call_target="jax_superoffload_adam_reseed_rows", output_to_operand_aliasing={{}: (3, {})}, backend_config={num_leaves = 1 : i64, reseed = true, staging_bytes = 2048 : i64}
 }
 """
 
@@ -171,5 +171,27 @@ def test_a_stacks_reseed_stages_one_row_of_its_parameters():
     'bound': 2048,
     'staged': 1024,
     'on_demand': 256,
+    'host_results': 0,
   }
   assert hlo_report.summarize(RESEED, {})['first_start_at'] is None
+
+
+SPECULATIVE = """HloModule speculative
+
+ENTRY %main (c: s32[], m: f32[2,64], g: f32[64]) -> (f32[1], f32[2,64], f32[64]) {
+  %c = s32[] parameter(0)
+  %m = f32[2,64]{1,0:S(5)} parameter(1)
+  %g = f32[64]{0} parameter(2)
+  ROOT %r = (f32[1]{0}, f32[2,64]{1,0:S(5)}, f32[64]{0:S(5)}) custom-call(%c, %m, %g), custom_call_target="jax_superoffload_adam_step_speculative", output_to_operand_aliasing={{1}: (1, {})}, backend_config={num_leaves = 1 : i64, reseed = false, staging_bytes = 4096 : i64}
+}
+"""
+
+
+def test_results_left_in_host_memory_are_counted_apart_from_the_staged():
+  # The weights copy (result 2) aliases no operand and is in host memory:
+  # written there, not staged. The state (result 1) aliases its host
+  # operand; the sum of squares (result 0) is in device memory: staged,
+  # with the count and the gradient.
+  (call,) = hlo_report.stream_staging(SPECULATIVE)
+  assert call['staged'] == 3 * 256
+  assert call['host_results'] == 256

@@ -213,7 +213,7 @@ def test_coordinator_bind_errors_are_one_line(monkeypatch, capsys):
 
 
 def test_the_private_jax_api_is_there():
-  # On this jax (the CI runs 0.10.2 and 0.12.0.1): present, and explicit
+  # On this jax (the CI runs 0.10.2 and 0.12.1): present, and explicit
   # about what is missing when it is not.
   assert liveness.coordinator_address() is None  # Not initialized here.
   with pytest.raises(liveness.MissingJaxAPIError, match='not initialized'):

@@ -484,16 +484,17 @@ ffi::Error StreamToDeviceOnCpu(ffi::RemainingArgs args,
   std::vector<StreamLaunches::ToDevice> copies;
   JSO_RETURN_IF_ERROR(ToDeviceCopies(args, rets, &copies));
   for (const StreamLaunches::ToDevice& c : copies) {
-    std::memcpy(c.device, c.host, c.bytes);
+    std::memcpy(c.device, c.source, c.bytes);
   }
   return ffi::Error::Success();
 }
 
 // From a CUDA stream: enqueued on it after the join, whose results (the
-// pinned new weights) are its operands. Its results are device buffers of
-// its own: XLA keeps every result of a call that aliases host memory (the
-// join) in host memory, and would copy them to the device asynchronously,
-// opening a window its scheduler fills with work moved from earlier.
+// new weights) are its operands. Its results are device buffers of its
+// own: XLA would copy a host result to the device asynchronously, opening a
+// window its scheduler fills with work moved from earlier. The operands are
+// pinned host memory, or device memory where XLA placed the launch's
+// results there (StreamLaunches::CopyToDevice).
 ffi::Error StreamToDevice(void* stream, ffi::RemainingArgs args,
                           ffi::RemainingRets rets) {
   std::vector<StreamLaunches::ToDevice> copies;

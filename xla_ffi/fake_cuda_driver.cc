@@ -49,6 +49,10 @@ CudaDriver FakeCuda::driver() const {
                         void* s) {
     return g_fake->CopyToDevice(device, host, bytes, s);
   };
+  d.copy_device_to_device = [](uint64_t to, uint64_t from, size_t bytes,
+                               void* s) {
+    return g_fake->CopyDeviceToDevice(to, from, bytes, s);
+  };
   d.host_alloc = [](void** p, size_t bytes, unsigned flags) {
     return g_fake->HostAlloc(p, bytes, flags);
   };
@@ -261,6 +265,20 @@ int FakeCuda::CopyToDevice(uint64_t device, const void* host, size_t bytes,
   op.run = [=] { std::memcpy(reinterpret_cast<void*>(device), host, bytes); };
   if (!Push(stream, std::move(op))) return kInvalidHandle;
   copies_.push_back({host, device, bytes, false});
+  return 0;
+}
+
+int FakeCuda::CopyDeviceToDevice(uint64_t destination, uint64_t source,
+                                 size_t bytes, void* stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (int e = CheckContext("cuMemcpyDtoDAsync")) return e;
+  Op op;
+  op.what = "copy device to device " + std::to_string(bytes);
+  op.run = [=] {
+    std::memcpy(reinterpret_cast<void*>(destination),
+                reinterpret_cast<const void*>(source), bytes);
+  };
+  if (!Push(stream, std::move(op))) return kInvalidHandle;
   return 0;
 }
 

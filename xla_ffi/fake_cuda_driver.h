@@ -88,6 +88,8 @@ class FakeCuda {
   int CopyToHost(void* host, uint64_t device, size_t bytes, void* stream);
   int CopyToDevice(uint64_t device, const void* host, size_t bytes,
                    void* stream);
+  int CopyDeviceToDevice(uint64_t destination, uint64_t source, size_t bytes,
+                         void* stream);
   int HostAlloc(void** pointer, size_t bytes, unsigned flags);
   int HostFree(void* pointer);
   int StreamGetCtx(void* stream, void** context);

@@ -22,6 +22,7 @@ bool LookupAll(void* library, CudaDriver* d) {
          Lookup(library, "cuPointerGetAttribute", &d->pointer_get_attribute) &&
          Lookup(library, "cuMemcpyDtoHAsync_v2", &d->copy_to_host) &&
          Lookup(library, "cuMemcpyHtoDAsync_v2", &d->copy_to_device) &&
+         Lookup(library, "cuMemcpyDtoDAsync_v2", &d->copy_device_to_device) &&
          Lookup(library, "cuMemHostAlloc", &d->host_alloc) &&
          Lookup(library, "cuMemFreeHost", &d->host_free) &&
          Lookup(library, "cuStreamGetCtx", &d->stream_get_ctx) &&

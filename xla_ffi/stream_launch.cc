@@ -216,24 +216,33 @@ ffi::Error StreamLaunches::CopyToDevice(void* stream,
   }
   CurrentContext current(*driver_, cuda_context);
   if (!current.ok()) return ffi::Error::Internal(current.error());
+  std::vector<bool> from_device(copies.size(), false);
   for (size_t i = 0; i < copies.size(); ++i) {
-    bool to_device = false, from_device = false;
+    bool to_device = false, source_on_device = false;
     JSO_RETURN_IF_ERROR(
         stream_internal::OnDevice(*driver_, copies[i].device, i, &to_device));
-    JSO_RETURN_IF_ERROR(
-        stream_internal::OnDevice(*driver_, copies[i].host, i, &from_device));
-    if (!to_device || from_device) {
-      return InvalidArgument(
-          "copy " + std::to_string(i) +
-          " to the device must go from host to device memory; it goes from " +
-          (from_device ? "device" : "host") + " to " +
-          (to_device ? "device" : "host") + " memory");
+    JSO_RETURN_IF_ERROR(stream_internal::OnDevice(*driver_, copies[i].source, i,
+                                                  &source_on_device));
+    if (!to_device) {
+      return InvalidArgument("copy " + std::to_string(i) +
+                             " to the device must write device memory; it "
+                             "goes from " +
+                             (source_on_device ? "device" : "host") +
+                             " to host memory");
     }
+    from_device[i] = source_on_device;
   }
-  for (const ToDevice& c : copies) {
+  for (size_t i = 0; i < copies.size(); ++i) {
+    const ToDevice& c = copies[i];
     if (c.bytes == 0) continue;
-    if (int code = driver_->copy_to_device(reinterpret_cast<uint64_t>(c.device),
-                                           c.host, c.bytes, stream)) {
+    const uint64_t to = reinterpret_cast<uint64_t>(c.device);
+    if (from_device[i]) {
+      if (int code = driver_->copy_device_to_device(
+              to, reinterpret_cast<uint64_t>(c.source), c.bytes, stream)) {
+        return DriverFailure(*driver_, "cuMemcpyDtoDAsync", code);
+      }
+    } else if (int code =
+                   driver_->copy_to_device(to, c.source, c.bytes, stream)) {
       return DriverFailure(*driver_, "cuMemcpyHtoDAsync", code);
     }
   }

@@ -56,6 +56,9 @@ struct CudaDriver {
   // cuMemcpyHtoDAsync_v2(device, host, bytes, stream).
   int (*copy_to_device)(uint64_t device, const void* host, size_t bytes,
                         void* stream);
+  // cuMemcpyDtoDAsync_v2(destination, source, bytes, stream).
+  int (*copy_device_to_device)(uint64_t destination, uint64_t source,
+                               size_t bytes, void* stream);
   // cuMemHostAlloc(&pointer, bytes, flags).
   int (*host_alloc)(void** pointer, size_t bytes, unsigned flags);
   // cuMemFreeHost(pointer).
@@ -127,17 +130,20 @@ class StreamLaunches {
   // (then clears it).
   ffi::Error Join(void* stream);
 
-  // A copy from host memory to the device, of `bytes` bytes.
+  // A copy to device memory, of `bytes` bytes.
   struct ToDevice {
     void* device;
-    const void* host;
+    const void* source;
     size_t bytes;
   };
 
   // Enqueues `copies` on `stream` (in its context): the new weights of
-  // joined launches, from the pinned host memory the workers wrote them to.
-  // A copy whose destination is not device memory, or whose source is, is
-  // refused before any is enqueued.
+  // joined launches, from where XLA placed the launches' results. That is
+  // pinned host memory the workers wrote them to, or device memory, which
+  // the workers filled from staging: XLA:GPU keeps a result that aliases
+  // no operand in host memory when the call's other results alias host
+  // operands (jaxlib 0.12.0.1), or in device memory (0.12.1). A copy whose
+  // destination is not device memory is refused before any is enqueued.
   ffi::Error CopyToDevice(void* stream, const std::vector<ToDevice>& copies);
 
   const CudaDriver* driver() const { return driver_; }

@@ -581,9 +581,11 @@ void TestAdamBucketMatchesTheCpu() {
          "gradients staged in; weights and the sum staged out");
 }
 
-// The new weights (pinned host memory, written by the worker) reach the
-// device by copies on the compute stream after the join's wait for the
-// launch; a copy the wrong way round is refused, none enqueued.
+// The new weights reach the device by copies on the compute stream after
+// the join's wait for the launch: from the pinned host memory the worker
+// wrote them to, or from device memory where XLA placed the launch's
+// results (the worker filled them from staging); a copy to host memory is
+// refused, none enqueued.
 void TestWeightsCopiedToDeviceAfterTheJoin() {
   Rig rig;
   std::vector<float> in(64), host(64, -1.0f), device(64, 9.0f);
@@ -606,17 +608,29 @@ void TestWeightsCopiedToDeviceAfterTheJoin() {
          "the device gets the new weights: " + std::to_string(device[5]));
   Expect(wait >= 0 && copy > wait,
          "copied on the compute stream after its wait for the launch");
+
+  std::vector<float> from(8, 3.0f), to(8, 0.0f);
+  rig.fake.MarkDevice(from.data(), 32);
+  rig.fake.MarkDevice(to.data(), 32);
+  const int to_device = rig.fake.Count("copy to device");
+  e = rig.launches->CopyToDevice(rig.stream, {{to.data(), from.data(), 32}});
+  rig.fake.Synchronize();
+  Expect(e.success() && to[7] == 3.0f &&
+             rig.fake.Count("compute: copy device to device 32") == 1 &&
+             rig.fake.Count("copy to device") == to_device,
+         "weights XLA left in device memory are copied on the device: " +
+             e.message());
+
   std::vector<float> a(8), b(8);
   rig.fake.MarkDevice(a.data(), 32);
-  const int copies = rig.fake.Count("copy to device");
+  const int copies = rig.fake.Count("copy ");
   e = rig.launches->CopyToDevice(
       rig.stream, {{device.data(), b.data(), 32}, {b.data(), a.data(), 32}});
   rig.fake.Synchronize();
   Expect(e.failure() &&
              e.message().find("from device to host") != std::string::npos &&
-             rig.fake.Count("copy to device") == copies,
-         "a copy from device to host memory is refused, none enqueued: " +
-             e.message());
+             rig.fake.Count("copy ") == copies,
+         "a copy to host memory is refused, none enqueued: " + e.message());
 }
 
 // Point 5: a re-seeding step's parameters (Role::kOnDemand) are copied to

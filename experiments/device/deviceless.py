@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 # The JAX versions this module's private-API step is checked on.
-CHECKED_JAX = ('0.11.2', '0.12.0.1')
+CHECKED_JAX = ('0.11.2', '0.12.0.1', '0.12.1')
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 PLUGIN_PATH_ENV = 'JAX_SUPEROFFLOAD_CUDA_AOT'
 

@@ -405,6 +405,15 @@ ON_DEMAND_PARAMS = {
 RESEED_ROWS_TARGET = 'jax_superoffload_adam_reseed_rows'
 
 
+def _aliased_results(i: Instr) -> set[int]:
+  """The indices of call `i`'s results that alias one of its operands."""
+  m = re.search(r'output_to_operand_aliasing=\{(.*?)\}(?:,\s*\w+=|$)', i.rest)
+  if not m:
+    return set()
+  # A result that is not a tuple is output {}.
+  return {int(x or 0) for x in re.findall(r'\{(\d*)\}:', m.group(1))}
+
+
 def stream_staging(hlo: str) -> list[dict[str, int]]:
   """Per stream start: its slot bound and the device bytes it stages.
 
@@ -415,6 +424,10 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
   `on_demand`: of those, the parameters of a re-seeding bucket call, which
   its worker copies only when they changed (weights_digest.py), and one
   row of a stack's re-seed, whose worker copies the rows in turn.
+  `host_results`: the bytes of its results that alias no operand and that
+  XLA placed in host memory (written there, not staged; XLA:GPU of
+  jaxlib 0.12.0.1 placed the new weights so, that of 0.12.1 in device
+  memory), at the same alignment.
   """
   module = _Module(hlo)
   out = []
@@ -429,6 +442,12 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
       ]
       results = [a for a in arrays(i.shape) if not a.on_host]
       staged = sum(_aligned(a.bytes) for a in device(names) + results)
+      aliased = _aliased_results(i)
+      host_results = sum(
+        _aligned(a.bytes)
+        for j, a in enumerate(arrays(i.shape))
+        if a.on_host and j not in aliased
+      )
       on_demand = _on_demand_bytes(i, names, device)
       if i.attr('custom_call_target') == RESEED_ROWS_TARGET:
         staged, on_demand = _reseed_rows_bytes(module, i, names, device)
@@ -439,6 +458,7 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
           bound=int(bound[1]),
           staged=staged,
           on_demand=on_demand,
+          host_results=host_results,
         )
       )
   return out

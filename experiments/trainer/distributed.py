@@ -21,6 +21,7 @@ import ctypes
 import dataclasses
 import os
 import queue
+import re
 import signal
 import socket
 import sys
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jaxlib.version
 
 from experiments.trainer import config as config_lib
 from experiments.trainer import liveness
@@ -119,6 +121,9 @@ def initialize(cfg: config_lib.Config) -> Topology:
         flush=True,
       )
       os._exit(LOST_PROCESS_EXIT)
+  if jax.process_count() > 1 and cache_hangs_collectives():
+    # Before the run's first compile, which reads the setting once.
+    jax.config.update('jax_enable_compilation_cache', False)
   # The address jax.distributed settled on (auto-detected, or the flag's).
   coordinator = liveness.coordinator_address() or cfg.coordinator or 'auto'
   topology = Topology(jax.process_index(), jax.process_count(), coordinator)
@@ -129,6 +134,29 @@ def initialize(cfg: config_lib.Config) -> Topology:
     # Signs of life from here on: the supervisor counts a silence as a hang.
     _link().beat(max(0.05, cfg.heartbeat_timeout_s / 4))
   return topology
+
+
+def cache_hangs_collectives() -> bool:
+  """Whether a cached executable's collectives hang beside compiled ones.
+
+  jaxlib 0.12.1's XLA:CPU: a cross-process collective (gloo) of an
+  executable read from the persistent compilation cache never meets the
+  same collective of one compiled in the run; both processes wait in it
+  forever. Both read, or both compiled, they meet (jaxlib 0.12.0.1: in
+  every mix). A shared cache folder always mixes them: only process 0
+  writes the cache, and each process's cache key hashes its own devices,
+  so on a warm cache process 0 reads what the others compile.
+  `tests/test_jaxlib_cache_collectives.py` holds the reproducer (no
+  trainer code), and says when a jaxlib fixes it. Only the CPU backend is
+  known to be affected; the GPU's collectives (NCCL) were not tried.
+  """
+  return jaxlib_version() >= (0, 12, 1) and jax.default_backend() == 'cpu'
+
+
+def jaxlib_version() -> tuple[int, ...]:
+  """The installed jaxlib's release numbers, e.g. (0, 12, 0, 1)."""
+  release = re.match(r'[0-9]+(\.[0-9]+)*', jaxlib.version.__version__)
+  return tuple(int(x) for x in release[0].split('.'))
 
 
 def bind_address(

@@ -16,7 +16,7 @@ things from it:
 
 All three go through `_private_distributed`, which checks that what it uses
 is there and otherwise raises `MissingJaxAPIError` naming it and the jax
-version. Tested on jax 0.10.2 and 0.12.0.1.
+version. Tested on jax 0.10.2, 0.12.0.1 and 0.12.1.
 """
 
 from typing import Any
@@ -57,7 +57,7 @@ def _missing(what: str, cause: Exception | None = None) -> MissingJaxAPIError:
   why = f' ({cause})' if cause else ''
   return MissingJaxAPIError(
     f'jax {jax.__version__} has no {what}{why}; the multi-process trainer '
-    'needs it (tested with jax 0.10.2 and 0.12.0.1)'
+    'needs it (tested with jax 0.10.2, 0.12.0.1 and 0.12.1)'
   )
 
 

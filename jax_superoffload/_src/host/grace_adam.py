@@ -328,14 +328,16 @@ def _joined(
 
 
 def _to_device(xs: list[jax.Array]) -> list[jax.Array]:
-  """Joined host results copied to the device by a call of our own.
+  """Joined results copied to the device by a call of our own.
 
-  XLA keeps every result of a call that aliases host memory (the join)
-  in host memory, and copies such a result to the device asynchronously:
-  a window its scheduler fills with work independent of the copy (the
+  XLA would copy a joined host result to the device asynchronously: a
+  window its scheduler fills with work independent of the copy (the
   loss, gradient norms), moved to the step's end with the activations it
-  reads. This call's results are device buffers, filled on the compute
-  stream after the join; XLA sees a call, not a copy.
+  reads. This call's results are device buffers, filled
+  on the compute stream after the join; XLA sees a call, not a copy. Its
+  operands are where XLA put the joined results: host memory, or, for a
+  start's results that alias no operand (weights copies), device memory
+  on XLA:GPU of jaxlib 0.12.1; the handler copies from either.
   """
   if not xs:
     return []
@@ -619,9 +621,9 @@ def adam_step_speculative(
     runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]
   weights = list(out[1 + 4 * k :])
   if getattr(place, 'join', False):
-    # XLA keeps the call's results in host memory: typed so, the weights
-    # copies stay there through the validated step, which rewrites them
-    # only on a redo, and reach the device once, at the end.
+    # Typed as host memory, the copies stay there through the validated
+    # step (rewritten only on a redo) and reach the device at the end. The
+    # call writes them there, or (XLA:GPU, jaxlib 0.12.1) to the device.
     weights = [jax.device_put(w, jax.memory.Space.Host) for w in weights]
   return (*runs, out[0], weights)
 

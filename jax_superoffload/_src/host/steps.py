@@ -237,8 +237,18 @@ def stream_weight_dtypes(b: Bucket, place: Any) -> list | None:
   new master is one row of a pair in host memory, so it writes copies
   (exact in fp32) instead.
   """
+  if getattr(place, 'join', False):
+    return joined_weight_dtypes(b)
+  return weight_dtypes(b)
+
+
+def joined_weight_dtypes(b: Bucket) -> list | None:
+  """The dtypes of the weights copies a joined stream call of `b` writes.
+
+  None where it writes none: its new weights are the new fp32 masters.
+  """
   dtypes = weight_dtypes(b)
-  if dtypes is None and getattr(place, 'join', False):
+  if dtypes is None and getattr(b.executor, 'paired', False):
     return [jnp.float32] * len(b.leaves)
   return dtypes
 
@@ -287,31 +297,41 @@ def staging_bound(buckets: list[Bucket]) -> int:
   """An upper bound of the staging bytes of the largest of `buckets`.
 
   Per leaf, what a stream call stages from device memory: its gradient,
-  its parameter (re-seed) and a 0-d leaf's state; then the scalars. XLA
-  keeps a bucket call's results in host memory, beside the state some of
-  them alias (seen in every compiled GPU step; tests/test_gpu_compile.py
-  checks the bound against the compiled calls), so the new weights are
-  written there, not staged. The stream executor's slots
-  are sized to it at once, so no step after the first allocates staging
-  whatever order the buckets come in (xla_ffi/stream_launch.h).
+  its parameter (re-seed), a 0-d leaf's state and the weights copies it
+  writes (`joined_weight_dtypes`); then the scalars. The state stays in
+  host memory (its results alias it), but where the other results go is
+  XLA's choice: XLA:GPU of jaxlib 0.12.0.1 keeps them in host memory
+  beside the state, that of 0.12.1 in device memory, where the worker
+  stages them (tests/test_gpu_compile.py checks the bound against the
+  compiled calls of either). The stream executor's slots are sized to it
+  at once, so no step after the first allocates staging whatever order
+  the buckets come in (xla_ffi/stream_launch.h).
   """
   bound = 0
   for b in buckets:
-    bound = max(bound, staged_bytes(b.grads, b.params))
+    dtypes = joined_weight_dtypes(b)
+    copies = None
+    if dtypes is not None:
+      copies = [
+        jax.ShapeDtypeStruct(jnp.shape(g), d)
+        for g, d in zip(b.grads, dtypes, strict=True)
+      ]
+    bound = max(bound, staged_bytes(b.grads, b.params, copies))
   return bound
 
 
-def staged_bytes(grads: list, params: list | None) -> int:
+def staged_bytes(
+  grads: list, params: list | None, weights: list | None = None
+) -> int:
   """What one stream call stages (see `staging_bound`).
 
-  `grads` and `params` are arrays or anything with a shape and a dtype.
+  `grads`, `params` and `weights` (the weights copies the call writes)
+  are arrays or anything with a shape and a dtype.
   """
   total = _STAGED_SCALARS * _STAGING_ALIGNMENT
-  for j, g in enumerate(grads):
-    total += _aligned(math.prod(jnp.shape(g)) * jnp.dtype(g.dtype).itemsize)
-    if params is not None:
-      p = params[j]
-      total += _aligned(math.prod(jnp.shape(p)) * jnp.dtype(p.dtype).itemsize)
+  for x in (*grads, *(params or ()), *(weights or ())):
+    total += _aligned(math.prod(jnp.shape(x)) * jnp.dtype(x.dtype).itemsize)
+  for g in grads:
     if not jnp.shape(g):
       total += 3 * _STAGING_ALIGNMENT
   return total

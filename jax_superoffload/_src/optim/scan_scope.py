@@ -102,12 +102,14 @@ def one_device(tree: Any) -> bool:
   return all(m is None or m.empty or m.size == 1 for m in meshes)
 
 
-def _plan_staging(plan, params, rows: set[int]) -> int:
+def _plan_staging(plan, params, rows: set[int], cast_on_device: bool) -> int:
   """The staging bound of the plan's host buckets (`steps.staged_bytes`).
 
   Without the leaves in `rows`, which the rows step a layer at a time
   (each row call, and each re-seed, raises the bound to what it stages:
-  a row's worth, not the stack's).
+  a row's worth, not the stack's). A bucket casting on the host with a
+  16-bit leaf writes weights copies, which XLA may place in device memory
+  (`steps.staging_bound`).
   """
   bound = 0
   for group in plan.lay.groups:
@@ -116,7 +118,11 @@ def _plan_staging(plan, params, rows: set[int]) -> int:
       on_device = plan.bucket_of.get(ids[0]) in plan.on_device
       leaves = [params[i] for i in ids if i not in rows]
       if leaves and not on_device:
-        bound = max(bound, steps.staged_bytes(leaves, leaves))
+        copies = not cast_on_device and any(
+          jnp.result_type(params[i]) != jnp.float32 for i in ids
+        )
+        staged = steps.staged_bytes(leaves, leaves, leaves if copies else None)
+        bound = max(bound, staged)
   return bound
 
 
@@ -178,7 +184,9 @@ class Scope:
     self.reserve = 0
     if ids:
       self.reserve = max(
-        _plan_staging(self.plan, leaves, set(ids)),
+        _plan_staging(
+          self.plan, leaves, set(ids), state.placement.cast_on_device
+        ),
         _rows_staging(self.group_of, leaves, ids),
       )
     self.started: set[int] = set()
