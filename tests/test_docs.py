@@ -41,10 +41,6 @@ _MOVED = {
   'the 3% the issue asks for.': 'the 3% set as the goal.',
   "and the issue's 1.3x": 'and the goals of 1.3x',
   "issue's 1.5x for 8-bit": 'goal of 1.5x for 8-bit',
-  # A python3.12 command does not run under pyenv: the docs give its path.
-  '(`make test PYTHON=python3.12 VENV=.venv312`).': (
-    '(`make test PYTHON="$(pyenv prefix 3.12)/bin/python" VENV=.venv312`'
-  ),
   # The offload keywords, gathered in one `Offload` object since.
   'adamw(..., clip_norm=1.0,': 'adamw(..., offload=Offload(clip_norm=1.0,',
 }
