@@ -204,3 +204,31 @@ def test_a_state_placed_in_device_memory_by_a_trainers_jit_is_refused():
       ValueError, match=r"leaf master\['b'\] \(and 8 more\) came in device"
     ):
       jax.jit(tx.update)(params, state, params)
+
+
+def test_a_step_lowered_ahead_of_time_from_the_inits_shardings():
+  # AOT, as capacity and memory planning do: the state's types come from
+  # the compiled init's output shardings. One made in the jit (parameters
+  # from zeros) comes out single-device, which a jax.ShapeDtypeStruct
+  # types as device memory: refused, the message naming the way out;
+  # state_shardings' NamedShardings lower with the state on the host.
+  tx = superoffload.adamw(1e-2)
+  params = {'w': jnp.ones((8, 4)), 'b': jnp.ones((4,))}
+  make = lambda: tx.init(jax.tree.map(jnp.zeros_like, params))  # noqa: E731
+  shapes = jax.eval_shape(make)
+  out = jax.jit(make).lower().compile().output_shardings
+
+  def lower(shardings):
+    state = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      shapes,
+      shardings,
+    )
+    return jax.jit(tx.update).lower(params, state, params)
+
+  with pytest.raises(ValueError, match='only with a NamedSharding'):
+    lower(out)
+  compiled = lower(superoffload.state_shardings(tx, params)).compile()
+  state_in = compiled.input_shardings[0][1]
+  assert state_in[0].mu['w'].memory_kind == HOST
+  assert state_in[1].master['w'].memory_kind == HOST

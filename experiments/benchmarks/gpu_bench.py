@@ -123,6 +123,7 @@ def _build_train(cfg):
   import numpy as np
   from flax import nnx
 
+  from experiments.device import aot_steps
   from experiments.trainer import model as model_lib
   from experiments.trainer import train
 
@@ -198,6 +199,7 @@ def compiled_step_bytes(cfg) -> dict[str, int] | None:
   import jax.numpy as jnp
   from flax import nnx
 
+  from experiments.device import aot_steps
   from experiments.trainer import model as model_lib
   from experiments.trainer import train
 
@@ -210,15 +212,7 @@ def compiled_step_bytes(cfg) -> dict[str, int] | None:
 
   model, opt = nnx.eval_shape(build)
   # Shapes alone lose the memory kinds: the compiled init knows them.
-  init = jax.jit(lambda: nnx.state(build())).lower().compile()
-  shapes = jax.eval_shape(lambda: nnx.state(build()))
-  abstract = jax.tree.map(
-    lambda s, sharding: jax.ShapeDtypeStruct(
-      s.shape, s.dtype, sharding=sharding
-    ),
-    shapes,
-    init.output_shardings,
-  )
+  abstract = aot_steps.placed_state(mesh, build)
   nnx.update((model, opt), abstract)
   step = train.make_train_step(model, opt, mesh, overlap_scan=cfg.overlap_scan)
   tokens = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)

@@ -258,8 +258,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     default='optax,auto,stream,device',
     type=_names(aot_steps.OPTIMIZERS),
     help='Comma-separated (default %(default)s): optax (optax.adamw on the '
-    'GPU), auto (what superoffload.adamw(...) picks on a GPU: ffi where '
-    'Grace Adam is filed with the CUDA plugin, else xla_host), or an '
+    'GPU), auto (what superoffload.adamw(...) picks on a GPU: stream '
+    'where the CUDA driver files its handlers, else ffi or xla_host), or an '
     'executor: stream, ffi, xla_host, device.',
   )
   step.add_argument(

@@ -94,13 +94,16 @@ def trainer_config(case: Case) -> config_lib.Config:
   return config_lib.get_config(case.preset, **fields)
 
 
-def _placed(cfg: config_lib.Config, mesh: Mesh, make: Any) -> Any:
+def placed_state(mesh: Mesh, make: Any) -> Any:
   """The state's abstract arrays, placed as the trainer's init places them.
 
   The init program is compiled for the CPU devices of `mesh` (not run):
   its output shardings carry each leaf's memory kind and, under ZeRO, its
   shard. Leaves it leaves on one device are replicated over the mesh, as
-  `steps.place_on_mesh` does.
+  `steps.place_on_mesh` does: as `NamedSharding`s, the only shardings
+  whose memory kind a `jax.ShapeDtypeStruct` carries into a jit's types (a
+  `SingleDeviceSharding`'s pinned_host is typed as device memory, and the
+  optimizer refuses its state there).
   """
   init = jax.jit(lambda: nnx.state(make()))
   shardings = init.lower().compile().output_shardings
@@ -162,7 +165,7 @@ def build(case: Case) -> Built:
       return model, optimizer
 
     model, optimizer = nnx.eval_shape(make)
-    state = _placed(cfg, mesh, make)
+    state = placed_state(mesh, make)
     nnx.update((model, optimizer), state)
     step = steps_lib.make_train_step(
       model, optimizer, mesh, overlap_scan=cfg.overlap_scan

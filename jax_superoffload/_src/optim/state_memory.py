@@ -38,8 +38,9 @@ def check_on_host(plan: state_lib.Bucketing, state: Any) -> None:
   two copies of it, with nothing to say so. It comes so from a jit whose
   shardings name device memory (a trainer's own sharding rules), a
   restore into a target without shardings (`jax.eval_shape`,
-  `nnx.eval_shape`), or Flax's eager sharding of an `nnx.Optimizer` built
-  outside `nnx.jit`. The step cannot move it and return it in host memory
+  `nnx.eval_shape`), a `jax.ShapeDtypeStruct` lowered with a
+  `SingleDeviceSharding` (JAX drops its memory kind from the type), or
+  Flax's eager sharding of an `nnx.Optimizer` built outside `nnx.jit`. The step cannot move it and return it in host memory
   instead: optax's wrappers (`MultiSteps`, `apply_if_finite`) select
   between the state they hold and ours, which JAX refuses across memories,
   and a jit that donates the state would alias a device buffer to a host
@@ -66,7 +67,9 @@ def check_on_host(plan: state_lib.Bucketing, state: Any) -> None:
       'with superoffload.state_shardings(tx, params): as the out_shardings '
       "of the jit that runs tx.init and the shardings of your step's "
       'state, as a restore target, or once with jax.device_put(state, '
-      'superoffload.state_shardings(tx, params)). Flax NNX: build '
+      'superoffload.state_shardings(tx, params)); a jax.ShapeDtypeStruct '
+      'carries pinned_host into the jit only with a NamedSharding (JAX '
+      'types a SingleDeviceSharding as device memory). Flax NNX: build '
       'nnx.Optimizer inside nnx.jit. MaxText: run it through '
       'python -m jax_superoffload.integrations.maxtext.'
     )
