@@ -123,7 +123,6 @@ def _build_train(cfg):
   import numpy as np
   from flax import nnx
 
-  from experiments.device import aot_steps
   from experiments.trainer import model as model_lib
   from experiments.trainer import train
 

@@ -40,11 +40,12 @@ def check_on_host(plan: state_lib.Bucketing, state: Any) -> None:
   restore into a target without shardings (`jax.eval_shape`,
   `nnx.eval_shape`), a `jax.ShapeDtypeStruct` lowered with a
   `SingleDeviceSharding` (JAX drops its memory kind from the type), or
-  Flax's eager sharding of an `nnx.Optimizer` built outside `nnx.jit`. The step cannot move it and return it in host memory
-  instead: optax's wrappers (`MultiSteps`, `apply_if_finite`) select
-  between the state they hold and ours, which JAX refuses across memories,
-  and a jit that donates the state would alias a device buffer to a host
-  result, which aborts the process. So the error says how to place it.
+  Flax's eager sharding of an `nnx.Optimizer` built outside `nnx.jit`.
+  The step cannot move it and return it in host memory instead: optax's
+  wrappers (`MultiSteps`, `apply_if_finite`) select between the state
+  they hold and ours, which JAX refuses across memories, and a jit that
+  donates the state would alias a device buffer to a host result, which
+  aborts the process. So the error says how to place it.
   """
   if not host_memory.host_memory_available():
     return
