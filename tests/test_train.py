@@ -214,7 +214,15 @@ def test_help_lists_every_field_with_its_help(capsys):
 
 def test_config_files_and_names_are_the_same_configs():
   names = config_files.preset_names()
-  assert {'tiny', 'demo', '125m', '350m', '1b', 'paper_gh200_25b'} <= set(names)
+  assert {
+    'tiny',
+    'demo',
+    '125m',
+    '350m',
+    '1b',
+    'llama8b',
+    'paper_gh200_25b',
+  } <= set(names)
   for name in names:
     by_file = config.config_from_args([f'--config=configs/{name}.py'])
     assert by_file == config.config_from_args([f'--config={name}'])
@@ -225,6 +233,21 @@ def test_config_files_and_names_are_the_same_configs():
   # "small" is its older name.
   assert config.get_config('demo') == config.Config() == config.get_config()
   assert config.get_config('small') == config.Config()
+
+
+def test_the_8b_config_has_llama_8bs_blocks():
+  # Llama 3 8B's block: 4096 * (2.5 * 4096) attention (grouped heads) +
+  # 3 * 4096 * 14336 gated MLP; ours is plain, at the same count, plus
+  # two norms' scales of 4096 (no biases anywhere).
+  cfg = config.get_config('llama8b')
+  config.validate(cfg)
+  shapes = nnx.state(nnx.eval_shape(lambda: model.init_model(cfg)))
+  count = sum(x.size for x in jax.tree.leaves(shapes))
+  llama_block = 4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336
+  blocks = 32 * (llama_block + 2 * 4096)
+  embeddings = 2 * 32000 * 4096  # Untied, as Llama's.
+  assert count == blocks + embeddings + 4096  # And the final norm.
+  assert count == 7_241_732_096
 
 
 def test_config_file_outside_configs_with_overrides(tmp_path):
