@@ -37,6 +37,9 @@ from typing import Any
 CHECKED_JAX = ('0.11.2', '0.12.0.1', '0.12.1')
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 PLUGIN_PATH_ENV = 'JAX_SUPEROFFLOAD_CUDA_AOT'
+# jax_superoffload's plugin_ffi.PLUGIN_ENV (not imported: JAX must not be
+# imported before `add_plugin_path`).
+_REGISTER_IN_ENV = 'JAX_SUPEROFFLOAD_CUDA_PLUGIN'
 
 
 def plugin_path() -> pathlib.Path:
@@ -63,6 +66,13 @@ def add_plugin_path() -> pathlib.Path:
   if str(path) not in sys.path:
     sys.path.insert(0, str(path))
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  # Grace Adam's host handlers must be filed in the copy of the plugin
+  # that compiles: registered in another copy (a CUDA plugin installed
+  # elsewhere, which CI and `make test` name) they fill a registry no
+  # compiler reads, and XLA:GPU aborts the process ("No FFI handler
+  # registered ... on a platform Host").
+  for library in sorted((path / 'jax_plugins').glob('*/xla_cuda_plugin.so')):
+    os.environ[_REGISTER_IN_ENV] = str(library)
   return path
 
 
