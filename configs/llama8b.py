@@ -16,8 +16,10 @@ steps start only after the backward loop. Scanned blocks start their host
 steps after the backward loop too (`overlap_scan` off): started in it,
 each 16-bit stack's new fp32 master crosses to the device whole before it
 is rounded (38.11 GB of device memory compiled, against 31.06 after the
-loop); at 8B and batch 1 the host's Adam (about 1.3 s predicted at the
-H200 machine's measured 5.4 Gparam/s) outlasts the whole backward anyway.
+loop by the 0.12.0.1 CUDA plugin's compiler; 0.12.1's places the
+buckets' new weights in device memory, 38.76); at 8B and batch 1 the
+host's Adam (about 1.3 s predicted at the H200 machine's measured 5.4
+Gparam/s) outlasts the whole backward anyway.
 
 Compiled for an H100 without a GPU (docs/gpu.md has the table and the
 command); not run on one.
