@@ -218,3 +218,17 @@ def test_the_commit_key_changes_with_uncommitted_code(tmp_path, monkeypatch):
   code.write_text('a = 1\n')
   (code.parent / 'new.py').write_text('b = 1\n')
   assert aot_capacity.library_commit() not in (head, edited)
+
+
+def test_the_planner_reads_the_8b_compiles_it_is_compared_with(capsys):
+  # The committed 8B results, by the 0.12.0.1 plugin's compiler: the
+  # planner lands within 1% of the step after the loop and of fp32 optax.
+  from experiments.device import aot_planner
+
+  path = 'results/gpu_aot/8b_h100_plugin0.12.0.1_2026-12-07.json'
+  assert aot_planner.main([str(pathlib.Path(__file__).parents[1] / path)]) == 0
+  lines = dict(
+    line.split(': ', 1) for line in capsys.readouterr().out.split('\n') if line
+  )
+  assert lines['optax:scan:float32'].endswith('(+0% device)')
+  assert lines['auto=stream:scan:bfloat16:after-loop'].endswith('(-1% device)')

@@ -1,5 +1,9 @@
 """The planner's prediction for a step the harness compiles.
 
+  python -m experiments.device.aot_planner AOT_JSON
+
+prints it beside each compiled case of `experiments.device.aot`'s JSON.
+
 `predict` asks `jax_superoffload.plan` about the trainer's step of a case:
 the same model (`planner_spec`), the trainer's policies, and the GPU's
 budgets from `gpu_targets` with no reserve (`planner_profile`), so that
@@ -9,6 +13,9 @@ its device bytes, host bytes and fit stand beside the compiled ones.
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
+import sys
 from typing import Any
 
 import jax_superoffload as superoffload
@@ -96,3 +103,25 @@ def trainer_config(fields: dict[str, Any]) -> config_lib.Config:
     **{**fields, 'overrides': tuple(map(tuple, fields['overrides']))}
   )
   return aot_steps.trainer_config(case)
+
+
+def main(argv: list[str]) -> int:
+  rows = json.loads(pathlib.Path(argv[0]).read_text())
+  if isinstance(rows, dict):  # A results file: the cases and their context.
+    rows = rows['cases']
+  for r in rows:
+    if not r.get('compiles'):
+      continue
+    cfg = trainer_config(r['fields'])
+    p = predict(cfg, r['num_params'], r['fields']['gpu'])
+    print(
+      f'{r["case"]}: compiled {r["device_GB"]:.2f} GB device, '
+      f'{r["host_GB"]:.2f} host; planner {p["device"] / 1e9:.2f}, '
+      f'{p["host"] / 1e9:.2f} ({p["device"] / 1e9 / r["device_GB"] - 1:+.0%}'
+      ' device)'
+    )
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv[1:]))
