@@ -7,8 +7,10 @@ on every JAX line; tests/test_gpu_compile.py compiles the same flags.
 """
 
 import json
+import os
 import pathlib
 import subprocess
+import sys
 
 import pytest
 
@@ -232,3 +234,33 @@ def test_the_planner_reads_the_8b_compiles_it_is_compared_with(capsys):
   )
   assert lines['optax:scan:float32'].endswith('(+0% device)')
   assert lines['auto=stream:scan:bfloat16:after-loop'].endswith('(-1% device)')
+
+
+def test_grace_adam_is_filed_in_the_plugin_that_compiles(tmp_path):
+  # `make test` names the CUDA plugin wheel's copy for registration; the
+  # deviceless compiler loads another copy. Filed in the first, XLA:GPU
+  # finds no handler and aborts the compile: the harness points the
+  # registration at the copy it compiles with.
+  compiling = tmp_path / 'jax_plugins' / 'xla_cuda13' / 'xla_cuda_plugin.so'
+  compiling.parent.mkdir(parents=True)
+  compiling.write_bytes(b'')
+  code = (
+    'import os\n'
+    'from experiments.device import deviceless\n'
+    'deviceless.add_plugin_path()\n'
+    "print(os.environ['JAX_SUPEROFFLOAD_CUDA_PLUGIN'])\n"
+  )
+  env = dict(
+    os.environ,
+    JAX_SUPEROFFLOAD_CUDA_AOT=str(tmp_path),
+    JAX_SUPEROFFLOAD_CUDA_PLUGIN='/elsewhere/xla_cuda_plugin.so',
+  )
+  done = subprocess.run(
+    [sys.executable, '-c', code],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=pathlib.Path(__file__).parents[1],
+    check=True,
+  )
+  assert done.stdout.strip() == str(compiling)

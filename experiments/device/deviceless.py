@@ -71,8 +71,9 @@ def add_plugin_path() -> pathlib.Path:
   # elsewhere, which CI and `make test` name) they fill a registry no
   # compiler reads, and XLA:GPU aborts the process ("No FFI handler
   # registered ... on a platform Host").
-  for library in sorted((path / 'jax_plugins').glob('*/xla_cuda_plugin.so')):
-    os.environ[_REGISTER_IN_ENV] = str(library)
+  compiling = sorted((path / 'jax_plugins').glob('*/xla_cuda_plugin.so'))
+  if compiling:
+    os.environ[_REGISTER_IN_ENV] = str(compiling[-1])
   return path
 
 
