@@ -224,7 +224,8 @@ def test_the_commit_key_changes_with_uncommitted_code(tmp_path, monkeypatch):
 
 def test_the_planner_reads_the_8b_compiles_it_is_compared_with(capsys):
   # The committed 8B results, by the 0.12.0.1 plugin's compiler: the
-  # planner lands within 1% of the step after the loop and of fp32 optax.
+  # planner lands within 2% of the step after the loop and of fp32 optax
+  # (tests/test_planner_compile.py: every committed compile).
   from experiments.device import aot_planner
 
   path = 'results/gpu_aot/8b_h100_plugin0.12.0.1_2026-12-07.json'
@@ -232,8 +233,8 @@ def test_the_planner_reads_the_8b_compiles_it_is_compared_with(capsys):
   lines = dict(
     line.split(': ', 1) for line in capsys.readouterr().out.split('\n') if line
   )
-  assert lines['optax:scan:float32'].endswith('(+0% device)')
-  assert lines['auto=stream:scan:bfloat16:after-loop'].endswith('(-1% device)')
+  assert lines['optax:scan:float32'].endswith('(+1% device)')
+  assert lines['auto=stream:scan:bfloat16:after-loop'].endswith('(+2% device)')
 
 
 def test_grace_adam_is_filed_in_the_plugin_that_compiles(tmp_path):

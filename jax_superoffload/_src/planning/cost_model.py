@@ -12,40 +12,57 @@ Model (N parameters, T = seq_len x batch tokens per step):
   score FLOPs are not counted (about s / 6h of 6NT, e.g. 13% at s = 4096,
   h = 5120). Gradients arrive uniformly in parameters over the backward
   pass, last for the first layers and the embeddings.
-* **Activations** (Korthikanti et al. 2022, bytes, with flash attention
-  dropping their 5as/h score term): 34 sbh x (bytes_per_activation / 2) per
-  layer; with checkpointing only each layer's input (sbh x bytes) is kept,
-  plus one layer's full set during its recomputation. Plus fp32 logits,
-  4 sbV (their gradient overwrites them).
-* **Memory per parameter.** Device-resident Adam: 16 B (bf16 weight and
-  gradient, fp32 master, m, v) on the device. Offloaded: bf16 weights and
-  gradients on the device (4 B; a jitted step holds the whole gradient
-  tree), plus one bucket in flight each way (fp32, or bf16 when casting on
-  the host). On the host, the library's state: fp32 master, m and v (12 B,
-  what `adamw(...).init` allocates), and, casting on the host, the new
-  bf16 weights the host step returns, which the compiled step keeps in
-  host buffers until they are copied in (`returned_weight_bytes`;
-  weight-stationary). STV with fp32 moments adds the spare
+* **Activations** (Korthikanti et al. 2022, bytes): 34 sbh x
+  (bytes_per_activation / 2) per layer; with checkpointing only each
+  layer's input (sbh x bytes) is kept, plus one layer's full set during
+  its recomputation. Plus fp32 logits, 4 sbV (their gradient overwrites
+  them). Flash attention keeps no scores. Without it the scores are
+  counted as `jax.nn.dot_product_attention`'s XLA implementation keeps
+  them, not as Korthikanti's 5as/h: the fp32 softmax and the
+  probabilities in the activations' dtype, 6 B per score with bf16
+  activations (`score_bytes_per_element`), per stored layer, and, with
+  checkpointing, as much again while the rebuilt layer's backward holds
+  their gradients.
+* **Memory per parameter.** The weights and gradients on the device are
+  the `ModelSpec`'s dtypes (`bytes_per_param`, `bytes_per_grad`; 16-bit
+  by default). Device-resident Adam: weights, gradients, an fp32 master
+  (16-bit weights only), m and v: 16 B either way (bf16: 2 + 2 + 4 + 8;
+  fp32: 4 + 4 + 8). Offloaded: weights and gradients on the device (4 B
+  16-bit, 8 B fp32; a jitted step holds the whole gradient tree). On the
+  host, the library's state: fp32 master, m and v (12 B, what
+  `adamw(...).init` allocates, for fp32 weights too), and, casting 16-bit
+  weights on the host, the new weights the host step returns, which the
+  compiled step keeps in host buffers until they are copied in
+  (`returned_weight_bytes`; weight-stationary); fp32 weights are copied
+  from the state itself. The `stream` executor stages each bucket through
+  two pinned host slots it allocates itself (`staging_bytes`, host bytes
+  XLA does not count), and holds no bucket in device memory but where it
+  casts 16-bit weights on the device: one bucket each way in fp32
+  (`cast_staging_bytes`; its compiled step casting on the host needs what
+  optax's needs less the state). STV with fp32 moments adds the spare
   row of its double-buffered state, fp32 master, m and v, and the fp32
   gradients its speculative pass keeps for a redo (+16 B, 28 B in all).
   With low-precision moments (`moments`) m and v take 2 B each (bf16) or
   1 B each plus an fp32 scale per 256 (8-bit): 8 or about 6 B on the host
   instead of 12; their STV steps after the verdict, with no spare row and
   no kept gradients (`stv_form`). The ZeRO-Offload baseline keeps the
-  fp32 gradient on the host too (16 B, Ren et al. 2021).
-  Weight-flow keeps two layers' bf16 weights and gradients on the device
-  and a bf16 (host cast) copy of the weights on the host (+2 B). A bucket
-  kept on the device adds its fp32 master, m and v there (12 B; with
-  weight-flow also its resident bf16 weights and gradients) and leaves the
-  host.
+  fp32 gradient on the host too (16 B, Ren et al. 2021), and one bucket
+  each way in device memory.
+  Weight-flow keeps two layers' weights and gradients on the device
+  and a 16-bit (host cast) copy of the weights on the host (+2 B). A
+  bucket kept on the device adds its fp32 master (16-bit weights only), m
+  and v there (12 B; with weight-flow also its resident weights and
+  gradients) and leaves the host.
 * **Transfers.** Gradients go device-to-host, new weights host-to-device,
-  fp32 (4 B) when casting on the device, bf16 (2 B) when casting on the
-  host; the link is full duplex. Weight-flow streams the weights in twice a
-  step (forward; backward with its recomputation), in the dtype that
-  crosses the link (fp32 when casting on the device, cast again each pass),
-  overlapped with compute layer by layer: a pass takes max(compute, stream).
-* **Casts.** Device: grads up, weights down, 6 B per element per cast at HBM
-  bandwidth. Host: the same 12 B per parameter at `host_cast_gbs`.
+  fp32 (4 B) when casting on the device, in their own dtypes when casting
+  on the host (2 B each for 16-bit ones); the link is full duplex.
+  Weight-flow streams the weights in twice a step (forward; backward with
+  its recomputation), in the dtype that crosses the link (fp32 when
+  casting on the device, cast again each pass), overlapped with compute
+  layer by layer: a pass takes max(compute, stream).
+* **Casts.** Device: 16-bit grads up, weights down, 6 B per element per
+  cast at HBM bandwidth. Host: the same 12 B per parameter at
+  `host_cast_gbs`. fp32 weights and gradients need no cast.
 * **Host Adam** streams 28 B per parameter at `host_bandwidth_gbs x
   host_adam_efficiency` (20 B with bf16 moments, about 16 B with 8-bit
   ones), memory-bound, except 8-bit moments where the profile's measured
@@ -65,6 +82,35 @@ Model (N parameters, T = seq_len x batch tokens per step):
 * **ZeRO-Offload-style baseline**: weight-stationary, bf16 over the link,
   cast on the host, every bucket on the CPU, no STV and no overlap: compute,
   then copies, casts, Adam and copies, one after another.
+
+Against the compiled step (`python -m experiments.device.aot_planner
+AOT_JSON`: the trainer's step compiled for a GPU without one, by the
+XLA:GPU of the 0.12.0.1 CUDA plugin; results/gpu_aot/): for the programs
+modelled here, optax.adamw with fp32 weights and the `stream` executor
+with its host steps after the backward pass, the device bytes are within
+10% of XLA's at every size tested (two and four layers of width 256, the
+1B preset scanned or unrolled, the 8B config, and the capacity search's
+16 to 584 layers of the 1B width: from 5% under to 7% over) and the host
+bytes within 3%. The returned 16-bit weights are an upper bound: XLA may
+free some before others arrive (0.43 B/param at two layers of the 8B
+width, 2 at 32). Where the rebuilt layer's activations are most of the
+step, the agreement is looser, as XLA packs that layer's buffers
+differently by shape and dtype. Per attention score it takes 7 to 14 B
+(8B and 1B widths, fp32 or bf16 weights) where this model counts 12, so
+two layers of those widths come out up to 16% over. Where the scores are
+not most of a layer (few heads, short sequences), XLA keeps more per
+token than 34 sbh: two layers of width 256 with two heads of 128 and
+4 x 256 tokens, 19% under (but 21% over with four heads of 64 and
+2 x 512 tokens; results/gpu_aot/planner_vs_compiled_2026-12-07.txt).
+Not modelled: optax on 16-bit weights (no fp32 master, 16-bit moments),
+host-compute executors (`ffi`, `xla_host`: XLA stages the state through
+host buffers of its own), `device` (the state copied in),
+`overlap_scan`'s rows with 16-bit weights (each stack's fp32 master
+returns to the device), and compilers that place the returned 16-bit
+weights in device memory (jax 0.12.1: 7.7 GB at 8B). Casting on the
+device, the buckets cast in device memory are counted though the
+compiled step casts them after the backward pass, under its
+activations' peak.
 """
 
 from __future__ import annotations
@@ -80,13 +126,9 @@ from jax_superoffload._src.planning.hardware import ADAM_LOWP_BYTES_PER_PARAM
 from jax_superoffload._src.planning.hardware import HardwareProfile
 
 # Bytes a host cast pass moves per parameter: grads bf16 -> fp32 (2 read +
-# 4 written) and weights fp32 -> bf16 (4 read + 2 written).
+# 4 written) and weights fp32 -> bf16 (4 read + 2 written). 16-bit weights
+# and gradients; `cast_bytes` has those of any `ModelSpec`.
 CAST_BYTES_PER_PARAM = 12
-# Device-resident mixed-precision Adam: bf16 weight and gradient, fp32
-# master, m and v.
-DEVICE_ADAM_BYTES_PER_PARAM = 16
-# Offloaded: bf16 weight and gradient on the device.
-OFFLOAD_DEVICE_BYTES_PER_PARAM = 4
 # Offloaded: the library's host state, fp32 master, m and v (its init;
 # no gradient is kept without STV; checked by test_planner against
 # `adamw(...).init`).
@@ -94,8 +136,6 @@ OFFLOAD_HOST_BYTES_PER_PARAM = 12
 # ZeRO-Offload (Ren et al. 2021) keeps fp32 master, m, v and the fp32
 # gradient on the host: the baseline's host bytes.
 ZERO_OFFLOAD_HOST_BYTES_PER_PARAM = 16
-# fp32 master, m and v of a bucket whose Adam runs on the device.
-DEVICE_BUCKET_STATE_BYTES_PER_PARAM = 12
 # STV's spare row of the host state (fp32 master, m and v): see stv.py.
 STV_SPARE_HOST_BYTES_PER_PARAM = 12
 # STV's speculative pass also writes the gradients it read, as fp32, into
@@ -120,6 +160,9 @@ def host_adam_bytes_per_param(moments: str = 'fp32') -> float:
 
 # Weight-flow keeps this many layers of weights and gradients on the device.
 FLOW_WINDOW_LAYERS = 2
+# Bytes per weight or gradient element a `ModelSpec` may hold: 16-bit
+# (bf16, fp16) or fp32.
+WEIGHT_BYTES = (2, 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +182,11 @@ class ModelSpec:
     activation_checkpointing: Keep only layer inputs and recompute the rest
       in backward.
     flash_attention: Attention scores are not stored (flash attention).
+    bytes_per_param: Bytes per weight on the accelerator: 2 (bf16 or fp16
+      weights, with an fp32 master in the optimizer's state) or 4 (fp32
+      weights, their own master).
+    bytes_per_grad: Bytes per gradient element on the accelerator (2 or 4);
+      None: those of the weights (as JAX's gradients are).
   """
 
   params: int
@@ -151,12 +199,19 @@ class ModelSpec:
   bytes_per_activation: int = 2
   activation_checkpointing: bool = True
   flash_attention: bool = True
+  bytes_per_param: int = 2
+  bytes_per_grad: int | None = None
 
   def __post_init__(self):
     for name in ('params', 'layers', 'hidden', 'seq_len', 'batch', 'vocab'):
       value = getattr(self, name)
       if not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f'{name} must be a positive integer, got {value!r}')
+    for name in ('bytes_per_param', 'bytes_per_grad'):
+      value = getattr(self, name)
+      unset = name == 'bytes_per_grad' and value is None
+      if value not in WEIGHT_BYTES and not unset:
+        raise ValueError(f'{name} must be one of {WEIGHT_BYTES}, got {value!r}')
 
   @classmethod
   def from_params(cls, params: float, **kwargs: Any) -> ModelSpec:
@@ -190,6 +245,21 @@ class ModelSpec:
     """Tokens per step."""
     return self.seq_len * self.batch
 
+  @property
+  def grad_bytes(self) -> int:
+    """Bytes per gradient element on the accelerator."""
+    if self.bytes_per_grad is None:
+      return self.bytes_per_param
+    return self.bytes_per_grad
+
+  @property
+  def master_bytes(self) -> int:
+    """Bytes per parameter of an fp32 master kept beside the weights.
+
+    16-bit weights need one; fp32 weights are their own master.
+    """
+    return 4 if self.bytes_per_param < 4 else 0
+
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
@@ -221,19 +291,97 @@ def activation_bytes(model: ModelSpec) -> float:
   )
   sbh = s * b * h
   per_layer = 34 * sbh * p / 2
+  scores = 0.0
   if not model.flash_attention:
     heads = model.heads or max(1, h // 128)
-    per_layer += 5 * heads * s * s * b * p / 2
+    scores = score_bytes_per_element(p) * heads * s * s * b
   if model.activation_checkpointing:
-    layers = model.layers * sbh * p + per_layer
+    # The rebuilt layer's backward holds its scores' gradients beside them.
+    layers = model.layers * sbh * p + per_layer + 2 * scores
   else:
-    layers = model.layers * per_layer
+    # Each layer's backward frees what it kept as it goes: room for the
+    # gradients of its scores.
+    layers = model.layers * (per_layer + scores)
   return layers + 4 * s * b * model.vocab
 
 
-def _staging_bytes(bucket_elements: int, cast: str) -> float:
-  """One bucket in flight each way, in the dtype that crosses the link."""
-  return 2 * bucket_elements * (4 if cast == 'device' else 2)
+def score_bytes_per_element(bytes_per_activation: int) -> int:
+  """Bytes per attention score `jax.nn.dot_product_attention` keeps.
+
+  Its XLA implementation (no flash attention) keeps the fp32 softmax and
+  the probabilities in the activations' dtype for the backward pass, and
+  that pass holds the gradients of both at once.
+  """
+  return 4 + bytes_per_activation if bytes_per_activation < 4 else 4
+
+
+def wire_bytes(model: ModelSpec, cast: str) -> tuple[int, int]:
+  """Bytes per element crossing the link: (gradients out, weights back).
+
+  Casting on the device, both cross as fp32; casting on the host, each in
+  its own dtype (fp32 weights and gradients need no cast on either side).
+  """
+  if cast == 'device':
+    return 4, 4
+  return model.grad_bytes, model.bytes_per_param
+
+
+def cast_bytes(model: ModelSpec) -> tuple[int, int]:
+  """Bytes a cast pass moves per element: (gradients up, weights down).
+
+  16-bit to fp32 reads 2 and writes 4, and back; fp32 needs no cast (0).
+  """
+  grads = model.grad_bytes + 4 if model.grad_bytes < 4 else 0
+  weights = 4 + model.bytes_per_param if model.bytes_per_param < 4 else 0
+  return grads, weights
+
+
+def weight_grad_bytes(model: ModelSpec) -> int:
+  """Device bytes per parameter of the weights and their gradients."""
+  return model.bytes_per_param + model.grad_bytes
+
+
+def device_adam_bytes_per_param(model: ModelSpec) -> int:
+  """Device-resident Adam's bytes per parameter on the device.
+
+  Weights, gradients, an fp32 master (16-bit weights only), m and v: 16 B
+  with 16-bit or fp32 weights alike.
+  """
+  return weight_grad_bytes(model) + model.master_bytes + 8
+
+
+def staging_bytes(model: ModelSpec, bucket_elements: int, cast: str) -> float:
+  """Host bytes of the stream executor's two pinned staging slots.
+
+  Each holds what one bucket's host step stages (`steps.staging_bound`):
+  its gradients as they cross, its weights (the re-seed reads them) and
+  the 16-bit weights it writes back when casting on the host. The library
+  allocates them itself, outside XLA's accounting.
+  """
+  grads, _ = wire_bytes(model, cast)
+  per_element = (
+    grads
+    + model.bytes_per_param
+    + returned_weight_bytes(cast, model.bytes_per_param)
+  )
+  return 2 * bucket_elements * per_element
+
+
+def cast_staging_bytes(
+  model: ModelSpec, bucket_elements: int, cast: str
+) -> float:
+  """Device bytes of one bucket cast on the device each way, in fp32.
+
+  Casting 16-bit weights on the device, a bucket's gradients are cast up
+  and its new fp32 weights arrive to be cast down. Otherwise the stream
+  executor reads and writes the step's own buffers: its compiled step
+  casting on the host needs what optax's needs less the state. Counted
+  whole, though the compiled step (host steps after the backward pass)
+  casts while the backward's activations are freed, under their peak.
+  """
+  if cast != 'device' or not any(cast_bytes(model)):
+    return 0.0
+  return 2 * bucket_elements * 4
 
 
 def stationary_device_bytes(
@@ -241,9 +389,9 @@ def stationary_device_bytes(
 ) -> float:
   """Device bytes of weight-stationary offload before any device bucket."""
   return (
-    OFFLOAD_DEVICE_BYTES_PER_PARAM * model.params
+    weight_grad_bytes(model) * model.params
     + activation_bytes(model)
-    + _staging_bytes(bucket_elements, cast)
+    + cast_staging_bytes(model, bucket_elements, cast)
   )
 
 
@@ -288,34 +436,40 @@ def _offload_bytes(
 ) -> tuple[float, float]:
   """Device and host bytes of an offloaded configuration."""
   n = model.params
-  fixed = activation_bytes(model) + _staging_bytes(bucket, cast)
-  state = DEVICE_BUCKET_STATE_BYTES_PER_PARAM * n_dev
+  # A device bucket's fp32 master (16-bit weights only), m and v.
+  state = (model.master_bytes + 8) * n_dev
   host = offload_host_bytes_per_param(stv, moments) * (n - n_dev)
+  host += staging_bytes(model, bucket, cast) if n_dev < n else 0
+  returned = returned_weight_bytes(cast, model.bytes_per_param)
   if weights == 'flow':
     window = min(n, FLOW_WINDOW_LAYERS * n / model.layers)
-    device = OFFLOAD_DEVICE_BYTES_PER_PARAM * (window + n_dev)
-    host += 2 * n if cast == 'host' else 0  # The bf16 copy streamed in.
+    device = weight_grad_bytes(model) * (window + n_dev)
+    host += returned * n  # The 16-bit copy streamed in.
   else:
-    device = OFFLOAD_DEVICE_BYTES_PER_PARAM * n
+    device = weight_grad_bytes(model) * n
     # The host step writes the new weights into host buffers, which XLA
     # copies to the device: host temporaries of the compiled step.
-    host += returned_weight_bytes(cast) * (n - n_dev)
+    host += returned * (n - n_dev)
+  fixed = activation_bytes(model) + cast_staging_bytes(model, bucket, cast)
   return device + state + fixed, host
 
 
-def returned_weight_bytes(cast: str) -> float:
+def returned_weight_bytes(cast: str, bytes_per_param: int = 2) -> float:
   """Host bytes per host-bucket parameter of the weights the step returns.
 
-  Casting on the host, the host step writes the new bf16 weights into
-  host buffers that XLA allocates for the step's results and frees after
-  their copies to the device. The compiled stream step (deviceless, H200
-  target) keeps them all at once: its host temporaries are
-  1.83 B/param at the 1B width, 16 and 64 layers alike, and 2 B/param at
-  the tests' small width. Casting on the device, the fp32 weights are
-  copied from the state itself: no host bytes (the compiled step's host
-  bytes are its state's; tests/test_capacity.py).
+  Casting 16-bit weights on the host, the host step writes the new
+  weights into host buffers that XLA allocates for the step's results and
+  frees after their copies to the device. The compiled stream step
+  (deviceless, H200 target) keeps them all at once: its host temporaries
+  are 1.83 B/param at the 1B width, 16 and 64 layers alike, and 2 B/param
+  at the tests' small width. Casting on the device, or with fp32 weights
+  (their own master), the weights are copied from the state itself: no
+  host bytes (the compiled step's host bytes are its state's;
+  tests/test_capacity.py).
   """
-  return 2.0 if cast == 'host' else 0.0
+  if cast == 'host' and bytes_per_param < 4:
+    return float(bytes_per_param)
+  return 0.0
 
 
 def fits_memory(
@@ -417,25 +571,30 @@ def offload_step(
   n_host = sum(host_sizes)
   n_dev = n - n_host
   link, hbm = hw.link_bytes_per_s, hw.device_bandwidth_gbs * 1e9
-  wire = 4 if cast == 'device' else 2
+  grad_wire, weight_wire = wire_bytes(model, cast)
   fwd, bwd = _compute_times(model, hw)
   compute = fwd + bwd
   if weights == 'flow':
-    stream = (n - n_dev) * wire / link  # One pass over the streamed layers.
+    # One pass over the streamed layers, in the dtype that crosses.
+    stream = (n - n_dev) * weight_wire / link
     fwd, bwd = max(fwd, stream), max(bwd, stream)
     h2d, update_wire, weight_casts = 2 * stream, 0, 2 * (n - n_dev)
   else:
-    h2d, update_wire, weight_casts = n_host * wire / link, wire, n_host
-  device_cast = 6 * (n_host + weight_casts) / hbm if cast == 'device' else 0.0
+    h2d = n_host * weight_wire / link
+    update_wire, weight_casts = weight_wire, n_host
+  device_cast = 0.0
+  if cast == 'device':
+    grad_cast, weight_cast = cast_bytes(model)
+    device_cast = (grad_cast * n_host + weight_cast * weight_casts) / hbm
   host_cast_pp, adam_pp, redo_pp = _host_seconds_per_param(
-    hw, cast, stv, moments
+    model, hw, cast, stv, moments
   )
   device_adam = n_dev * ADAM_LOWP_BYTES_PER_PARAM / hbm
   host_end = _host_pipeline_end(
     host_sizes,
     n,
     (fwd, bwd),
-    (wire / link, host_cast_pp + adam_pp, update_wire / link),
+    (grad_wire / link, host_cast_pp + adam_pp, update_wire / link),
     speculates(stv, moments),
   )
   device_end = fwd + bwd + device_cast + device_adam
@@ -446,7 +605,7 @@ def offload_step(
     compute=compute,
     device_cast=device_cast,
     device_adam=device_adam,
-    d2h=n_host * wire / link,
+    d2h=n_host * grad_wire / link,
     h2d=h2d,
     host_cast=n_host * host_cast_pp,
     host_adam=n_host * adam_pp,
@@ -459,12 +618,12 @@ def offload_step(
 
 
 def _host_seconds_per_param(
-  hw: HardwareProfile, cast: str, stv: bool, moments: str
+  model: ModelSpec, hw: HardwareProfile, cast: str, stv: bool, moments: str
 ) -> tuple[float, float, float]:
   """Host seconds per parameter: the cast, Adam, and an STV redo (or 0)."""
-  host_cast = (
-    CAST_BYTES_PER_PARAM / (hw.host_cast_gbs * 1e9) if cast == 'host' else 0.0
-  )
+  host_cast = 0.0
+  if cast == 'host':
+    host_cast = sum(cast_bytes(model)) / (hw.host_cast_gbs * 1e9)
   speculative = speculates(stv, moments)
   adam_bytes = host_adam_bytes_per_param(moments) + (
     STV_KEPT_GRAD_BYTES_PER_PARAM if speculative else 0
@@ -504,22 +663,27 @@ def device_adam_estimate(model: ModelSpec, hw: HardwareProfile) -> Estimate:
   step = sum(_compute_times(model, hw)) + n * ADAM_LOWP_BYTES_PER_PARAM / (
     hw.device_bandwidth_gbs * 1e9
   )
-  device = DEVICE_ADAM_BYTES_PER_PARAM * n + activation_bytes(model)
+  device = device_adam_bytes_per_param(model) * n + activation_bytes(model)
   return make_estimate(model, hw, step, device, 0.0, step)
 
 
 def zero_offload_estimate(
   model: ModelSpec, hw: HardwareProfile, bucket_elements: int
 ) -> Estimate:
-  """ZeRO-Offload-style: stationary, bf16 link, host cast, all serial."""
+  """ZeRO-Offload-style: stationary, host cast, all serial.
+
+  Its gradients and weights cross in their own dtypes (bf16 by default),
+  through one bucket each way in device memory.
+  """
   n = model.params
   compute = sum(_compute_times(model, hw))
   step = (
     compute
-    + 2 * (2 * n / hw.link_bytes_per_s)
-    + n * CAST_BYTES_PER_PARAM / (hw.host_cast_gbs * 1e9)
+    + n * sum(wire_bytes(model, 'host')) / hw.link_bytes_per_s
+    + n * sum(cast_bytes(model)) / (hw.host_cast_gbs * 1e9)
     + n * ADAM_BYTES_PER_PARAM / hw.host_adam_bytes_per_s
   )
-  device = stationary_device_bytes(model, bucket_elements, 'host')
+  buckets = 2 * bucket_elements * max(wire_bytes(model, 'host'))
+  device = weight_grad_bytes(model) * n + activation_bytes(model) + buckets
   host = ZERO_OFFLOAD_HOST_BYTES_PER_PARAM * n
   return make_estimate(model, hw, step, device, host, compute)

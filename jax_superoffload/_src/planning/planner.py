@@ -9,9 +9,10 @@ parameter, transfers, casts, host Adam and the baseline) are in
 
 Decision rules:
 
-* **Weights**: weight-stationary while bf16 weights + gradients +
-  activations + in-flight buckets fit in usable device memory, weight-flow
-  beyond (always stationary with unified memory: moving frees nothing).
+* **Weights**: weight-stationary while the weights and gradients (in the
+  model's dtypes) + activations (+ a bucket cast each way, casting on the
+  device) fit in usable device memory, weight-flow beyond (always
+  stationary with unified memory: moving frees nothing).
 * **Cast side**: per parameter and step, `device` costs
   (4 + 4w) B / link + (6 + 6w) B / HBM bandwidth and `host` costs
   (2 + 2w) B / link + 12 B / host cast rate, with w = 1 weight transfer
@@ -35,6 +36,7 @@ from collections import Counter
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_superoffload._src.planning import cost_model
@@ -100,6 +102,9 @@ class Plan:
   device_bytes: float
   # Host bytes needed.
   host_bytes: float
+  # Of host_bytes, the stream executor's two pinned staging slots, which
+  # the library allocates outside XLA (`cost_model.staging_bytes`).
+  staging_bytes: float
   # Of device_bytes, activations.
   activation_bytes: float
   # Forward, backward and recomputation on the accelerator.
@@ -140,7 +145,7 @@ class Plan:
     lines = [
       f'SuperOffload plan (model prediction) for {m.params / 1e9:.2f}B params'
       f' ({m.layers} layers x {m.hidden}, seq {m.seq_len} x batch'
-      f' {m.batch}) on {hw.name}',
+      f' {m.batch}, {8 * m.bytes_per_param}-bit weights) on {hw.name}',
       f'  weights: {self.weights}, cast on: {self.cast}, fits:'
       f' {self.fits} (device {self.device_bytes * gb:.1f} of'
       f' {hw.usable_device_bytes * gb:.1f} GB usable, activations'
@@ -253,10 +258,12 @@ def _spec_from_tree(tree: Any, **fields: Any) -> ModelSpec:
   Hidden size: the most frequent dimension of the leaves with two or more
   dimensions. Vocabulary: the other dimension of a 2-D leaf whose path names
   an embedding. Layers: (params - vocab hidden) / (12 hidden^2), at least 1.
+  Weights' bytes: those of most of its floating-point elements.
   """
   with_paths = jax.tree_util.tree_flatten_with_path(tree)[0]
   if not with_paths:
     raise ValueError('plan() got an empty params pytree')
+  leaves = [leaf for _, leaf in with_paths]
   shapes = {}
   for path, leaf in with_paths:
     shape = getattr(leaf, 'shape', None)
@@ -286,10 +293,30 @@ def _spec_from_tree(tree: Any, **fields: Any) -> ModelSpec:
   layers = fields.pop('layers')
   if layers is None:
     layers = max(1, round((params - vocab * hidden) / (12 * hidden**2)))
+  if fields.get('bytes_per_param') is None:
+    fields['bytes_per_param'] = _weight_bytes(leaves)
   fields = {k: v for k, v in fields.items() if v is not None}
   return ModelSpec(
     params=params, layers=layers, hidden=hidden, vocab=vocab, **fields
   )
+
+
+def _weight_bytes(leaves: list[Any]) -> int:
+  """2 or 4: the weights' bytes as most floating-point elements hold them.
+
+  fp32 (or wider) where it holds most of them, else 16-bit; leaves
+  without a floating dtype are not counted, and a tree with none keeps the
+  `ModelSpec` default.
+  """
+  count: Counter = Counter()
+  for leaf in leaves:
+    dtype = getattr(leaf, 'dtype', None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+      wide = jnp.dtype(dtype).itemsize >= 4
+      count[wide] += math.prod(leaf.shape)
+  if not count:
+    return ModelSpec.bytes_per_param
+  return 4 if count[True] > count[False] else 2
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -353,6 +380,7 @@ def plan(
   layers: int | None = None,
   hidden: int | None = None,
   vocab: int | None = None,
+  bytes_per_param: int | None = None,
   weights: str = 'auto',
   cast: str = 'auto',
   bucket_elements: int | str = 'auto',
@@ -384,6 +412,11 @@ def plan(
     layers: Transformer blocks (pytree input: inferred when None).
     hidden: Residual width (pytree input: inferred when None).
     vocab: Vocabulary size (pytree input: inferred when None).
+    bytes_per_param: Bytes per weight on the accelerator, 2 (16-bit) or 4
+      (fp32); overrides the `ModelSpec`'s (pytree input: the dtype of most
+      of its floating-point elements when None). Gradients take the
+      weights' dtype unless the `ModelSpec` says otherwise
+      (`bytes_per_grad`).
     weights: 'auto', 'stationary' or 'flow'.
     cast: 'auto', 'device' or 'host'.
     bucket_elements: 'auto' or elements per bucket.
@@ -403,7 +436,12 @@ def plan(
     A `Plan`; `print(plan)` shows the parts of the predicted step.
   """
   overrides = dict(
-    seq_len=seq_len, batch=batch, layers=layers, hidden=hidden, vocab=vocab
+    seq_len=seq_len,
+    batch=batch,
+    layers=layers,
+    hidden=hidden,
+    vocab=vocab,
+    bytes_per_param=bytes_per_param,
   )
   spec = _resolve_spec(model, overrides)
   choices = dict(
@@ -493,6 +531,9 @@ def _predict(
     fits=ref.fits,
     device_bytes=step.device_bytes,
     host_bytes=step.host_bytes,
+    staging_bytes=cost_model.staging_bytes(spec, sizes[-1], cast)
+    if device_buckets < len(sizes)
+    else 0.0,
     activation_bytes=activation_bytes(spec),
     compute_s=step.compute,
     device_cast_s=step.device_cast,
