@@ -171,6 +171,7 @@ def test_a_stacks_reseed_stages_one_row_of_its_parameters():
     'bound': 2048,
     'staged': 1024,
     'on_demand': 256,
+    'written_over': 0,
     'host_results': 0,
   }
   assert hlo_report.summarize(RESEED, {})['first_start_at'] is None
@@ -195,3 +196,122 @@ def test_results_left_in_host_memory_are_counted_apart_from_the_staged():
   (call,) = hlo_report.stream_staging(SPECULATIVE)
   assert call['staged'] == 3 * 256
   assert call['host_results'] == 256
+
+
+START = """HloModule start
+
+ENTRY %main (c: s32[1], s: f32[9], u: s32[1], m: f32[64], g: f32[64], p: f32[64]) -> (f32[1], f32[64], f32[64]) {
+  %c = s32[1]{0} parameter(0)
+  %s = f32[9]{0} parameter(1)
+  %u = s32[1]{0} parameter(2)
+  %m = f32[64]{0:S(5)} parameter(3)
+  %g = f32[64]{0} parameter(4)
+  %p = f32[64]{0} parameter(5)
+  ROOT %start = (f32[1]{0:S(5)}, f32[64]{0:S(5)}, f32[64]{0}) custom-call(%c, %s, %u, %m, %g, %p), custom_call_target="jax_superoffload_adam_step_segments", output_to_operand_aliasing={{1}: (3, {}), {2}: (4, {})}, backend_config={hold_inputs = true, num_leaves = 1 : i64, reseed = true, staging_bytes = 4096 : i64}
+}
+"""
+
+
+def test_a_start_that_holds_its_inputs_and_writes_weights_into_its_gradients():
+  # Result 1 (the state, host memory) aliases operand 3, its host state;
+  # result 2 (64 floats in device memory) aliases operand 4, the gradient:
+  # the new weights, which the worker copies back after its host step.
+  facts = hlo_report.call_facts(START)['start']
+  assert facts['hold_inputs'] is True
+  assert facts['weights_alias_grads'] is True
+  assert facts['weights_bytes'] == 64 * 4
+  (call,) = hlo_report.summarize(START, {})['optimizer_calls']
+  assert call['hold_inputs'] and call['weights_bytes'] == 256
+
+
+def test_a_start_as_compiled_today_holds_nothing_and_aliases_only_state():
+  today = START.replace('hold_inputs = true, ', '').replace(
+    ', {2}: (4, {})', ''
+  )
+  facts = hlo_report.call_facts(today)['start']
+  assert facts['hold_inputs'] is False
+  assert facts['weights_alias_grads'] is False
+  said_false = START.replace('hold_inputs = true', 'hold_inputs = false')
+  assert hlo_report.call_facts(said_false)['start']['hold_inputs'] is False
+  # Aliasing a front operand (the count) is not a weight.
+  count = START.replace('{2}: (4, {})', '{2}: (0, {})')
+  assert hlo_report.call_facts(count)['start']['weights_alias_grads'] is False
+
+
+# As the library compiles a bucket on a GPU: a stream claim hands the
+# gradient's buffer over to the new weights, the start reads it (and says
+# weights_over_grads), and a join passes it on after the bucket's join.
+CLAIMED = """HloModule claimed
+
+ENTRY %main (c: s32[1], s: f32[9], u: s32[1], m: f32[64], g: bf16[64]) -> (f32[64], bf16[64]) {
+  %c = s32[1]{0} parameter(0)
+  %s = f32[9]{0} parameter(1)
+  %u = s32[1]{0} parameter(2)
+  %m = f32[64]{0:S(5)} parameter(3)
+  %g = bf16[64]{0} parameter(4)
+  %claim = bf16[64]{0} custom-call(%g), custom_call_target="jax_superoffload_stream_claim", custom_call_has_side_effect=true, output_to_operand_aliasing={{}: (0, {})}
+  %start = (f32[1]{0:S(5)}, f32[64]{0:S(5)}) custom-call(%c, %s, %u, %m, %claim), custom_call_target="jax_superoffload_adam_step_segments", output_to_operand_aliasing={{1}: (3, {})}, backend_config={hold_inputs = true, num_leaves = 1 : i64, reseed = false, staging_bytes = 4096 : i64, weights_over_grads = true}
+  %sum = f32[1]{0:S(5)} get-tuple-element(%start), index=0
+  %master = f32[64]{0:S(5)} get-tuple-element(%start), index=1
+  %join = f32[1]{0:S(5)} custom-call(%sum, %c), custom_call_target="jax_superoffload_stream_join", custom_call_has_side_effect=true, output_to_operand_aliasing={{}: (0, {})}
+  %weights = bf16[64]{0} custom-call(%claim, %join), custom_call_target="jax_superoffload_stream_join", custom_call_has_side_effect=true, output_to_operand_aliasing={{}: (0, {})}
+  ROOT %out = (f32[64]{0:S(5)}, bf16[64]{0}) tuple(%master, %weights)
+}
+"""
+
+
+def test_a_start_that_writes_its_weights_over_claimed_gradients():
+  # Its weights: the claimed gradient's 128 bytes, staged twice (read at
+  # the start, written back by the worker); the claim starts no step and
+  # its result, read by the start, is not a start's result read early.
+  facts = hlo_report.call_facts(CLAIMED)
+  assert facts['start']['weights_alias_grads'] is True
+  assert facts['start']['weights_bytes'] == 128
+  assert facts['start']['hold_inputs'] is True
+  assert not facts.get('claim', {}).get('weights_alias_grads')
+  (staged,) = hlo_report.stream_staging(CLAIMED)
+  assert staged['written_over'] == 256  # Aligned.
+  summary = hlo_report.summarize(CLAIMED, {})
+  assert summary['reads_before_join'] == []
+  starts = [c for c in summary['optimizer_calls'] if 'segments' in c['target']]
+  assert len(starts) == 1
+  # Without the attribute the claimed operand is only read.
+  plain = CLAIMED.replace(', weights_over_grads = true', '')
+  assert hlo_report.call_facts(plain)['start']['weights_alias_grads'] is False
+
+
+HOST_COMPUTE = """HloModule host
+
+ENTRY %main (g: f32[64], m: f32[64]) -> (f32[64], f32[64]) {
+  %g = f32[64]{0} parameter(0)
+  %m = f32[64]{0:S(5)} parameter(1)
+  %copy-start = (f32[64]{0:S(5)}, f32[64]{0}, u32[]) copy-start(%g)
+  %copy-done = f32[64]{0:S(5)} copy-done(%copy-start)
+  %hc.start = ((f32[64]{0:S(5)}, f32[64]{0:S(5)}), (f32[64]{0:S(5)}, f32[32]{0}), u32[]) custom-call-start(%copy-done, %m), async_execution_thread="host", custom_call_target="HostExecute"
+  %hc.done = (f32[64]{0:S(5)}, f32[32]{0}) custom-call-done(%hc.start)
+  %gte0 = f32[64]{0:S(5)} get-tuple-element(%hc.done), index=0
+  %copy.h = f32[64]{0:S(5)} copy(%gte0)
+  %gte1 = f32[32]{0} get-tuple-element(%hc.done), index=1
+  ROOT %t = (f32[64]{0:S(5)}, f32[32]{0}) tuple(%copy.h, %gte1)
+}
+"""
+
+
+def test_host_computes_copies_and_what_waits_for_them():
+  # Its gradient copied to the host (the compute stream waits at once:
+  # nothing runs between the copy's start and done), its state copied
+  # host to host after it (on the compute stream), and 32 floats its
+  # done writes to device memory.
+  facts = hlo_report.call_facts(HOST_COMPUTE)['hc.start']
+  assert facts['copies_in'] == [
+    {'direction': 'D2H', 'waited_by': 'compute', 'count': 1, 'bytes': 256}
+  ]
+  assert facts['copies_out'] == [
+    {'direction': 'H2H', 'waited_by': 'compute', 'count': 1, 'bytes': 256}
+  ]
+  assert facts['device_result_bytes'] == 32 * 4
+  # Work between the copy's start and done: the copy overlaps it.
+  work = '  %w = f32[64]{0} negate(%g)\n'
+  busy = HOST_COMPUTE.replace('  %copy-done =', work + '  %copy-done =')
+  (copied,) = hlo_report.call_facts(busy)['hc.start']['copies_in']
+  assert copied['waited_by'] == 'copy'

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from experiments.device import predict_step
+
 _HEAD = (
   f'{"case":34} {"ok":>3} {"dev GB":>7} {"goal":>7} {"host GB":>7} '
   f'{"D2H n/GB":>12} {"H2D n/GB":>12} {"H2H n/GB":>12} {"calls":>5} '
@@ -65,4 +67,29 @@ def table(results: list[dict[str, Any]]) -> str:
     'first optimizer call starts / the compute stream first waits for one; '
     "compile s: this machine's compile, not a step time."
   )
-  return '\n'.join(lines)
+  return '\n'.join(lines + predictions(results))
+
+
+def predictions(results: list[dict[str, Any]]) -> list[str]:
+  """Per compiled stream/ffi case, its predicted step (predict_step).
+
+  Only for the 1B model on one H200, whose measured rates the model
+  plays; a case whose program lacks the model's inputs says so.
+  """
+  lines = []
+  for result in results:
+    if not predict_step.predictable(result):
+      continue
+    got = [predict_step.predict_case(result, batch) for batch in (4, 8)]
+    text = 'no per-call copies in this JSON: compile it again'
+    if None not in got:
+      text = ', '.join(
+        f'batch {p["batch"]} {p["step_s"]:.3f} s ({p["vs_optax"]:.2f}x optax)'
+        for p in got
+      )
+    lines.append(f'{result["case"]:34} predicted: {text}')
+  if lines:
+    lines.insert(
+      0, '\npredicted on the H200 (predict_step; rates measured there):'
+    )
+  return lines

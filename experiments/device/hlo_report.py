@@ -4,8 +4,11 @@ What it reports: the copies between device and host memory (memory space
 `S(5)`) by direction with their bytes, and the host-to-host ones; every
 custom call with the stream and queue it runs on; host-compute calls
 (XLA's `HostExecute`); and the step's execution order with the GEMMs'
-FLOPs, so that each optimizer call can be placed against the backward pass.
-A while loop's body counts once per trip (its known trip count).
+FLOPs, so that each optimizer call can be placed against the backward pass;
+per call, the copies it waits for or makes and what waits for them, and
+what a stream start holds and aliases (`call_facts`): what
+`predict_step` plays. A while loop's body counts once per trip (its known
+trip count).
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def computations(hlo: str) -> dict[str, tuple[bool, list[Instr]]]:
 class Event:
   """One executed instruction of interest, in execution order."""
 
-  kind: str  # 'gemm', 'copy', 'optimizer', 'host_execute'
+  kind: str  # 'gemm', 'copy', 'optimizer', 'host_execute', 'host_done'
   name: str
   flops: float = 0.0  # GEMMs.
   backward: bool = False  # GEMMs of the backward pass.
@@ -108,9 +111,10 @@ class _Module:
 
   def __init__(self, hlo: str):
     self.comps = computations(hlo)
-    self.shapes = {
-      i.name: i.shape for _, instrs in self.comps.values() for i in instrs
+    self.by_name = {
+      i.name: i for _, instrs in self.comps.values() for i in instrs
     }
+    self.shapes = {name: i.shape for name, i in self.by_name.items()}
 
   def _dot(self, comp: str) -> Instr | None:
     for i in self.comps.get(comp, (False, []))[1]:
@@ -176,12 +180,24 @@ def _on_host(i: Instr) -> bool:
   return 'host' in (i.attr('async_execution_thread') or '')
 
 
+_DONES = ('async-done', 'call-done', 'custom-call-done')
+
+
+def _host_start(i: Instr) -> bool:
+  """Whether `i` starts host compute (XLA:GPU runs it as HostExecute)."""
+  return i.op in ('async-start', 'call-start', 'custom-call-start') and (
+    _on_host(i) or i.attr('custom_call_target') == 'HostExecute'
+  )
+
+
 def _event(module: _Module, i: Instr, stream: str) -> Event | None:
   target = i.attr('custom_call_target') or ''
-  if i.op in ('async-start', 'call-start', 'custom-call-start') and (
-    _on_host(i) or target == 'HostExecute'
-  ):  # Host compute: XLA:GPU runs it as HostExecute.
+  if _host_start(i):
     return Event('host_execute', i.name, target='HostExecute', stream=stream)
+  if i.op in _DONES:  # Where the compute stream waits for a host step.
+    start = module.by_name.get(next(iter(_operands(i)), ''))
+    if start is not None and _host_start(start):
+      return Event('host_done', start.name, target='HostExecute')
   if i.op in ('custom-call', 'custom-call-start') and OPTIMIZER_TARGET.search(
     target
   ):
@@ -234,6 +250,9 @@ def timeline(hlo: str) -> list[Event]:
 
 JOIN_TARGET = 'jax_superoffload_stream_join'
 TO_DEVICE_TARGET = 'jax_superoffload_stream_to_device'
+# Hands gradient buffers over to the new weights a start writes over them
+# (`weights_over_grads`); it starts no host step and waits for nothing.
+CLAIM_TARGET = 'jax_superoffload_stream_claim'
 
 
 def _placement(events: list[Event], index: int, backward: float) -> dict:
@@ -246,13 +265,27 @@ def _placement(events: list[Event], index: int, backward: float) -> dict:
   }
 
 
+def _done_at(events: list[Event], index: int, backward: float) -> float:
+  """Where the compute stream waits for host compute `index`: its done."""
+  done = next(
+    (
+      j
+      for j in range(index, len(events))
+      if events[j].kind == 'host_done' and events[j].name == events[index].name
+    ),
+    index,
+  )
+  return _placement(events, done, backward)['backward_flops_before']
+
+
 def optimizer_calls(events: list[Event]) -> list[dict[str, Any]]:
   """Each optimizer call in order, placed against the backward's GEMMs.
 
   A call "waits" when the compute stream waits for the host step there:
   the join of a start/join program after a start, or, where there is no
   join, every bucket call (its host function runs on the compute stream)
-  and every host-compute call (its done waits for the host step).
+  and every host-compute call (its done waits for the host step, at
+  `done_backward_flops_before`).
   """
   backward = sum(e.flops for e in events if e.kind == 'gemm' and e.backward)
   joined = any(e.target == JOIN_TARGET for e in events)
@@ -266,15 +299,16 @@ def optimizer_calls(events: list[Event]) -> list[dict[str, Any]]:
     # on, as overlap_scan's does before the backward loop.
     waits = (e.target == JOIN_TARGET and started) or not joined
     started = started or e.target not in (JOIN_TARGET, TO_DEVICE_TARGET)
-    out.append(
-      {
-        'name': e.name,
-        'target': e.target,
-        'stream': e.stream,
-        'waits': waits,
-        **_placement(events, index, backward),
-      }
-    )
+    call = {
+      'name': e.name,
+      'target': e.target,
+      'stream': e.stream,
+      'waits': waits,
+      **_placement(events, index, backward),
+    }
+    if e.kind == 'host_execute':
+      call['done_backward_flops_before'] = _done_at(events, index, backward)
+    out.append(call)
   return out
 
 
@@ -366,6 +400,7 @@ def reads_before_join(hlo: str) -> list[str]:
       is_start = OPTIMIZER_TARGET.match(name) and name not in (
         JOIN_TARGET,
         TO_DEVICE_TARGET,
+        CLAIM_TARGET,
       )
       if is_start:
         start_of[i.name] = i.name
@@ -405,13 +440,19 @@ ON_DEMAND_PARAMS = {
 RESEED_ROWS_TARGET = 'jax_superoffload_adam_reseed_rows'
 
 
-def _aliased_results(i: Instr) -> set[int]:
-  """The indices of call `i`'s results that alias one of its operands."""
+def _aliasing(i: Instr) -> dict[int, int]:
+  """Call `i`'s aliased results: result index -> operand index."""
   m = re.search(r'output_to_operand_aliasing=\{(.*?)\}(?:,\s*\w+=|$)', i.rest)
   if not m:
-    return set()
+    return {}
   # A result that is not a tuple is output {}.
-  return {int(x or 0) for x in re.findall(r'\{(\d*)\}:', m.group(1))}
+  pairs = re.findall(r'\{(\d*)\}:\s*\((\d+),', m.group(1))
+  return {int(r or 0): int(o) for r, o in pairs}
+
+
+def _aliased_results(i: Instr) -> set[int]:
+  """The indices of call `i`'s results that alias one of its operands."""
+  return set(_aliasing(i))
 
 
 def stream_staging(hlo: str) -> list[dict[str, int]]:
@@ -449,6 +490,9 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
         if a.on_host and j not in aliased
       )
       on_demand = _on_demand_bytes(i, names, device)
+      # The weights written over claimed gradients: a stand-in of their own.
+      written_over = sum(_aligned(b) for b in _claimed(module, i))
+      staged += written_over
       if i.attr('custom_call_target') == RESEED_ROWS_TARGET:
         staged, on_demand = _reseed_rows_bytes(module, i, names, device)
       out.append(
@@ -458,6 +502,7 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
           bound=int(bound[1]),
           staged=staged,
           on_demand=on_demand,
+          written_over=written_over,
           host_results=host_results,
         )
       )
@@ -513,17 +558,192 @@ def to_device_calls(hlo: str) -> list[dict[str, Any]]:
   return out
 
 
+# What a call's operands or results pass through on their way from or to a
+# copy: nothing runs for these on the compute stream.
+_PASS = {'bitcast', 'get-tuple-element', 'tuple', 'copy-done', *_DONES}
+# What the compute stream may meet between a copy's start and its done and
+# still wait for the copy before any work of its own.
+_NO_WORK = _SKIP | {'copy-start', 'copy-done'}
+_HOLD_INPUTS = re.compile(r'\bhold_inputs = (true|false)\b')
+_NOT_STARTS = (JOIN_TARGET, TO_DEVICE_TARGET, RESEED_ROWS_TARGET, CLAIM_TARGET)
+
+
+def _is_call(i: Instr) -> bool:
+  """Whether `i` is an optimizer call or a host-compute start."""
+  target = i.attr('custom_call_target') or ''
+  return _host_start(i) or (
+    i.op in ('custom-call', 'custom-call-start')
+    and bool(OPTIMIZER_TARGET.search(target))
+  )
+
+
+def _copy_streams(module: _Module) -> dict[str, str]:
+  """Per copy touching host memory: what waits for it.
+
+  'compute': a synchronous copy (the compute stream runs it), or a
+  copy-start whose done comes before any work (the compute stream waits
+  for it at once); 'copy': work is scheduled between its start and its
+  done, which the copy overlaps.
+  """
+  out = {}
+  for _, instrs in module.comps.values():
+    done_at = {
+      _operands(j)[0]: k for k, j in enumerate(instrs) if j.op == 'copy-done'
+    }
+    for n, i in enumerate(instrs):
+      if module.copy(i) is None:
+        continue
+      done = done_at.get(i.name, len(instrs)) if i.op != 'copy' else n
+      busy = any(j.op not in _NO_WORK for j in instrs[n + 1 : done])
+      out[i.name] = 'copy' if busy else 'compute'
+  return out
+
+
+def _upstream(module: _Module, name: str) -> tuple[list[str], list[str]]:
+  """(calls, host copies) that `name` reads through `_PASS` ops and copies.
+
+  The walk stops at a call: a copy before it is that call's own.
+  """
+  seen, todo = set(), list(_operands(module.by_name[name]))
+  calls, copies = [], []
+  while todo:
+    n = todo.pop()
+    i = module.by_name.get(n)
+    if n in seen or i is None:
+      continue
+    seen.add(n)
+    if _is_call(i):
+      calls.append(n)
+    elif module.copy(i) is not None:
+      copies.append(n)
+      todo.extend(_operands(i))
+    elif i.op in _PASS:
+      todo.extend(_operands(i))
+  return calls, copies
+
+
+def _grouped(module: _Module, names: list[str], streams: dict) -> list[dict]:
+  """Copies summed by direction and by what waits for them."""
+  groups: dict[tuple[str, str], list[int]] = {}
+  for n in names:
+    direction, nbytes = module.copy(module.by_name[n])
+    row = groups.setdefault((direction, streams[n]), [0, 0])
+    row[0] += 1
+    row[1] += nbytes
+  return [
+    {'direction': d, 'waited_by': w, 'count': c, 'bytes': b}
+    for (d, w), (c, b) in sorted(groups.items())
+  ]
+
+
+def _device_results(module: _Module, start: Instr) -> dict[str, int]:
+  """Host compute's results in device memory: its done copies them there."""
+  done = next(
+    (
+      i
+      for i in module.by_name.values()
+      if i.op in _DONES and _operands(i)[:1] == [start.name]
+    ),
+    None,
+  )
+  shape = done.shape if done is not None else ''
+  return {
+    'device_result_bytes': sum(a.bytes for a in arrays(shape) if not a.on_host)
+  }
+
+
+def _start_facts(module: _Module, i: Instr) -> dict[str, Any]:
+  """A stream start's `hold_inputs`, and its weights aliased to gradients.
+
+  Its weights: results in device memory aliasing one of its device
+  operands after the front ones (count, scalars, flags): the gradients'
+  buffers, which receive the new weights; or, with `weights_over_grads`,
+  the claimed gradients it reads (`_claimed`), which it writes over.
+  """
+  target = i.attr('custom_call_target') or ''
+  if target in _NOT_STARTS:
+    return {}
+  names, results = _operands(i), arrays(i.shape)
+  front = ON_DEMAND_PARAMS.get(target, 0)
+  weights = 0
+  for r, o in _aliasing(i).items():
+    operand = arrays(module.shapes.get(names[o], '')) if o < len(names) else []
+    on_device = r < len(results) and not results[r].on_host
+    if o >= front and on_device and operand and not operand[0].on_host:
+      weights += results[r].bytes
+  weights += sum(_claimed(module, i))
+  hold = _HOLD_INPUTS.search(i.rest)
+  return {
+    'hold_inputs': bool(hold) and hold[1] == 'true',
+    'weights_alias_grads': weights > 0,
+    'weights_bytes': weights,
+  }
+
+
+def _claimed(module: _Module, i: Instr) -> list[int]:
+  """The bytes of each claimed gradient a start writes its weights over.
+
+  Those of its operands that a stream claim produced, where its
+  backend_config says `weights_over_grads = true`; none elsewhere.
+  """
+  if not re.search(r'\bweights_over_grads = true\b', i.rest):
+    return []
+  out = []
+  for name in _operands(i):
+    source = module.by_name.get(name)
+    while source is not None and source.op in ('get-tuple-element', 'bitcast'):
+      source = module.by_name.get(_operands(source)[0])
+    if source is not None and source.attr('custom_call_target') == CLAIM_TARGET:
+      out += [a.bytes for a in arrays(module.shapes.get(name, ''))]
+  return out
+
+
+def call_facts(hlo: str) -> dict[str, dict[str, Any]]:
+  """Per optimizer call (by name): its copies, and what a start holds.
+
+  `copies_in`: the copies touching host memory its operands come through;
+  `copies_out`: those copying its results (a copy is the output of the
+  call it reads, never also the input of the next); each summed by
+  direction and `waited_by` (_copy_streams). Host compute adds
+  `device_result_bytes`; a stream start `hold_inputs` (its backend_config;
+  absent: false, the compute stream waits for the start's copies to the
+  host), `weights_alias_grads` and `weights_bytes` (_start_facts).
+  """
+  module = _Module(hlo)
+  streams = _copy_streams(module)
+  out_of: dict[str, list[str]] = collections.defaultdict(list)
+  for name in streams:
+    calls, _ = _upstream(module, name)
+    if calls:
+      out_of[calls[0]].append(name)
+  copied_out = {n for names in out_of.values() for n in names}
+  facts = {}
+  for name, i in module.by_name.items():
+    if not _is_call(i):
+      continue
+    _, copies = _upstream(module, name)
+    facts[name] = {
+      'copies_in': _grouped(
+        module, [c for c in copies if c not in copied_out], streams
+      ),
+      'copies_out': _grouped(module, out_of[name], streams),
+      **(
+        _device_results(module, i)
+        if _host_start(i)
+        else _start_facts(module, i)
+      ),
+    }
+  return facts
+
+
 def summarize(hlo: str, memory: dict[str, int]) -> dict[str, Any]:
   """Everything the harness reports about one compiled step."""
   events = timeline(hlo)
-  calls = optimizer_calls(events)
+  facts = call_facts(hlo)
+  calls = [{**c, **facts.get(c['name'], {})} for c in optimizer_calls(events)]
   # Host steps: a stack's re-seed (before the loop, a no-op unless the
   # parameters changed) starts no step.
-  starts = [
-    c
-    for c in calls
-    if c['target'] not in (JOIN_TARGET, TO_DEVICE_TARGET, RESEED_ROWS_TARGET)
-  ]
+  starts = [c for c in calls if c['target'] not in _NOT_STARTS]
   return {
     **memory_totals(memory),
     'copies': copies(events),
