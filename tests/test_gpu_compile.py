@@ -237,11 +237,14 @@ def test_stv_moves_the_weights_to_the_device_once():
   assert 0 < moved(stv) <= moved(plain) + 4096, stv['to_device']
 
 
-# The new weights reach the device by the library's own
-# copies after each join (stream_to_device), not by XLA's: an asynchronous
-# copy opens a window XLA's scheduler fills with work moved from earlier,
-# which kept activations alive (0.53 GB scanned at 1B). Every such call
-# must read host memory and write device memory, or its handler refuses.
+# The new weights reach the device by the library's own copies, never
+# XLA's (an asynchronous copy opens a window XLA's scheduler fills with
+# work moved from earlier, which kept activations alive: 0.53 GB scanned
+# at 1B): a bucket's written over its gradients by its worker (below), or,
+# where it cannot be (weights cast on the device, STV's double-buffered
+# rows, overlap_scan's stacks), copied after the join by stream_to_device
+# calls, each reading host memory and writing device memory. Together they
+# carry every parameter's new weights.
 @pytest.mark.parametrize(
   'case',
   [
@@ -256,27 +259,45 @@ def test_new_weights_reach_the_device_by_the_librarys_copies(case):
   layout, overrides = case
   result = compiled('stream', layout, overrides=overrides)
   calls = result['to_device']
-  assert calls and all(c['from_host'] and c['to_device'] for c in calls)
-  assert sum(c['bytes'] for c in calls) >= 4 * result['num_params'] // 2
+  assert all(c['from_host'] and c['to_device'] for c in calls), calls
+  sent = sum(c['bytes'] for c in calls) + _written_over(result)
+  assert sent >= 4 * result['num_params'] // 2, (sent, result['num_params'])
   assert result['copies'].get('H2D', {'bytes': 0})['bytes'] <= 4096
 
 
-# The weights copies of bf16 parameters (cast on the host) reach the device
-# by the library's copies too, from where XLA put the calls' results: host
-# memory (jaxlib 0.12.0.1), or device memory (0.12.1), which the workers
-# filled from staging and the copy handler copies on the device
-# (xla_ffi/stream_launch_test.cc; it refused them before). Either way
-# every copy writes device memory, all from one side, and a call's copies
-# read host memory only where its results were not staged.
-def test_bf16_weights_copies_reach_the_device_from_where_xla_put_them():
-  result = _staging_case('bf16')
-  calls = result['to_device']
-  assert calls and all(c['to_device'] for c in calls), calls
-  (from_host,) = {c['from_host'] for c in calls}
-  assert sum(c['bytes'] for c in calls) >= 2 * result['num_params'] // 2
-  kept = sum(c['host_results'] for c in result['stream_staging'])
-  assert (kept >= 2 * result['num_params'] // 2) == from_host, (kept, calls)
-  assert result['copies'].get('H2D', {'bytes': 0})['bytes'] <= 4096
+def _written_over(result: dict) -> int:
+  """The new weights the buckets' workers write over their gradients."""
+  return sum(
+    c.get('weights_bytes', 0)
+    for c in result['optimizer_calls']
+    if c.get('weights_alias_grads')
+  )
+
+
+# A bucket's step on a GPU stream holds its inputs and writes its new
+# weights over its gradients. Each start says so (hold_inputs: the compute
+# stream does not wait for its copies to the host, which XLA keeps alive
+# until the join instead; weights_over_grads), its gradients come from a
+# stream claim, which hands their buffers over to the weights, and no
+# weights of a bucket are copied after the join: its worker copied them
+# right after its host step, in the backward pass. The C++ side of both
+# (no wait, the copy back before any join) is tested on the fake CUDA
+# driver (xla_ffi/stream_launch_test.cc: held_inputs, adam_bucket_over_grads).
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_bucket_starts_hold_their_inputs_and_write_weights_over_grads(dtype):
+  result = compiled('stream', 'noscan', param_dtype=dtype)
+  starts = [
+    c
+    for c in result['optimizer_calls']
+    if c['target'] == 'jax_superoffload_adam_step_segments'
+  ]
+  assert starts and all(c['hold_inputs'] for c in starts), starts
+  assert all(c['weights_alias_grads'] for c in starts), starts
+  claims = result['custom_calls'].get('jax_superoffload_stream_claim', {})
+  assert sum(claims.values()) == len(starts), result['custom_calls']
+  assert result['to_device'] == [], result['to_device']
+  size = 4 if dtype == 'float32' else 2
+  assert _written_over(result) >= size * result['num_params'] - 4096
 
 
 # Each stream start carries the plan's staging bound,
@@ -432,7 +453,7 @@ def test_bf16_stacks_start_their_rows_in_the_backward_loop():
 )
 def test_16_bit_weights_cross_to_the_device_as_16_bits(layout):
   result = compiled('stream', layout, param_dtype='bfloat16')
-  sent = sum(c['bytes'] for c in result['to_device'])
+  sent = sum(c['bytes'] for c in result['to_device']) + _written_over(result)
   assert 0 < sent <= 2 * result['num_params'] + 4096, (
     sent,
     result['num_params'],

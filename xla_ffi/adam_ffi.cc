@@ -51,6 +51,9 @@ ffi::Error GetSegmentLeaf(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
   JSO_RETURN_IF_ERROR(GetRetAs(rets, k, 2, j, n, &b.nu_out));
   if (runs.CopiesWeights(3)) {
     JSO_RETURN_IF_ERROR(GetRet(rets, k, 3, j, n, &b.lowp_out, &b.lowp_type));
+  } else if (attrs.weights_over_grads) {
+    b.lowp_out = const_cast<void*>(b.grad);
+    b.lowp_type = b.grad_type;
   }
   if (attrs.reseed) {
     JSO_RETURN_IF_ERROR(GetTyped(args, k, 4, j, n, "parameter", &leaf->params,
@@ -477,6 +480,21 @@ ffi::Error StreamJoin(void* stream, ffi::RemainingArgs args,
   return StreamLaunches::Process().Join(stream);
 }
 
+// A stream claim: its results (aliased to its operands, gradient buffers)
+// are, from here on, the new weights a joined start writes over them
+// (BucketAttrs::weights_over_grads). Nothing runs: the call only tells XLA
+// that those buffers are written after this point, so that it orders every
+// other read of the gradients before it, or copies them, and reuses them
+// for nothing else until the join that passes them on. On the CPU and from
+// a CUDA stream alike; its operands after the results only order it.
+ffi::Error StreamClaim(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return CheckJoin(args, rets);
+}
+ffi::Error StreamClaimOnStream(void*, ffi::RemainingArgs args,
+                               ffi::RemainingRets rets) {
+  return CheckJoin(args, rets);
+}
+
 // The new weights of joined launches to the device, on the CPU: plain
 // copies (a CPU program joins nothing, so nothing calls it but tests).
 ffi::Error StreamToDeviceOnCpu(ffi::RemainingArgs args,
@@ -510,6 +528,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamToDevice,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamToDeviceStream,
                               jax_superoffload::StreamToDevice,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamClaim, jax_superoffload::StreamClaim,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsoStreamClaimStream,
+                              jax_superoffload::StreamClaimOnStream,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .RemainingArgs()

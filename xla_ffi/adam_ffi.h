@@ -28,6 +28,10 @@ XLA_FFI_Error* JsoAdamReseedRowsStream(XLA_FFI_CallFrame* call_frame);
 // for the launches from a CUDA stream.
 XLA_FFI_Error* JsoStreamJoin(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoStreamJoinStream(XLA_FFI_CallFrame* call_frame);
+// Gradient buffers handed over to the new weights a joined start writes
+// over them: an identity, on the CPU and from a CUDA stream.
+XLA_FFI_Error* JsoStreamClaim(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JsoStreamClaimStream(XLA_FFI_CallFrame* call_frame);
 // The joined launches' new weights copied to the device, after the join.
 XLA_FFI_Error* JsoStreamToDevice(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JsoStreamToDeviceStream(XLA_FFI_CallFrame* call_frame);
@@ -66,6 +70,8 @@ inline constexpr FfiTarget kFfiTargets[] = {
      JsoStreamRoofline},
     {"STREAM_JOIN_TARGET", "jax_superoffload_stream_join", JsoStreamJoin,
      JsoStreamJoinStream},
+    {"STREAM_CLAIM_TARGET", "jax_superoffload_stream_claim", JsoStreamClaim,
+     JsoStreamClaimStream},
     {"STREAM_TO_DEVICE_TARGET", "jax_superoffload_stream_to_device",
      JsoStreamToDevice, JsoStreamToDeviceStream},
 };

@@ -61,6 +61,14 @@ struct BucketAttrs {
   // Started from a CUDA stream: the staging bytes of the largest bucket of
   // the step, which each staging slot is sized to at once (0: no bound).
   int64_t staging_bytes;
+  // Started from a CUDA stream: the call's device operands stay alive until
+  // the step's join (its results alias them, or the join takes them), so
+  // the compute stream need not wait for their copies to staging.
+  bool hold_inputs;
+  // The new weights are written over the gradients, in their dtype (a
+  // joined start, whose gradient buffers a stream claim handed over to the
+  // weights; grace_adam.py), instead of into results of their own.
+  bool weights_over_grads;
 };
 
 }  // namespace jax_superoffload
@@ -74,7 +82,9 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<bool>("quantized"),
     ::xla::ffi::StructMember<std::string_view>("prefetch"),
     ::xla::ffi::StructMember<int64_t>("host_threads"),
-    ::xla::ffi::StructMember<int64_t>("staging_bytes"));
+    ::xla::ffi::StructMember<int64_t>("staging_bytes"),
+    ::xla::ffi::StructMember<bool>("hold_inputs"),
+    ::xla::ffi::StructMember<bool>("weights_over_grads"));
 
 namespace jax_superoffload {
 

@@ -41,6 +41,7 @@ struct LowpRuns {
   bool quantized;
   bool reseed;
   bool copy_weights;
+  bool weights_over_grads = false;  // BucketAttrs::weights_over_grads.
   int64_t mu_scale() const { return 3; }
   int64_t nu_scale() const { return 4; }
   int64_t grad() const { return quantized ? 5 : 3; }
@@ -111,6 +112,9 @@ ffi::Error GetLowpLeaf(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
   if (runs.copy_weights) {
     JSO_RETURN_IF_ERROR(
         GetRet(rets, k, runs.weights(), j, n, &b->lowp_out, &b->lowp_type));
+  } else if (runs.weights_over_grads) {
+    b->lowp_out = const_cast<void*>(b->grad);
+    b->lowp_type = b->grad_type;
   }
   if (runs.reseed) {
     JSO_RETURN_IF_ERROR(GetTyped(args, k, runs.params(), j, n, "parameter",
@@ -194,6 +198,7 @@ ffi::Error AdamStepLowpSegments(Launch& launch, Counts count, Scalars scalars,
   LowpRuns runs{attrs.quantized, attrs.reseed, false};
   const LeafRuns leaf_runs(attrs.num_leaves, args.size(), rets.size());
   runs.copy_weights = leaf_runs.CopiesWeights(runs.weights());
+  runs.weights_over_grads = attrs.weights_over_grads;
   JSO_RETURN_IF_ERROR(leaf_runs.Expect(runs.args(), runs.rets()));
   const int64_t k = leaf_runs.k();
   Prefetch prefetch;

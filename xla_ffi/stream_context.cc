@@ -328,12 +328,15 @@ ffi::Error Context::Enqueue(void* stream, const std::vector<OnStream::Copy>& in,
   }
   // XLA takes the start call's operands as read when the call returns and
   // may reuse their buffers in stream order: the compute stream goes on
-  // only once they are in staging (the step itself it does not wait for).
-  if (int code = driver->event_record(p->copied, side)) {
-    return fail("cuEventRecord", code);
-  }
-  if (int code = driver->stream_wait_event(stream, p->copied, 0)) {
-    return fail("cuStreamWaitEvent", code);
+  // only once they are in staging (the step itself it does not wait for),
+  // unless XLA keeps them alive until the join (hold_inputs).
+  if (!p->hold_inputs) {
+    if (int code = driver->event_record(p->copied, side)) {
+      return fail("cuEventRecord", code);
+    }
+    if (int code = driver->stream_wait_event(stream, p->copied, 0)) {
+      return fail("cuStreamWaitEvent", code);
+    }
   }
   std::vector<std::shared_ptr<Pending>>& launches = streams[stream].launches;
   queue.push_back(p);

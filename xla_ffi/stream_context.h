@@ -79,8 +79,11 @@ struct Pending {
   void* done = nullptr;  // Recorded on the side stream when handled.
   // Recorded on the side stream after the copies to staging; the compute
   // stream waits for it (not for the step), so XLA may reuse what was
-  // copied as soon as the start call is behind it.
+  // copied as soon as the start call is behind it. Not where the start
+  // holds its inputs (BucketAttrs::hold_inputs): XLA keeps them until the
+  // join, which waits for `done`, after the copies.
   void* copied = nullptr;
+  bool hold_inputs = false;
   bool reached = false;        // The side stream ran its host function.
   bool handled = false;        // The worker ran (or skipped) it.
   bool done_recorded = false;  // `done` was recorded.

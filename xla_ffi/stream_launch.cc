@@ -60,19 +60,26 @@ ffi::Error OnStream::Place(std::vector<Touched>& touched) {
 
 // Takes a staging slot for the device buffers (`on_device`) and points the
 // step at it. One buffer touched twice (a state read and written in place)
-// gets one stand-in, read and written.
+// gets one stand-in, read and written; but an output that XLA placed in an
+// input's buffer (aliased to it) gets its own, so that the step never
+// writes what it still reads: the input is copied in at the start, the
+// output back after the step.
 ffi::Error OnStream::Stage(std::vector<Touched>& touched,
                            const std::vector<bool>& on_device) {
   struct Staged {
     Copy copy;
     bool read = false, written = false, on_demand = false;
   };
-  std::map<const void*, size_t> index;  // Buffer -> its entry in `staged`.
+  // (Buffer, written only) -> its entry in `staged`.
+  std::map<std::pair<const void*, bool>, size_t> index;
   std::vector<Staged> staged;
+  auto key = [](const Touched& t) {
+    return std::make_pair(t.data, t.role == Touched::Role::kOutput);
+  };
   for (size_t i = 0; i < touched.size(); ++i) {
     if (!on_device[i]) continue;
     const Touched& t = touched[i];
-    auto [it, fresh] = index.emplace(t.data, staged.size());
+    auto [it, fresh] = index.emplace(key(t), staged.size());
     if (fresh) {
       staged.push_back(
           Staged{{nullptr, reinterpret_cast<uint64_t>(t.data), 0}});
@@ -104,7 +111,7 @@ ffi::Error OnStream::Stage(std::vector<Touched>& touched,
   }
   for (size_t i = 0; i < touched.size(); ++i) {
     if (on_device[i]) {
-      touched[i].retarget(staged[index.at(touched[i].data)].copy.host);
+      touched[i].retarget(staged[index.at(key(touched[i]))].copy.host);
     }
   }
   return ffi::Error::Success();
@@ -125,6 +132,7 @@ ffi::Error OnStream::Run(Work work) {
   pending->out = std::move(out_);
   pending->on_demand = std::move(on_demand_);
   pending->slot = slot_;
+  pending->hold_inputs = hold_inputs_;
   JSO_RETURN_IF_ERROR(context_->Enqueue(stream_, in_, pending));
   slot_ = -1;  // The worker releases it.
   return ffi::Error::Success();

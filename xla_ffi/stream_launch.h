@@ -3,13 +3,19 @@
 // returns at once, having enqueued, on a side stream of the library's own
 // (one per CUDA context) that waits for the compute stream's work so far:
 // copies of the bucket's device operands into pinned staging, and a host
-// function that only hands the launch to a worker thread. The worker (our
-// thread, which may call CUDA) runs the step on host memory and, only if
-// it succeeded, enqueues the copies of its results back to the device,
-// then records the launch's "done" event in every case. One "join" call
-// per step waits for every launch of its stream, makes the compute stream
-// wait for their done events (the first point where the GPU waits) and
-// returns the first failed launch's error. A failed launch keeps its
+// function that only hands the launch to a worker thread. The compute
+// stream waits for those copies (so that XLA may reuse what they read),
+// unless the call holds its inputs (BucketAttrs::hold_inputs: XLA keeps
+// them alive until the join), and then it does not wait at all. The
+// worker (our thread, which may call CUDA) runs the step on host memory
+// and, only if it succeeded, enqueues the copies of its results back to
+// the device, then records the launch's "done" event in every case: a
+// bucket's new weights, written over its gradients' buffers
+// (BucketAttrs::weights_over_grads), reach the device while the compute
+// stream goes on with the backward pass. One "join" call per step waits
+// for every launch of its stream, makes the compute stream wait for their
+// done events (the first point where the GPU waits) and returns the first
+// failed launch's error. A failed launch keeps its
 // stream failed: later launches on it run no step and write nothing back
 // until a join has reported the error. A step's on-demand inputs (a
 // re-seeding step's parameters) are not copied at the start: the worker
@@ -172,8 +178,15 @@ class StreamLaunches {
 // that the slots are allocated once whatever order the buckets come in.
 class OnStream final : public Launch {
  public:
-  OnStream(StreamLaunches* launches, void* stream, size_t reserve = 0)
-      : launches_(launches), stream_(stream), reserve_(reserve) {}
+  // `hold_inputs`: XLA keeps the device operands alive until the join (see
+  // BucketAttrs::hold_inputs), so the compute stream does not wait for
+  // their copies to staging.
+  OnStream(StreamLaunches* launches, void* stream, size_t reserve = 0,
+           bool hold_inputs = false)
+      : launches_(launches),
+        stream_(stream),
+        reserve_(reserve),
+        hold_inputs_(hold_inputs) {}
   ~OnStream() override;
   ffi::Error Place(std::vector<Touched>& touched) override;
   ffi::Error Run(Work work) override;
@@ -191,6 +204,7 @@ class OnStream final : public Launch {
   StreamLaunches* launches_;
   void* stream_;
   size_t reserve_;
+  bool hold_inputs_;
   void* cuda_context_ = nullptr;
   stream_internal::Context* context_ = nullptr;
   int slot_ = -1;  // The staging slot held, until Run hands it on.
@@ -218,10 +232,18 @@ inline size_t StagingBytesOf(const BucketAttrs& attrs) {
   return attrs.staging_bytes > 0 ? static_cast<size_t>(attrs.staging_bytes) : 0;
 }
 
+// Whether a bucket handler's operands are held until the join.
+template <typename T>
+bool HoldsInputs(const T&) {
+  return false;
+}
+inline bool HoldsInputs(const BucketAttrs& attrs) { return attrs.hold_inputs; }
+
 template <auto Body>
 constexpr auto kOnStream = [](void* stream, auto... operands) {
   const size_t reserve = std::max<size_t>({0, StagingBytesOf(operands)...});
-  OnStream launch(&StreamLaunches::Process(), stream, reserve);
+  const bool hold = (false || ... || HoldsInputs(operands));
+  OnStream launch(&StreamLaunches::Process(), stream, reserve, hold);
   return Body(launch, operands...);
 };
 

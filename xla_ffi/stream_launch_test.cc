@@ -488,6 +488,9 @@ struct AdamBucket {
   std::vector<float> master[2], mu[2], nu[2];
   std::vector<uint16_t> grad[2], weights[2];
   float sumsq = 0.0f;
+  // The new weights written over the gradients (a joined start's, with
+  // BucketAttrs::weights_over_grads) rather than into `weights`.
+  bool over = false;
 
   AdamBucket() {
     uint64_t seed = 37;
@@ -528,7 +531,8 @@ struct AdamBucket {
       b.nu_out = nu[j].data();
       b.grad = grad[j].data();
       b.grad_type = ElementType::kBF16;
-      b.lowp_out = weights[j].data();
+      b.lowp_out =
+          over ? static_cast<void*>(grad[j].data()) : weights[j].data();
       b.lowp_type = ElementType::kBF16;
       for (const float** x : {&b.master_in, &b.mu_in, &b.nu_in}) {
         touched.push_back(Touch(*x, 4 * n[j], Role::kState));
@@ -581,6 +585,38 @@ void TestAdamBucketMatchesTheCpu() {
          "gradients staged in; weights and the sum staged out");
 }
 
+// The same bucket started as a GPU step starts it: holding its inputs
+// (the compute stream never waits before the join) and writing its new
+// weights over its gradients, whose buffers the worker fills from their
+// own staging once the step is done: the CPU's weights, bit for bit.
+void TestAdamBucketWeightsOverGradsMatchTheCpu() {
+  AdamBucket cpu, staged;
+  RunNow now(nullptr);
+  Expect(cpu.Step(now).success(), "the CPU step");
+  staged.over = true;
+  Rig rig;
+  for (int j = 0; j < 2; ++j) {
+    rig.fake.MarkDevice(staged.grad[j].data(), 2 * staged.n[j]);
+  }
+  rig.fake.MarkDevice(&staged.sumsq, 4);
+  OnStream launch(rig.launches.get(), rig.stream, 0, /*hold_inputs=*/true);
+  Expect(staged.Step(launch).success(), "the staged step starts");
+  rig.fake.Synchronize(rig.stream);
+  Expect(rig.fake.Count("compute: wait event") == 0,
+         "the compute stream does not wait before the join");
+  Expect(rig.Join().success(), "and joins");
+  bool same = std::memcmp(&cpu.sumsq, &staged.sumsq, 4) == 0;
+  for (int j = 0; j < 2; ++j) {
+    same = same && cpu.master[j] == staged.master[j] &&
+           cpu.mu[j] == staged.mu[j] && cpu.nu[j] == staged.nu[j] &&
+           cpu.weights[j] == staged.grad[j];
+  }
+  Expect(same, "the weights over the gradients equal the CPU's bit for bit");
+  Expect(rig.fake.Count("copy to host") == 2 &&
+             rig.fake.Count("side: copy to device") == 2 + 1,
+         "gradients staged in; weights and the sum staged out by the worker");
+}
+
 // The new weights reach the device by copies on the compute stream after
 // the join's wait for the launch: from the pinned host memory the worker
 // wrote them to, or from device memory where XLA placed the launch's
@@ -631,6 +667,42 @@ void TestWeightsCopiedToDeviceAfterTheJoin() {
              e.message().find("from device to host") != std::string::npos &&
              rig.fake.Count("copy ") == copies,
          "a copy to host memory is refused, none enqueued: " + e.message());
+}
+
+// Rule: a start that holds its inputs (BucketAttrs::hold_inputs: XLA keeps
+// them alive until the join) never makes the compute stream wait before
+// the join, and an output placed in its input's buffer (the new weights
+// aliased to the gradients) gets a stand-in of its own and is copied back
+// by the worker as soon as its step is done, before any join.
+void TestHeldInputsAndWeightsBackBeforeTheJoin() {
+  Rig rig;
+  const int64_t n = 1000;
+  std::vector<float> grads(n);
+  float sum = -1.0f;
+  for (int64_t i = 0; i < n; ++i) grads[i] = static_cast<float>(i);
+  rig.fake.MarkDevice(grads.data(), 4 * n);
+  rig.fake.MarkDevice(&sum, 4);
+  Doubling d{grads.data(), grads.data(), &sum, n};
+  OnStream launch(rig.launches.get(), rig.stream, 0, /*hold_inputs=*/true);
+  std::vector<Touched> touched = Touches(d);
+  ffi::Error e = launch.Place(touched);
+  Expect(e.success() && d.in != d.out && d.in != grads.data(),
+         "the aliased output has a stand-in apart from its input's");
+  Expect(launch.Run(DoublingWork(d)).success(), "started");
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (rig.fake.Count("side: copy to device") < 2 && Clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  rig.fake.Synchronize();
+  Expect(rig.fake.Count("side: copy to device") == 2,
+         "the worker copied the results back before any join");
+  Expect(
+      grads[1] == 2.0f && grads[n - 1] == 2.0f * (n - 1) && sum == 499500.0f,
+      "the results landed in the input's buffer: " + std::to_string(grads[1]));
+  Expect(rig.fake.Count("compute: wait event") == 0,
+         "the compute stream never waited for the copies to staging");
+  Expect(rig.Join().success(), "joined");
+  Expect(rig.fake.Count("compute: wait event") == 1,
+         "the join is the compute stream's one wait");
 }
 
 // Point 5: a re-seeding step's parameters (Role::kOnDemand) are copied to
@@ -984,7 +1056,9 @@ int main(int argc, char** argv) {
       {"small_state", TestSmallDeviceStateIsStaged},
       {"driver_failures", TestDriverFailuresAreErrors},
       {"adam_bucket", TestAdamBucketMatchesTheCpu},
+      {"adam_bucket_over_grads", TestAdamBucketWeightsOverGradsMatchTheCpu},
       {"weights_to_device", TestWeightsCopiedToDeviceAfterTheJoin},
+      {"held_inputs", TestHeldInputsAndWeightsBackBeforeTheJoin},
       {"params_on_demand", TestParamsCopiedOnlyWhenChanged},
       {"row_read_when_run", TestRowIsReadWhenTheStepRuns},
       {"row_no_shared_staging", TestTwoRowLaunchesShareNoStaging},

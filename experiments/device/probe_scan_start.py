@@ -48,6 +48,8 @@ ROW_ATTRS = {
   'staging_bytes': np.int64(3 * 256 + 4 * WIDTH),
   'prefetch': 't0',
   'host_threads': np.int64(0),
+  'hold_inputs': False,
+  'weights_over_grads': False,
 }
 
 

@@ -252,7 +252,7 @@ class Stream(_Plain):
 
   def local_step(self, hyper, b: Bucket, master, mu, nu, grads, params, **skip):
     place = steps.stream_place(b.barrier, b.staging_bytes)
-    dtypes = weight_dtypes(b)
+    dtypes = steps.joined_weight_dtypes(b) if place.join else weight_dtypes(b)
     out = steps.kernel_step(
       hyper,
       dtypes,

@@ -29,6 +29,7 @@ ADAM_STEP_ROW_TARGET = _grace_adam.ADAM_STEP_ROW_TARGET
 ADAM_RESEED_ROWS_TARGET = _grace_adam.ADAM_RESEED_ROWS_TARGET
 # One per step after the bucket starts: every operand aliased to its result.
 STREAM_JOIN_TARGET = _grace_adam.STREAM_JOIN_TARGET
+STREAM_CLAIM_TARGET = _grace_adam.STREAM_CLAIM_TARGET
 STREAM_TO_DEVICE_TARGET = _grace_adam.STREAM_TO_DEVICE_TARGET
 # `adam_step` is a Segments call of one leaf, with or without a weights copy
 # and its donated destination.
@@ -109,9 +110,13 @@ def _bucket_attrs(
   reseed: bool = False,
   quantized: bool = False,
   staging_bytes: int = 0,
+  hold_inputs: bool = False,
+  weights_over_grads: bool = False,
 ) -> dict:
   """Every bucket handler's attributes (BucketAttrs, xla_ffi/ffi_support.h)."""
   return {
+    'hold_inputs': bool(hold_inputs),
+    'weights_over_grads': bool(weights_over_grads),
     'nesterov': bool(hyper.nesterov),
     'keep_nonfinite': bool(keep_nonfinite),
     'compute_sumsq': bool(compute_sumsq),
@@ -251,9 +256,11 @@ class StreamPlace:
   Flattens each operand on the device (rank 1 has one layout; the handler
   stages what is in device memory itself). With `join`, every call is
   followed by a join (`STREAM_JOIN_TARGET`): the handler only starts the
-  host step, on a side stream and a worker thread (the compute stream
-  waits for its copies to staging, not for the step), so its device
-  results must stay untouched until the join has waited for the worker.
+  host step, on a side stream and a worker thread (a bucket call's
+  operands are held until the join, so the compute stream waits neither
+  for their copies to staging nor for the step; other calls' copies it
+  waits for), so its device results must stay untouched until the join
+  has waited for the worker.
   The join takes them (aliased, nothing copied), and the host results read
   after the call (see `_joined`), and takes `barrier`, a scalar that
   exists only once every gradient does, so XLA cannot place it before the
@@ -296,8 +303,9 @@ def _joined(
   written them. `copy`: joined host results (the new weights) to
   copy to the device after the join (`_to_device`). `keep`: operands the
   step may still read after its start (the parameters, which its worker
-  copies only when they changed), kept alive until the join. Returns `out`
-  and those copies (none without a join).
+  copies only when they changed, or every device operand of a call that
+  holds its inputs), kept alive until the join. Returns `out` and those
+  copies (none without a join).
   """
   out = list(out)
   if not getattr(place, 'join', False):
@@ -308,10 +316,10 @@ def _joined(
   joined = [i for i in range(len(out)) if i not in on_host or i in read]
   results = [out[i] for i in joined]
   # The results pass through (aliased). What the step reads from device
-  # memory is not kept alive: the start makes the compute stream wait for
-  # its copies to host memory (not for the host step), so XLA may reuse
-  # those buffers after it, and frees them early, which is what makes its
-  # scheduler start each bucket as soon as its gradients exist. Nothing
+  # memory is not kept alive unless it is in `keep`: then the start makes
+  # the compute stream wait for its copies to host memory (not for the
+  # host step), so XLA may reuse those buffers after it. Either way its
+  # scheduler starts each bucket as soon as its gradients exist. Nothing
   # XLA copies asynchronously may hang off a start (see `_to_device`).
   call = jax.ffi.ffi_call(
     STREAM_JOIN_TARGET,
@@ -462,50 +470,116 @@ def _bucket_call(
   gradients and, optionally, the k parameters. Out: the new state runs,
   the weights in `weight_dtypes` (or an empty list) and the f32[1] sum of
   squares. `place` moves the operands that are not state (see `Place`).
+
+  A joined call (a GPU stream) holds its inputs until the join, so the
+  compute stream never waits for their copies to the host; new weights
+  of the gradients' dtypes it writes over them (`_claimed`), copied back
+  by the worker right after its host step, in the backward pass.
   """
   place = place or _as_is
+  joined = getattr(place, 'join', False)
   grads = [place(g) for g in grads]
   params = None if params is None else [place(p) for p in params]
-  k = len(grads)
-  out_types = _bucket_out_types(state, grads, weight_dtypes)
-  operands = [
-    *_scalar_operands(hyper, place),
-    *(place(f) for f in flags),
-    *(x for run in state for x in run),
-    *grads,
-    *(params or []),
-  ]
+  over = joined and _weights_fit_grads(grads, weight_dtypes)
+  if over:
+    grads, weight_dtypes = _claimed(grads), None
+  k, n = len(grads), len(state)
+  scalars = [*_scalar_operands(hyper, place), *(place(f) for f in flags)]
+  flat_state = [x for run in state for x in run]
   call = jax.ffi.ffi_call(
     target,
-    out_types,
+    _bucket_out_types(state, grads, weight_dtypes),
     vmap_method='sequential',
-    input_output_aliases=_aliases(2 + len(flags), 1, len(state) * k),
+    input_output_aliases=_aliases(len(scalars), 1, n * k),
   )
-  staging = getattr(place, 'staging_bytes', 0)
+  attrs.update(
+    reseed=params is not None,
+    staging_bytes=getattr(place, 'staging_bytes', 0),
+    hold_inputs=joined,
+    weights_over_grads=over,
+  )
   out = call(
-    *operands,
-    **_bucket_attrs(
-      hyper, k, reseed=params is not None, staging_bytes=staging, **attrs
-    ),
+    *scalars,
+    *flat_state,
+    *grads,
+    *(params or []),
+    **_bucket_attrs(hyper, k, **attrs),
   )
-  flat_state = [x for run in state for x in run]
-  n = len(state)
-  # Without weight copies the new weights are the new masters, which the
-  # step copies to the device: a joined call's only after its wait, by
-  # the join.
-  read = set(range(1, 1 + k)) if weight_dtypes is None else set()
-  weights = (
-    range(1, 1 + k) if weight_dtypes is None else range(1 + n * k, len(out))
-  )
+  # No weights of their own: the masters, copied after the join, or none.
+  read = set(range(1, 1 + k)) if weight_dtypes is None and not over else set()
+  weights = range(1 + n * k, len(out)) if weight_dtypes is not None else read
+  held = [*scalars, *([] if over else grads), *(params or [])]
   out, copies = _joined(
-    place, out, _host_results(1, flat_state), read, copy=weights, keep=params
+    place,
+    out,
+    _host_results(1, flat_state),
+    read,
+    copy=sorted(weights),
+    keep=held if joined else params,
   )
+  if over:  # After the join, which waited for the weights' copies.
+    copies = _passed_on(grads, out[0])
   runs = [list(out[1 + r * k : 1 + (r + 1) * k]) for r in range(n)]
   if place is not _as_is:
     runs = [_typed_like(run, old) for run, old in zip(runs, state, strict=True)]
-  if getattr(place, 'join', False):
+  if joined:
     return runs, copies, out[0]
   return runs, list(out[1 + n * k :]), out[0]
+
+
+def _weights_fit_grads(grads: list[jax.Array], weight_dtypes) -> bool:
+  """Whether a joined start can write its new weights over its gradients.
+
+  Each leaf's weights must have its gradient's dtype (so its size), and
+  every gradient must have elements (a claim aliases each buffer).
+  """
+  if weight_dtypes is None or not grads:
+    return False
+  return all(
+    jnp.dtype(d) == g.dtype and g.size
+    for g, d in zip(grads, weight_dtypes, strict=True)
+  )
+
+
+def _passed_on(claimed: list[jax.Array], joined: jax.Array) -> list:
+  """Claimed gradients as the new weights, after the join (`joined`).
+
+  A join of their own: XLA:GPU of jaxlib 0.12.0.1 places every result of
+  a call that passes host memory on in host memory, so device buffers
+  cannot pass through the bucket's join. `joined`, one of that join's
+  results, orders it after that one, which has waited for the worker's
+  copies; it waits for nothing more itself.
+  """
+  call = jax.ffi.ffi_call(
+    STREAM_JOIN_TARGET,
+    _like(claimed),
+    vmap_method='sequential',
+    input_output_aliases=_aliases(0, 0, len(claimed)),
+    has_side_effect=True,
+  )
+  return list(call(*claimed, joined))
+
+
+def _claimed(grads: list[jax.Array]) -> list[jax.Array]:
+  """`grads` handed over, in place, to the new weights a start writes.
+
+  The start that reads them writes its new weights into their buffers
+  once its host step is done (BucketAttrs::weights_over_grads), and the
+  join passes them on as the weights. From this call on XLA takes the
+  buffers as written: every other read of the gradients comes before it
+  (or reads a copy), and nothing else uses them until that join. The
+  gradients' buffers are the start's to hold until the join anyway (the
+  compute stream does not wait for their copies to the host), and free
+  once copied: weights placed there cost no device memory.
+  """
+  call = jax.ffi.ffi_call(
+    STREAM_CLAIM_TARGET,
+    _like(grads),
+    vmap_method='sequential',
+    input_output_aliases=_aliases(0, 0, len(grads)),
+    has_side_effect=True,  # Its results are written later, by the worker.
+  )
+  return list(call(*grads))
 
 
 def adam_step_lowp_segments(

@@ -245,12 +245,19 @@ def stream_weight_dtypes(b: Bucket, place: Any) -> list | None:
 def joined_weight_dtypes(b: Bucket) -> list | None:
   """The dtypes of the weights copies a joined stream call of `b` writes.
 
-  None where it writes none: its new weights are the new fp32 masters.
+  None where it writes none: its new weights are the new fp32 masters,
+  read after the join. fp32 copies where the weights are fp32 and either
+  the step is double-buffered (its new master is one row of a pair) or
+  every gradient is fp32: a joined start then writes them over its
+  gradients during the backward (grace_adam.py), as it does 16-bit ones.
   """
   dtypes = weight_dtypes(b)
-  if dtypes is None and getattr(b.executor, 'paired', False):
+  if dtypes is not None:
+    return dtypes
+  fp32_grads = all(jnp.dtype(g.dtype) == jnp.float32 for g in b.grads)
+  if getattr(b.executor, 'paired', False) or fp32_grads:
     return [jnp.float32] * len(b.leaves)
-  return dtypes
+  return None
 
 
 def joined_weights(b: Bucket, weights: list, like: list, old) -> list:
