@@ -116,7 +116,7 @@ def outside_model(result: dict[str, Any]) -> str | None:
 
   The planner models optax.adamw as mixed-precision Adam on the device and
   superoffload as the `stream` executor with its host steps after the
-  backward pass, returning 16-bit weights through host memory.
+  backward pass, writing the new weights over their gradients.
   """
   cfg = trainer_config(result['fields'])
   executor = result.get('executor')
@@ -204,6 +204,7 @@ def compare(result: dict[str, Any]) -> dict[str, Any]:
     sum(memory.get(f'{prefix}{k}_size_in_bytes', 0) * sign for k, sign in _SUM)
     for prefix in ('', 'host_')
   )
+  host -= returned_through_host(result)
   return dict(
     label=label(result),
     jax=result.get('jax', ''),
@@ -215,6 +216,24 @@ def compare(result: dict[str, Any]) -> dict[str, Any]:
     host_error=p['host'] / host - 1 if host else p['host'],
     outside=outside_model(result),
   )
+
+
+def returned_through_host(result: dict[str, Any]) -> int:
+  """Host bytes a compile held the new 16-bit weights in, then copied.
+
+  Compiles of the `stream` step made before its buckets wrote their new
+  weights over their gradients (no start says so) returned 16-bit
+  weights cast on the host through host buffers of their own: its host
+  temporaries (XLA:GPU of jaxlib 0.12.0.1; that of 0.12.1 kept them in
+  device memory). The planner no longer counts those, so they are left
+  out of such a compile's host bytes.
+  """
+  starts = result.get('optimizer_calls') or []
+  if any(c.get('weights_alias_grads') for c in starts):
+    return 0
+  if result['fields'].get('param_dtype', 'float32') == 'float32':
+    return 0
+  return result['memory'].get('host_temp_size_in_bytes', 0)
 
 
 # Arguments + outputs - aliased + temporaries: what the step occupies.

@@ -30,11 +30,10 @@ Model (N parameters, T = seq_len x batch tokens per step):
   fp32: 4 + 4 + 8). Offloaded: weights and gradients on the device (4 B
   16-bit, 8 B fp32; a jitted step holds the whole gradient tree). On the
   host, the library's state: fp32 master, m and v (12 B, what
-  `adamw(...).init` allocates, for fp32 weights too), and, casting 16-bit
-  weights on the host, the new weights the host step returns, which the
-  compiled step keeps in host buffers until they are copied in
-  (`returned_weight_bytes`; weight-stationary); fp32 weights are copied
-  from the state itself. The `stream` executor stages each bucket through
+  `adamw(...).init` allocates, for fp32 weights too); the new weights
+  a bucket's host step returns it writes over the bucket's gradients, on
+  the device (weight-stationary; weight-flow streams a 16-bit copy in,
+  `returned_weight_bytes`). The `stream` executor stages each bucket through
   two pinned host slots it allocates itself (`staging_bytes`, host bytes
   XLA does not count), and holds no bucket in device memory but where it
   casts 16-bit weights on the device: one bucket each way in fp32
@@ -355,15 +354,15 @@ def staging_bytes(model: ModelSpec, bucket_elements: int, cast: str) -> float:
 
   Each holds what one bucket's host step stages (`steps.staging_bound`):
   its gradients as they cross, its weights (the re-seed reads them) and
-  the 16-bit weights it writes back when casting on the host. The library
-  allocates them itself, outside XLA's accounting.
+  the new weights it writes back over its gradients, in their dtype (not
+  when casting 16-bit weights on the device: then the fp32 masters are
+  copied after the join). The library allocates them itself, outside
+  XLA's accounting.
   """
   grads, _ = wire_bytes(model, cast)
-  per_element = (
-    grads
-    + model.bytes_per_param
-    + returned_weight_bytes(cast, model.bytes_per_param)
-  )
+  cast_on_device = cast == 'device' and model.bytes_per_param < 4
+  written = 0 if cast_on_device else model.bytes_per_param
+  per_element = grads + model.bytes_per_param + written
   return 2 * bucket_elements * per_element
 
 
@@ -440,16 +439,15 @@ def _offload_bytes(
   state = (model.master_bytes + 8) * n_dev
   host = offload_host_bytes_per_param(stv, moments) * (n - n_dev)
   host += staging_bytes(model, bucket, cast) if n_dev < n else 0
-  returned = returned_weight_bytes(cast, model.bytes_per_param)
   if weights == 'flow':
+    returned = returned_weight_bytes(cast, model.bytes_per_param)
     window = min(n, FLOW_WINDOW_LAYERS * n / model.layers)
     device = weight_grad_bytes(model) * (window + n_dev)
     host += returned * n  # The 16-bit copy streamed in.
   else:
+    # The stream executor writes the new weights over their gradients on
+    # the device: no buffers of their own, on either side.
     device = weight_grad_bytes(model) * n
-    # The host step writes the new weights into host buffers, which XLA
-    # copies to the device: host temporaries of the compiled step.
-    host += returned * (n - n_dev)
   fixed = activation_bytes(model) + cast_staging_bytes(model, bucket, cast)
   return device + state + fixed, host
 
