@@ -19,6 +19,9 @@ from experiments.device import aot_planner
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMPILES = (
+  'results/gpu_aot/1b_h200_held_2026-12-07.json',
+  'results/gpu_aot/8b_h100_held_plugin0.12.0.1_2026-12-07.json',
+  'results/gpu_aot/8b_h100_held_jax0.12.1_2026-12-07.json',
   'results/gpu_aot/small_h200_2026-12-07.json',
   'results/gpu_aot/1b_h200_default_2026-12-07.json',
   'results/gpu_aot/1b_h200_rows_reseed_2026-12-07.json',
