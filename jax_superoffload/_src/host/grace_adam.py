@@ -321,18 +321,28 @@ def _joined(
   # host step), so XLA may reuse those buffers after it. Either way its
   # scheduler starts each bucket as soon as its gradients exist. Nothing
   # XLA copies asynchronously may hang off a start (see `_to_device`).
-  call = jax.ffi.ffi_call(
-    STREAM_JOIN_TARGET,
-    _like(results),
-    vmap_method='sequential',
-    input_output_aliases=_aliases(0, 0, len(results)),
-    has_side_effect=True,  # It waits, and must not be dropped when unused.
-  )
-  done = call(*results, barrier, *(keep or ()))
+  done = _passing(STREAM_JOIN_TARGET, results, barrier, *(keep or ()))
   for i, x in zip(joined, done, strict=True):
     # XLA keeps a result aliased to a host operand in host memory.
     out[i] = jax.device_put(x, jax.memory.Space.Host) if i in on_host else x
   return out, _to_device([out[i] for i in copy])
+
+
+def _passing(target: str, xs: list, *ordering: jax.Array) -> list:
+  """A call of `target` (a join or a claim) that passes `xs` on, aliased.
+
+  Its results are `xs`' buffers; `ordering` it only takes, to run after
+  them or keep them alive until it. It has effects (a join waits; a
+  claim's results are written later, by a worker): never dropped.
+  """
+  call = jax.ffi.ffi_call(
+    target,
+    _like(xs),
+    vmap_method='sequential',
+    input_output_aliases=_aliases(0, 0, len(xs)),
+    has_side_effect=True,
+  )
+  return list(call(*xs, *ordering))
 
 
 def _to_device(xs: list[jax.Array]) -> list[jax.Array]:
@@ -550,14 +560,7 @@ def _passed_on(claimed: list[jax.Array], joined: jax.Array) -> list:
   results, orders it after that one, which has waited for the worker's
   copies; it waits for nothing more itself.
   """
-  call = jax.ffi.ffi_call(
-    STREAM_JOIN_TARGET,
-    _like(claimed),
-    vmap_method='sequential',
-    input_output_aliases=_aliases(0, 0, len(claimed)),
-    has_side_effect=True,
-  )
-  return list(call(*claimed, joined))
+  return _passing(STREAM_JOIN_TARGET, claimed, joined)
 
 
 def _claimed(grads: list[jax.Array]) -> list[jax.Array]:
@@ -572,14 +575,7 @@ def _claimed(grads: list[jax.Array]) -> list[jax.Array]:
   compute stream does not wait for their copies to the host), and free
   once copied: weights placed there cost no device memory.
   """
-  call = jax.ffi.ffi_call(
-    STREAM_CLAIM_TARGET,
-    _like(grads),
-    vmap_method='sequential',
-    input_output_aliases=_aliases(0, 0, len(grads)),
-    has_side_effect=True,  # Its results are written later, by the worker.
-  )
-  return list(call(*grads))
+  return _passing(STREAM_CLAIM_TARGET, grads)
 
 
 def adam_step_lowp_segments(
@@ -950,14 +946,7 @@ def join_rows(
   """
   if not state:
     return [], []
-  call = jax.ffi.ffi_call(
-    STREAM_JOIN_TARGET,
-    _like(state),
-    vmap_method='sequential',
-    input_output_aliases=_aliases(0, 0, len(state)),
-    has_side_effect=True,
-  )
-  out = _typed_like(list(call(*state, barrier, *keep)), state)
+  out = _typed_like(_passing(STREAM_JOIN_TARGET, state, barrier, *keep), state)
   first = out[:to_device]
   if backend.target() == 'gpu':
     return out, _to_device(first)
