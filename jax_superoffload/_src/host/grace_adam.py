@@ -316,11 +316,11 @@ def _joined(
   joined = [i for i in range(len(out)) if i not in on_host or i in read]
   results = [out[i] for i in joined]
   # The results pass through (aliased). What the step reads from device
-  # memory is not kept alive unless it is in `keep`: then the start makes
-  # the compute stream wait for its copies to host memory (not for the
-  # host step), so XLA may reuse those buffers after it. Either way its
-  # scheduler starts each bucket as soon as its gradients exist. Nothing
-  # XLA copies asynchronously may hang off a start (see `_to_device`).
+  # memory is kept alive only where it is in `keep` (a call that holds its
+  # inputs); elsewhere the start makes the compute stream wait for its
+  # copies to host memory (not for the host step), so XLA may reuse those
+  # buffers after it. Nothing XLA copies asynchronously may hang off a
+  # start (see `_to_device`).
   done = _passing(STREAM_JOIN_TARGET, results, barrier, *(keep or ()))
   for i, x in zip(joined, done, strict=True):
     # XLA keeps a result aliased to a host operand in host memory.
