@@ -207,19 +207,22 @@ def test_no_host_to_host_copy(optimizer, layout):
 # Guard: a joined stream call returns before its host step has run, so
 # nothing may read its results but its join (a copy of the new masters
 # read unjoined would take the old ones). Casting on the device, the new
-# weights are those masters.
+# weights are those masters. Inside optax.MultiSteps (the trainer's
+# --grad-accum) optax selects between the state it held and the new one
+# in the step itself: that select reads the state, so it must be joined.
 EXTRA = {
   'host': (),
   'device': (('cast', 'device'),),
   'stv': (('clip_norm', 1.0),),
+  'multisteps': (('grad_accum', 2),),
 }
 
 
 @pytest.mark.parametrize('layout', aot_steps.LAYOUTS)
-@pytest.mark.parametrize('cast', ('host', 'device', 'stv'))
+@pytest.mark.parametrize('cast', ('host', 'device', 'stv', 'multisteps'))
 def test_stream_results_are_read_after_their_join(cast, layout):
-  if cast == 'stv' and layout == 'scan':
-    pytest.skip('STV: the unrolled step stands for both (one more compile)')
+  if cast in ('stv', 'multisteps') and layout == 'scan':
+    pytest.skip('the unrolled step stands for both (one more compile)')
   result = compiled('stream', layout, overrides=SMALL + EXTRA[cast])
   assert 'jax_superoffload_stream_join' in result['custom_calls']
   assert result['reads_before_join'] == [], result['reads_before_join']
@@ -512,3 +515,45 @@ def test_the_deviceless_pages_example_runs(tmp_path):
   assert int(start[1]) <= int(wait[1]) == 100, lines
   printed = re.search(r'^```text\n(.*?)^```$', _PAGE.read_text(), re.S | re.M)
   assert printed[1].splitlines() == lines, lines
+
+
+# Steps the trainer does not build (tests/gpu_compile_worker.py): an empty
+# parameter beside full ones must compile on every stream path (XLA:GPU's
+# verifier refused an empty buffer aliased in host memory) without costing
+# its bucket the writes over its gradients; optax's wrappers read the
+# state only through its join.
+def _worker_cases(names: list[str]) -> dict[str, dict]:
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+  env[deviceless.PLUGIN_PATH_ENV] = str(deviceless.plugin_path())
+  root = pathlib.Path(__file__).resolve().parents[1]
+  env['PYTHONPATH'] = os.pathsep.join([str(root), env.get('PYTHONPATH', '')])
+  done = subprocess.run(
+    [sys.executable, str(root / 'tests' / 'gpu_compile_worker.py'), *names],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+    check=False,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = [json.loads(line) for line in done.stdout.splitlines()]
+  return {r['case']: r for r in results}
+
+
+def test_empty_leaves_and_optax_wrappers_compile_on_the_stream():
+  names = [
+    'empty_fp32',
+    'empty_bf16',
+    'empty_bf16_moments',
+    'empty_stv',
+    'empty_stv_bf16',
+    'multisteps',
+    'apply_if_finite',
+  ]
+  results = _worker_cases(names)
+  assert sorted(results) == sorted(names), results
+  for name, r in results.items():
+    assert r['compiles'], (name, r.get('error'))
+    assert r['reads_before_join'] == [], (name, r['reads_before_join'])
+  for name in ('empty_fp32', 'empty_bf16', 'empty_bf16_moments'):
+    assert 'jax_superoffload_stream_claim' in results[name]['custom_calls']

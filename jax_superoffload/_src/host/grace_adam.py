@@ -289,23 +289,22 @@ def _joined(
   place: Place,
   out: list,
   on_host: set[int],
-  read: set[int] = frozenset(),
   copy: Sequence[int] = (),
   keep: Sequence[jax.Array] | None = None,
 ) -> tuple[list, list]:
   """`out` through a stream join when `place` asks for one, and copies.
 
-  Results at `on_host` (state updated in place in pinned host memory) are
-  not joined: their buffers live through the step, and the step ends only
-  after the join's wait. Everything in device memory is, and so are the
-  host results at `read`, which the step reads after this call: passed
-  through the join, aliased, they cannot be read before the host step has
-  written them. `copy`: joined host results (the new weights) to
-  copy to the device after the join (`_to_device`). `keep`: operands the
-  step may still read after its start (the parameters, which its worker
-  copies only when they changed, or every device operand of a call that
-  holds its inputs), kept alive until the join. Returns `out` and those
-  copies (none without a join).
+  Every result passes through the join, aliased (nothing copied), so
+  nothing can read it before the host step has written it: the state in
+  pinned host memory too, which optax's wrappers read inside the step
+  (`MultiSteps` selects between the state it held and the new one).
+  `on_host`: the results in host memory, typed so after the join.
+  `copy`: joined host results (the new weights) to copy to the device
+  after the join (`_to_device`). `keep`: operands the step may still read
+  after its start (the parameters, which its worker copies only when they
+  changed, or every device operand of a call that holds its inputs), kept
+  alive until the join. Returns `out` and those copies (none without a
+  join).
   """
   out = list(out)
   if not getattr(place, 'join', False):
@@ -313,16 +312,14 @@ def _joined(
   barrier = place.barrier
   if barrier is None:  # Nothing to wait for: the results are needed now.
     barrier = jnp.zeros((), jnp.int32)
-  joined = [i for i in range(len(out)) if i not in on_host or i in read]
-  results = [out[i] for i in joined]
   # The results pass through (aliased). What the step reads from device
   # memory is kept alive only where it is in `keep` (a call that holds its
   # inputs); elsewhere the start makes the compute stream wait for its
   # copies to host memory (not for the host step), so XLA may reuse those
   # buffers after it. Nothing XLA copies asynchronously may hang off a
   # start (see `_to_device`).
-  done = _passing(STREAM_JOIN_TARGET, results, barrier, *(keep or ()))
-  for i, x in zip(joined, done, strict=True):
+  done = _passing(STREAM_JOIN_TARGET, out, barrier, *(keep or ()))
+  for i, x in enumerate(done):
     # XLA keeps a result aliased to a host operand in host memory.
     out[i] = jax.device_put(x, jax.memory.Space.Host) if i in on_host else x
   return out, _to_device([out[i] for i in copy])
@@ -473,6 +470,75 @@ def _bucket_call(
   place: Place | None = None,
   **attrs,
 ) -> tuple[list[list[jax.Array]], list[jax.Array], jax.Array]:
+  """`_one_bucket_call`, on the leaves with elements where it is joined."""
+  kept = _leaves_with_elements(place, grads)
+  if kept is None:
+    return _one_bucket_call(
+      target, state, grads, weight_dtypes, params, hyper, flags, place, **attrs
+    )
+  runs, weights = [[] for _ in state], []
+  sumsq = jnp.zeros((1,), jnp.float32)
+  if kept:
+    runs, weights, sumsq = _one_bucket_call(
+      target,
+      [_pick(run, kept) for run in state],
+      _pick(grads, kept),
+      _pick(weight_dtypes, kept),
+      _pick(params, kept),
+      hyper,
+      flags,
+      place,
+      **attrs,
+    )
+  # A joined call returns every leaf's weights: the masters' by default.
+  empty = _empty_weights(weight_dtypes or [m.dtype for m in state[0]])
+  *runs, weights = _merged([*state, empty], kept, [*runs, weights])
+  return runs, weights, sumsq
+
+
+def _leaves_with_elements(place: Place | None, leaves: list) -> list | None:
+  """The leaves a joined call takes where it leaves some out, else None.
+
+  Where a call aliases an empty array in host memory, XLA:GPU types the
+  operand's buffer as device memory and the result's as host memory, and
+  its verifier refuses the program. An empty leaf needs no step: a joined
+  call (`StreamPlace`) leaves it out, and it comes back as it went in.
+  """
+  if not getattr(place, 'join', False):
+    return None
+  kept = [j for j, x in enumerate(leaves) if x.size]
+  return None if len(kept) == len(leaves) else kept
+
+
+def _pick(xs: list | None, kept: list[int]) -> list | None:
+  return None if xs is None else [xs[j] for j in kept]
+
+
+def _empty_weights(dtypes: list) -> list[jax.Array]:
+  return [jnp.zeros((0,), d) for d in dtypes]
+
+
+def _merged(fill: list[list], kept: list[int], got: list[list]) -> list[list]:
+  """Per-leaf lists: `got`'s leaves at `kept`, `fill`'s elsewhere."""
+  out = [list(xs) for xs in fill]
+  for xs, ys in zip(out, got, strict=True):
+    if xs or ys:  # A list of no leaves (no weights) stays empty.
+      for j, y in zip(kept, ys, strict=True):
+        xs[j] = y
+  return out
+
+
+def _one_bucket_call(
+  target: str,
+  state: list[list[jax.Array]],
+  grads: list[jax.Array],
+  weight_dtypes: list[jax.typing.DTypeLike] | None,
+  params: list[jax.Array] | None,
+  hyper: Hyperparams,
+  flags: tuple[jax.Array, ...] = (),
+  place: Place | None = None,
+  **attrs,
+) -> tuple[list[list[jax.Array]], list[jax.Array], jax.Array]:
   """One call of a bucket handler (Segments or LowpSegments).
 
   In: the count, the scalars and `flags` (operands the handler takes after
@@ -490,7 +556,7 @@ def _bucket_call(
   joined = getattr(place, 'join', False)
   grads = [place(g) for g in grads]
   params = None if params is None else [place(p) for p in params]
-  over = joined and _weights_fit_grads(grads, weight_dtypes)
+  over = joined and weights_fit_grads(grads, weight_dtypes)
   if over:
     grads, weight_dtypes = _claimed(grads), None
   k, n = len(grads), len(state)
@@ -523,7 +589,6 @@ def _bucket_call(
     place,
     out,
     _host_results(1, flat_state),
-    read,
     copy=sorted(weights),
     keep=held if joined else params,
   )
@@ -537,17 +602,19 @@ def _bucket_call(
   return runs, list(out[1 + n * k :]), out[0]
 
 
-def _weights_fit_grads(grads: list[jax.Array], weight_dtypes) -> bool:
+def weights_fit_grads(grads: list[jax.Array], weight_dtypes) -> bool:
   """Whether a joined start can write its new weights over its gradients.
 
-  Each leaf's weights must have its gradient's dtype (so its size), and
-  every gradient must have elements (a claim aliases each buffer).
+  Each leaf's weights must have its gradient's dtype (so its size). Empty
+  leaves do not count: a joined call leaves them out
+  (`_leaves_with_elements`); so one of them alone cannot.
   """
-  if weight_dtypes is None or not grads:
+  if weight_dtypes is None or not any(g.size for g in grads):
     return False
   return all(
-    jnp.dtype(d) == g.dtype and g.size
+    jnp.dtype(d) == g.dtype
     for g, d in zip(grads, weight_dtypes, strict=True)
+    if g.size
   )
 
 
@@ -651,6 +718,43 @@ def adam_step_speculative(
   sum of the squared scaled gradients (f32[1]) and the weights. `place`
   moves the operands that are not state (see `Place`).
   """
+  some = _leaves_with_elements(place, grads)
+  args = (master, mu, nu, kept, row, grads, weight_dtypes, hyper)
+  kwargs = dict(
+    params=params,
+    params_unchanged=params_unchanged,
+    keep_nonfinite=keep_nonfinite,
+    place=place,
+  )
+  if some is None:
+    return _speculative(*args, **kwargs)
+  got = [[], [], [], [], []]
+  sumsq = jnp.zeros((1,), jnp.float32)
+  if some:
+    pick = [_pick(x, some) if isinstance(x, list) else x for x in args]
+    kwargs['params'] = _pick(params, some)
+    *got[:4], sumsq, got[4] = _speculative(*pick, **kwargs)
+  empty = _empty_weights(weight_dtypes or [])
+  *runs, weights = _merged([master, mu, nu, kept, empty], some, got)
+  return (*runs, sumsq, weights)
+
+
+def _speculative(
+  master: list[jax.Array],
+  mu: list[jax.Array],
+  nu: list[jax.Array],
+  kept: list[jax.Array],
+  row: jax.Array,
+  grads: list[jax.Array],
+  weight_dtypes: list[jax.typing.DTypeLike] | None,
+  hyper: Hyperparams,
+  *,
+  params: list[jax.Array] | None,
+  params_unchanged: jax.typing.ArrayLike,
+  keep_nonfinite: bool,
+  place: Place | None,
+) -> tuple[list, list, list, list, jax.Array, list]:
+  """`adam_step_speculative`'s call on every leaf it is given."""
   place = place or _as_is
   grads = [place(g) for g in grads]
   params = None if params is None else [place(p) for p in params]
@@ -720,6 +824,35 @@ def adam_step_validated(
   returns its inputs (aliased: no copy, no work). A skipped step leaves
   row `row` current, so it needs nothing either.
   """
+  some = _leaves_with_elements(place, master)
+  args = (master, mu, nu, kept, row, weights, hyper)
+  kwargs = dict(redo=redo, skip=skip, redo_scale=redo_scale, place=place)
+  if some is None:
+    return _validated(*args, **kwargs)
+  got = [[], [], [], []]
+  if some:
+    pick = [_pick(x, some) if isinstance(x, list) else x for x in args]
+    got = list(_validated(*pick, **kwargs))
+  # The weights' copies reach the device; an empty one is made there.
+  empty = _empty_weights([w.dtype for w in weights or []])
+  return tuple(_merged([master, mu, nu, empty], some, got))
+
+
+def _validated(
+  master: list[jax.Array],
+  mu: list[jax.Array],
+  nu: list[jax.Array],
+  kept: list[jax.Array],
+  row: jax.Array,
+  weights: list[jax.Array] | None,
+  hyper: Hyperparams,
+  *,
+  redo: jax.Array,
+  skip: jax.Array,
+  redo_scale: jax.Array,
+  place: Place | None,
+) -> tuple[list, list, list, list]:
+  """`adam_step_validated`'s call on every leaf it is given."""
   k = len(master)
   weights = list(weights or [])
   hyper = hyper.replace(grad_scale=1.0)  # The redo scales by redo_scale.
@@ -755,7 +888,7 @@ def adam_step_validated(
   # The weights copies in host memory are read after the call (copied to
   # the device): through the join, which copies them.
   read = {i for i in on_host if i >= 3 * k}
-  out, copies = _joined(place, out, on_host, read, copy=sorted(read))
+  out, copies = _joined(place, out, on_host, copy=sorted(read))
   runs = [list(out[r * k : (r + 1) * k]) for r in range(3)]
   if place is not _as_is:
     state = (master, mu, nu)

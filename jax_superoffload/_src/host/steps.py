@@ -248,16 +248,16 @@ def joined_weight_dtypes(b: Bucket) -> list | None:
   None where it writes none: its new weights are the new fp32 masters,
   read after the join. fp32 copies where the weights are fp32 and either
   the step is double-buffered (its new master is one row of a pair) or
-  every gradient is fp32: a joined start then writes them over its
-  gradients during the backward (grace_adam.py), as it does 16-bit ones.
+  a joined start can write them over its gradients during the backward
+  (`grace_adam.weights_fit_grads`), as it does 16-bit ones.
   """
   dtypes = weight_dtypes(b)
   if dtypes is not None:
     return dtypes
-  fp32_grads = all(jnp.dtype(g.dtype) == jnp.float32 for g in b.grads)
-  if getattr(b.executor, 'paired', False) or fp32_grads:
-    return [jnp.float32] * len(b.leaves)
-  return None
+  fp32 = [jnp.float32] * len(b.leaves)
+  if getattr(b.executor, 'paired', False):
+    return fp32
+  return fp32 if grace_adam.weights_fit_grads(b.grads, fp32) else None
 
 
 def joined_weights(b: Bucket, weights: list, like: list, old) -> list:
