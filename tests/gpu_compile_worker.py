@@ -6,7 +6,8 @@ Each CASE is a step `superoffload.adamw` takes that the trainer's cases
 (experiments/device/aot_steps.py) do not build: parameters with an empty
 leaf beside full ones, or the optimizer inside an optax wrapper. Prints,
 per case, one JSON line: whether it compiled (or the error's first
-line), and `hlo_report.summarize`'s device/host GB and reads before join.
+line), and `hlo_report.summarize`'s device/host GB, copies, reads before
+its joins and custom calls. The step donates its parameters and state.
 """
 
 from __future__ import annotations
@@ -66,12 +67,14 @@ def _compile(name: str) -> dict:
 
   args = (params, opt_state, jnp.ones((64, WIDTH)))
   topology = deviceless.topology('h100')
+  donate = {'donate_argnums': (0, 1)}  # As a train step does.
   try:
-    compiled = deviceless.compile_for_gpu(step, args, topology, jit_kwargs={})
+    compiled = deviceless.compile_for_gpu(step, args, topology, donate)
   except Exception as e:  # The test reads what failed.
     return {'case': name, 'compiles': False, 'error': str(e).splitlines()[0]}
   summary = hlo_report.summarize(compiled.hlo, compiled.memory)
-  keys = ('device_GB', 'host_GB', 'reads_before_join', 'custom_calls')
+  keys = ('device_GB', 'host_GB', 'copies', 'reads_before_join')
+  keys += ('custom_calls',)
   return {'case': name, 'compiles': True, **{k: summary[k] for k in keys}}
 
 

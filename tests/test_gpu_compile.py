@@ -557,3 +557,4 @@ def test_empty_leaves_and_optax_wrappers_compile_on_the_stream():
     assert r['reads_before_join'] == [], (name, r['reads_before_join'])
   for name in ('empty_fp32', 'empty_bf16', 'empty_bf16_moments'):
     assert 'jax_superoffload_stream_claim' in results[name]['custom_calls']
+    assert 'H2H' not in results[name]['copies'], results[name]['copies']
