@@ -318,10 +318,21 @@ def _joined(
   # copies to host memory (not for the host step), so XLA may reuse those
   # buffers after it. Nothing XLA copies asynchronously may hang off a
   # start (see `_to_device`).
-  done = _passing(STREAM_JOIN_TARGET, out, barrier, *(keep or ()))
-  for i, x in enumerate(done):
+  # The device results (or, where there are none, one host result) pass
+  # through the join that waits; each host result through a join of its
+  # own after it. One join passing them all cost the 1B unrolled step 68 s
+  # of XLA:GPU's host-offload legalization, which walks a call's results
+  # for each host result it meets (a leaf's own join: 0.2 s).
+  first = [i for i in range(len(out)) if i not in on_host] or [min(on_host)]
+  joined = [out[i] for i in first]
+  done = _passing(STREAM_JOIN_TARGET, joined, barrier, *(keep or ()))
+  for i, x in zip(first, done, strict=True):
+    out[i] = x
+  for i in sorted(on_host):
+    if i not in first:
+      (out[i],) = _passing(STREAM_JOIN_TARGET, [out[i]], done[0])
     # XLA keeps a result aliased to a host operand in host memory.
-    out[i] = jax.device_put(x, jax.memory.Space.Host) if i in on_host else x
+    out[i] = jax.device_put(out[i], jax.memory.Space.Host)
   return out, _to_device([out[i] for i in copy])
 
 
