@@ -433,25 +433,9 @@ def test_bf16_stacks_start_their_rows_in_the_backward_loop():
 
 # 16-bit parameters come back from the host as 16 bits: every copy to
 # the device together carries no more than the parameters' own bytes (plus
-# scalars). The buckets' kernel writes the bf16 weights on the host; the
-# rows of overlap_scan do not yet, so each stack's fp32 master crosses
-# whole and is rounded on the device (at 8B, 9.66 GB of device memory
-# beside its parameters; docs/gpu.md).
-@pytest.mark.parametrize(
-  'layout',
-  [
-    'noscan',
-    pytest.param(
-      'scan',
-      marks=pytest.mark.xfail(
-        strict=True,
-        reason='overlap_scan rounds 16-bit stacks on the device after '
-        'copying their fp32 master (not built: a host buffer the rows '
-        'write bf16 into)',
-      ),
-    ),
-  ],
-)
+# scalars). The buckets' kernel writes the bf16 weights on the host, and
+# so do the rows of overlap_scan, into a 16-bit host copy of each stack.
+@pytest.mark.parametrize('layout', ['noscan', 'scan'])
 def test_16_bit_weights_cross_to_the_device_as_16_bits(layout):
   result = compiled('stream', layout, param_dtype='bfloat16')
   sent = sum(c['bytes'] for c in result['to_device']) + _written_over(result)
