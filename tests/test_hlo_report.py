@@ -92,6 +92,25 @@ def test_optimizer_calls_placed_against_the_backward():
   assert summary['backward_gemms'] == 2
 
 
+def test_a_join_after_claims_alone_waits_for_nothing():
+  # A stream claim starts no host step: overlap_scan's join before the
+  # loop, scheduled after the buckets' claims, waits for nothing.
+  claim = (
+    '  %claim = f32[32]{0} custom-call(%s), '
+    'custom_call_target="jax_superoffload_stream_claim"\n'
+    '  %join.0 = f32[64]{0:S(5)} custom-call(%h, %claim), '
+    'custom_call_target="jax_superoffload_stream_join"\n'
+  )
+  hlo = HLO.replace('  %call.opt = ', claim + '  %call.opt = ')
+  calls = hlo_report.summarize(hlo, {})['optimizer_calls']
+  assert [(c['target'], c['waits']) for c in calls] == [
+    ('jax_superoffload_stream_claim', False),
+    ('jax_superoffload_stream_join', False),
+    ('jax_superoffload_adam_step_segments', False),
+    ('jax_superoffload_stream_join', True),
+  ]
+
+
 def test_results_of_a_joined_call_reach_only_their_join():
   # Through a copy to the host and one back, the call's result reaches its
   # join: allowed. Read by anything else first, it would be read before the

@@ -202,6 +202,54 @@ def test_several_leaves_and_rows_across_work_chunks():
     _check_float64(got[j::2], *state[j], grads[j], params[j])
 
 
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
+def _scanned_weights(master, mu, nu, weights, grads):
+  """`_scanned` with stacked 16-bit weights, which the rows write too."""
+
+  def body(total, xs):
+    i, g = xs
+    grace_adam.adam_step_row(master, mu, nu, g, i, HYPER, weights=weights)
+    return total + g[0].ravel()[0].astype(jnp.float32), None
+
+  rows = jnp.arange(master[0].shape[0])
+  done, _ = jax.lax.scan(body, 0.0, (rows, grads))
+  return _join([*master, *mu, *nu, *weights], done.astype(jnp.int32))
+
+
+@pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float16])
+def test_rows_write_their_weights_rounded_from_the_new_master(dtype):
+  # Two leaves, one longer than a work chunk; each row's 16-bit weights
+  # are its new master rounded to nearest even, as XLA's conversion
+  # rounds it, and the state the same bits as without them.
+  rng = np.random.default_rng(9)
+  shapes = [(3, 2**18 + 5), (3, 2, 5)]
+  state = [_state(rng, s) for s in shapes]
+  grads = [jnp.asarray(rng.normal(size=s), dtype) for s in shapes]
+  runs = [[x[r] for x in state] for r in range(3)]
+  want = _bucket(*runs, grads, None)
+  weights = [jnp.full(s, 7.0, dtype) for s in shapes]
+  got = _scanned_weights(
+    *[[jnp.asarray(x) for x in run] for run in runs], weights, grads
+  )
+  for x, y in zip(got[:6], want, strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  for w, m in zip(got[6:], got[:2], strict=True):
+    assert w.dtype == dtype
+    np.testing.assert_array_equal(
+      np.asarray(w).view(np.uint16), np.asarray(m.astype(dtype)).view(np.uint16)
+    )
+
+
+def test_weights_that_do_not_fit_are_refused():
+  master, mu, nu, grads, _ = _case(3, 7, jnp.float32, False)
+  message = r'leaf 0: weights must be bf16 or f16'
+  for weights in (np.zeros((3, 7), np.float32), np.zeros((3, 8), jnp.bfloat16)):
+    with pytest.raises(ValueError, match=message):
+      grace_adam.adam_step_row(
+        [master], [mu], [nu], [grads[0]], 0, HYPER, weights=[weights]
+      )
+
+
 def _one_row(master, mu, nu, grad, row):
   rows = jnp.asarray([row], jnp.int32)
   return _scanned([master], [mu], [nu], [grad[None]], None, rows)
@@ -239,7 +287,7 @@ def test_leaves_that_do_not_fit_are_refused(change, message):
     )
 
 
-def _raw_row_call(master, grad, row=0):
+def _raw_row_call(master, grad, row=0, *weights):
   """The target called directly, past the Python checks."""
   call = jax.ffi.ffi_call(
     grace_adam.ADAM_STEP_ROW_TARGET, (), has_side_effect=True
@@ -252,6 +300,7 @@ def _raw_row_call(master, grad, row=0):
     master,
     master,
     grad,
+    *weights,
     **grace_adam._bucket_attrs(HYPER, 1),
   )
 
@@ -267,6 +316,19 @@ def _raw_row_call(master, grad, row=0):
 def test_the_handler_checks_its_operands(master, grad, message):
   with pytest.raises(Exception, match=message):
     jax.block_until_ready(jax.jit(_raw_row_call)(master, grad))
+
+
+@pytest.mark.parametrize(
+  ('weights', 'message'),
+  [
+    (np.zeros(9, np.float32), 'stacked weights must be bf16 or f16'),
+    (np.zeros(8, jnp.bfloat16), 'has 8 elements, expected 9'),
+  ],
+)
+def test_the_handler_checks_its_weights(weights, message):
+  master, grad = np.zeros(9, np.float32), np.zeros(3, np.float32)
+  with pytest.raises(Exception, match=message):
+    jax.block_until_ready(jax.jit(_raw_row_call)(master, grad, 0, weights))
 
 
 def _custom_calls(fn, *args) -> list[str]:

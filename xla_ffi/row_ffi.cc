@@ -20,10 +20,26 @@ namespace ffi = xla::ffi;
 namespace jax_superoffload {
 namespace {
 
+// Leaf j's stacked 16-bit weights (operand run `run`, `total` elements),
+// into `b`'s low-precision copy, as row 0's.
+ffi::Error GetRowWeights(ffi::RemainingArgs& args, int64_t k, int64_t run,
+                         size_t j, int64_t total, AdamBuffers* b) {
+  ffi::AnyBuffer weights(nullptr);
+  JSO_RETURN_IF_ERROR(GetArg(args, k, run, j, total, &weights));
+  if (!ToElementType(weights.element_type(), &b->lowp_type) ||
+      b->lowp_type == ElementType::kF32) {
+    return LeafError(j, "stacked weights must be bf16 or f16");
+  }
+  b->lowp_out = weights.untyped_data();
+  return ffi::Error::Success();
+}
+
 // Leaf j of a row step (see AdamStepRow): its stacked state, `*rows` rows
-// of the gradient's n elements, as row 0's buffers.
+// of the gradient's n elements, as row 0's buffers, and with `weights` its
+// stacked 16-bit weights.
 ffi::Error GetRowLeaf(ffi::RemainingArgs& args, int64_t k, bool reseed,
-                      size_t j, SegmentLeaf* leaf, int64_t* rows) {
+                      bool weights, size_t j, SegmentLeaf* leaf,
+                      int64_t* rows) {
   ffi::AnyBuffer grad(nullptr), master(nullptr), mu(nullptr), nu(nullptr);
   JSO_RETURN_IF_ERROR(GetArg(args, k, 3, j, -1, &grad));
   const int64_t n = static_cast<int64_t>(grad.element_count());
@@ -59,6 +75,9 @@ ffi::Error GetRowLeaf(ffi::RemainingArgs& args, int64_t k, bool reseed,
     JSO_RETURN_IF_ERROR(GetTyped(args, k, 4, j, n, "parameter", &leaf->params,
                                  &leaf->param_type));
   }
+  if (weights) {
+    JSO_RETURN_IF_ERROR(GetRowWeights(args, k, reseed ? 5 : 4, j, total, &b));
+  }
   if (const char* error = ValidateAdamBuffers(b)) return LeafError(j, error);
   *rows = total / n;
   return ffi::Error::Success();
@@ -83,6 +102,10 @@ void AtRow(int64_t row, AdamBuffers* b) {
   b->master_out += offset;
   b->mu_out += offset;
   b->nu_out += offset;
+  if (b->lowp_out != nullptr) {
+    b->lowp_out =
+        static_cast<char*>(b->lowp_out) + ElementBytes(b->lowp_type, offset);
+  }
 }
 
 // The row's step, once its operands hold their values.
@@ -113,13 +136,18 @@ ffi::Error StepRow(const RowStep& step, Workers workers) {
 // One row of k stacked leaves. Operands after the count, the scalars and
 // `row` (s32, one element): k masters, k mu, k nu (f32, L rows of n_j
 // elements each, stepped in place: the call has no results), k gradients
-// of the row (n_j elements of f32, bf16 or f16) and, with `reseed`, the k
-// parameters of the row the step starts from (see ReseedRange).
+// of the row (n_j elements of f32, bf16 or f16), with `reseed` the k
+// parameters of the row the step starts from (see ReseedRange) and
+// optionally k stacked weights (bf16 or f16, L rows of n_j elements, in
+// place), whose row receives the new master rounded to nearest even.
 ffi::Error AdamStepRow(Launch& launch, Counts count, Scalars scalars, Flag row,
                        ffi::RemainingArgs args, ffi::RemainingRets rets,
                        BucketAttrs attrs) {
   const LeafRuns runs(attrs.num_leaves, args.size(), rets.size());
-  JSO_RETURN_IF_ERROR(runs.Expect(attrs.reseed ? 5 : 4, 0));
+  const int64_t leaf_args = attrs.reseed ? 5 : 4;
+  const bool weights = runs.k() > 0 && static_cast<int64_t>(args.size()) ==
+                                           (leaf_args + 1) * runs.k();
+  JSO_RETURN_IF_ERROR(runs.Expect(leaf_args + (weights ? 1 : 0), 0));
   if (runs.k() < 1) return InvalidArgument("a row step needs a leaf");
   if (attrs.compute_sumsq) {
     return InvalidArgument("a row step has no sum of squares");
@@ -134,8 +162,8 @@ ffi::Error AdamStepRow(Launch& launch, Counts count, Scalars scalars, Flag row,
   step.leaves.resize(runs.k());
   for (int64_t j = 0; j < runs.k(); ++j) {
     int64_t rows = 0;
-    JSO_RETURN_IF_ERROR(
-        GetRowLeaf(args, runs.k(), attrs.reseed, j, &step.leaves[j], &rows));
+    JSO_RETURN_IF_ERROR(GetRowLeaf(args, runs.k(), attrs.reseed, weights, j,
+                                   &step.leaves[j], &rows));
     step.leaves[j].b.prefetch = prefetch;
     JSO_RETURN_IF_ERROR(SameRows(j, rows, &step.rows));
   }
@@ -248,6 +276,10 @@ ffi::Error StartRowStep(Launch& launch, RowStep step,
         Touch(b.grad, ElementBytes(b.grad_type, b.size), Role::kInput));
     touched.push_back(Touch(leaf.params, ElementBytes(leaf.param_type, b.size),
                             Role::kInput));
+    // Every row, as the state: only the step's row is written.
+    touched.push_back(Touch(b.lowp_out,
+                            ElementBytes(b.lowp_type, step.rows * b.size),
+                            Role::kState));
   }
   JSO_RETURN_IF_ERROR(launch.Place(touched));
   return RunWith(launch, attrs, [step = std::move(step)](Workers workers) {

@@ -7,8 +7,11 @@
 // (StepSegmentPiece). The row is an operand (the loop's counter, a device
 // scalar on a GPU) and is read when the step runs, like the scalars.
 //
-// No low-precision weight copies (the new weights are the master's row)
-// and no sum of squares. The re-seed from the parameters, where they are
+// Optionally each leaf also has a stacked 16-bit weight (bf16 or f16, L
+// rows of n elements, pinned host memory on a GPU): the call writes its
+// row with the new master rounded to nearest even, in the same pass (the
+// buckets' low-precision copy), and leaves its other rows alone. No sum
+// of squares. The re-seed from the parameters, where they are
 // not the weights the last step produced, is a call of its own per stack
 // (AdamReseedRows), made before the loop, where the whole stacked
 // parameters are alive: inside the loop a row's parameters are a temporary
@@ -28,8 +31,9 @@
 namespace jax_superoffload {
 
 // A row step's decoded operands. Each leaf's buffers are its row 0 (b.size
-// = n, master_in == master_out and so on, each of `rows` * n elements);
-// `row` (s32[1]) is read by the work.
+// = n, master_in == master_out and so on, each of `rows` * n elements, as
+// is b.lowp_out where the leaf has stacked weights); `row` (s32[1]) is
+// read by the work.
 struct RowStep {
   ScalarSet set;
   const int32_t* row = nullptr;

@@ -10,7 +10,8 @@
 // a Grace Adam bucket step staged through the fake, bit for bit equal to
 // the same step run at once on the CPU; and the row step of stacked state
 // (row_ffi.h): its row staged and read when the step runs, no staging
-// shared between two rows in flight, a row out of range a sticky error.
+// shared between two rows in flight, a row out of range a sticky error,
+// a row's 16-bit weights written with the rounding of its new master.
 
 #include "xla_ffi/stream_launch.h"
 
@@ -790,6 +791,9 @@ struct RowStack {
   int32_t count = 3;
   std::vector<float> scalars;
   int32_t row = 0;
+  // Stacked 16-bit weights of `weights_type`, kRows rows of n, where set.
+  std::vector<uint16_t> weights;
+  ElementType weights_type = ElementType::kNone;
 
   RowStack(int64_t size, uint64_t seed) : n(size) {
     for (auto* v : {&master, &mu, &nu}) v->resize(kRows * n);
@@ -838,6 +842,10 @@ struct RowStack {
     b.nu_in = b.nu_out = nu.data();
     b.grad = grad.data();
     b.grad_type = ElementType::kBF16;
+    if (!weights.empty()) {
+      b.lowp_out = weights.data();
+      b.lowp_type = weights_type;
+    }
     step.leaves = {leaf};
     return step;
   }
@@ -955,6 +963,36 @@ void TestRowOutOfRangeIsAStickyError() {
   Expect(later.SameState(want), "and steps its row");
 }
 
+// A row step with stacked 16-bit weights writes the row's new master,
+// rounded to nearest even, into the weights' row and leaves their other
+// rows as they were.
+void TestRowWritesItsRoundedWeights() {
+  for (ElementType type : {ElementType::kBF16, ElementType::kF16}) {
+    Rig rig;
+    RowStack stack(517, 49);
+    stack.MarkDevice(rig.fake);
+    stack.row = 2;
+    RowStack want = stack;
+    want.StepRowDirectly(2);
+    stack.weights.assign(RowStack::kRows * stack.n, 0x7bcd);
+    stack.weights_type = type;
+    want.weights = stack.weights;
+    const int64_t n = stack.n;
+    for (int64_t i = 2 * n; i < 3 * n; ++i) {
+      want.weights[i] = type == ElementType::kBF16
+                            ? FloatToBf16Bits(want.master[i])
+                            : FloatToF16Bits(want.master[i]);
+    }
+    ffi::Error e = StartRow(rig, stack);
+    Expect(e.success() && rig.Join().success(),
+           "the row step with weights runs: " + e.message());
+    Expect(stack.SameState(want), "row 2's state stepped");
+    Expect(stack.weights == want.weights,
+           "row 2's weights are its new master rounded, rows 0 and 1 as "
+           "they were");
+  }
+}
+
 // Point 5 for the rows: a stack's re-seed (AdamReseedRows) reads nothing
 // while `unchanged` is set; cleared, its worker fetches the stack's
 // parameters a row at a time (on demand, through one row of staging) and
@@ -1063,6 +1101,7 @@ int main(int argc, char** argv) {
       {"row_read_when_run", TestRowIsReadWhenTheStepRuns},
       {"row_no_shared_staging", TestTwoRowLaunchesShareNoStaging},
       {"row_out_of_range", TestRowOutOfRangeIsAStickyError},
+      {"row_weights", TestRowWritesItsRoundedWeights},
       {"stack_reseed_on_demand", TestStackReseedFetchesRowByRowOnlyWhenChanged},
       {"host_pool", TestHostPoolResultsDoNotDependOnWorkers},
   };

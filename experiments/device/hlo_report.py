@@ -298,7 +298,12 @@ def optimizer_calls(events: list[Event]) -> list[dict[str, Any]]:
     # step's launches were joined in that step): it only hands the state
     # on, as overlap_scan's does before the backward loop.
     waits = (e.target == JOIN_TARGET and started) or not joined
-    started = started or e.target not in (JOIN_TARGET, TO_DEVICE_TARGET)
+    # A claim runs nothing: a join after claims alone waits for nothing.
+    started = started or e.target not in (
+      JOIN_TARGET,
+      TO_DEVICE_TARGET,
+      CLAIM_TARGET,
+    )
     call = {
       'name': e.name,
       'target': e.target,

@@ -907,11 +907,13 @@ def _validated(
   return (*runs, copies if copies else list(out[3 * k :]))
 
 
-def _check_row_leaves(master, mu, nu, grads, params) -> None:
+def _check_row_leaves(master, mu, nu, grads, params, weights) -> None:
   """Raises ValueError unless the row step's leaves fit together."""
   runs = {'mu': mu, 'nu': nu, 'grads': grads}
   if params is not None:
     runs['params'] = params
+  if weights is not None:
+    runs['weights'] = weights
   for name, run in runs.items():
     if len(run) != len(master):
       raise ValueError(
@@ -936,6 +938,14 @@ def _check_row_leaves(master, mu, nu, grads, params) -> None:
       raise ValueError(
         f'adam_step_row: leaf {j} has {rows} rows, leaf 0 {master[0].shape[0]}'
       )
+    w = None if weights is None else weights[j]
+    if w is not None and (
+      w.dtype not in (jnp.bfloat16, jnp.float16) or w.shape != m.shape
+    ):
+      raise ValueError(
+        f'adam_step_row: leaf {j}: weights must be bf16 or f16 shaped like '
+        f'the master {m.shape}, got {w.dtype}{list(w.shape)}'
+      )
 
 
 def adam_step_row(
@@ -947,6 +957,7 @@ def adam_step_row(
   hyper: Hyperparams,
   *,
   params: list[jax.Array] | None = None,
+  weights: list[jax.Array] | None = None,
   keep_nonfinite: bool = False,
   place: Place | None = None,
 ) -> None:
@@ -965,11 +976,14 @@ def adam_step_row(
   whose barrier is a value the loop computes (the stacked gradients; on
   a constant one XLA:CPU copied the state for the join before the loop,
   and the steps' writes were lost). On a GPU the join also reports a row
-  outside ``[0, L)``; on the CPU the call fails at once. fp32 weights
-  only: no low-precision copies, no sum of squares.
-  `place` moves every operand but the state (see `Place`).
+  outside ``[0, L)``; on the CPU the call fails at once. With `weights`
+  (bf16 or f16, shaped like the master; pinned host memory on a GPU),
+  the same pass writes row `row` of each with its new master rounded to
+  nearest even, in place like the state, and leaves their other rows as
+  they were. No sum of squares. `place` moves every operand but the
+  state and `weights` (see `Place`).
   """
-  _check_row_leaves(master, mu, nu, grads, params)
+  _check_row_leaves(master, mu, nu, grads, params, weights)
   kept = [j for j, g in enumerate(grads) if g.size]
   if not kept:
     return
@@ -986,6 +1000,7 @@ def adam_step_row(
     *run(nu),
     *(place(g) for g in run(grads)),
     *(place(p) for p in (run(params) if params is not None else ())),
+    *(run(weights) if weights is not None else ()),
   ]
   call = jax.ffi.ffi_call(ADAM_STEP_ROW_TARGET, (), has_side_effect=True)
   call(

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_superoffload._src.core import host_memory
 from jax_superoffload._src.host import grace_adam
 from jax_superoffload._src.host import steps
 from jax_superoffload._src.optim import scan_scope
@@ -70,11 +71,14 @@ def _start(scope: scan_scope.Scope, ids: list[int], hypers, stacks, grads, row):
   for (_, js), hyper in zip(scan_scope.calls(scope, ids), hypers, strict=True):
     picked = [grads[j] for j in js]
     scope.reserve = max(scope.reserve, steps.staged_bytes(picked, None))
+    # A call's leaves all have host weights, or none do (`calls`).
+    weights = [stacks[j][3] for j in js if len(stacks[j]) > 3]
     grace_adam.adam_step_row(
       *([stacks[j][r] for j in js] for r in range(3)),
       picked,
       row,
       hyper,
+      weights=weights or None,
       place=steps.stream_place(None, scope.reserve),
     )
   scope.started.update(ids)
@@ -115,9 +119,24 @@ def acquire(stacked: Any, params_path: Any, unroll: Any, inputs: Any) -> Any:
   n = len(fresh)
   masters = _reseeded(scope, fresh, joined[:n])
   for j, i in enumerate(fresh):
-    scope.stacks[i] = (masters[j], joined[n + j], joined[2 * n + j])
+    stack = (masters[j], joined[n + j], joined[2 * n + j])
+    scope.stacks[i] = stack + _host_weights(scope, i)
   scope.active.add(scan_scope.as_path(params_path))
   return _noted(scope, stacked, take, ids)
+
+
+def _host_weights(scope: scan_scope.Scope, i: int) -> tuple:
+  """Leaf `i`'s 16-bit host stack for the rows' new weights, if it has one.
+
+  A copy of the parameters to pinned host memory (`scan_scope.host_weights`),
+  a buffer of the step's own, which the rows write a row at a time. Not
+  through the join before the loop: XLA finishes such a copy late, and
+  the join would follow it past the first bucket's start, which it then
+  waits for.
+  """
+  if not scan_scope.host_weights(scope.params[i]):
+    return ()
+  return (host_memory.to_host(scope.params[i]),)
 
 
 def _reseeded(scope: scan_scope.Scope, ids: list[int], masters: list) -> list:

@@ -9,7 +9,8 @@ gradient exists: `grace_adam.adam_step_row` on row ``i`` of the stacked
 fp32 state, written in place, with no result. `update`, called in the same
 scope, leaves those leaves out of its buckets and joins their state after
 the loop (`grace_adam.join_rows`, whose barrier is every gradient, the
-stacked ones values only the loop computes).
+stacked ones values only the loop computes), and copies each leaf's new
+weights to the device.
 
 Only leaves whose step the row step takes exactly are started in the loop:
 the "stream" executor, fp32, bf16 or f16 parameters with fp32 master
@@ -18,9 +19,13 @@ buffering, and not in a device bucket or on optax's path; a rolled loop
 (`unroll=1`) of two layers or more, whose stack leaves are the parameters'
 own dtype; one device. The stacks' masters are re-seeded from their
 parameters before the loop, as the buckets re-seed theirs, and only where
-the state's digest says the parameters changed (`scan_hooks._reseeded`);
-a 16-bit leaf's new master is rounded to nearest even on the device after
-the join (the buckets round on either side, to the same bits). Everything
+the state's digest says the parameters changed (`scan_hooks._reseeded`).
+A 16-bit leaf's new weights are its new master rounded to nearest even,
+the bits the buckets write: on a GPU, for a stack in device memory, the
+row steps write them, a row at a time, into a 16-bit copy of the stack in
+pinned host memory, which crosses to the device after the join as 16
+bits (`scan_scope.host_weights`); otherwise (the CPU, weight flow's host
+stacks) the fp32 master is rounded on the device after the join. Everything
 else keeps its start after the loop, and with any other transformation
 (optax's, or ours inside a wrapper such as `optax.chain` or
 `optax.MultiSteps`) the scope does nothing.
@@ -36,7 +41,9 @@ before anything runs.
 At the scope's opening, the state of those leaves passes through the join
 once: the row steps then write buffers of the step's own (a state the
 caller did not donate is copied there first, as the bucket steps' aliased
-results are), and the buckets of `update` read the same buffers.
+results are), and the buckets of `update` read the same buffers. The host
+copies of the 16-bit stacks, made then too, are such buffers already; they
+meet the state at the join after the loop.
 """
 
 from __future__ import annotations
@@ -269,12 +276,14 @@ def with_stacks(
 def finish(scope: scan_scope.Scope, grads: list, params: list | None) -> dict:
   """The rows' new state after the loop: ``{i: (master, mu, nu, weight)}``.
 
-  `weight` is the new master in device memory. The join's barrier is
-  every gradient of the step: the stacked ones exist only once the loop
-  has ended, and with the others in it XLA makes those before the joins,
-  not after, where their dots' operands (the output layer's activations)
-  would wait through the new weights' copies to the device (weight flow,
-  1B on an H200: 0.10 GB more at the peak).
+  `weight` is in device memory: the 16-bit weights the rows wrote on the
+  host where the leaf has them (`scan_scope.host_weights`), else the new
+  master. The join's barrier is every gradient of the step: the stacked
+  ones exist only once the loop has ended, and with the others in it XLA
+  makes those before the joins, not after, where their dots' operands
+  (the output layer's activations) would wait through the new weights'
+  copies to the device (weight flow, 1B on an H200: 0.10 GB more at the
+  peak).
 
   Raises:
     ValueError: If layers started their steps but `params` is None.
@@ -294,8 +303,10 @@ def finish(scope: scan_scope.Scope, grads: list, params: list | None) -> dict:
     # reaches the device and is applied on its own, so no more than one
     # leaf's new weights wait in device memory at a time. The parameters
     # stay alive until then: the re-seed's worker may read them.
+    # The host weights, where the leaf has them, first: they are copied.
+    stack = scope.stacks[i]
     joined, weight = grace_adam.join_rows(
-      list(scope.stacks[i]), barrier, to_device=1, keep=[scope.params[i]]
+      [*stack[3:], *stack[:3]], barrier, to_device=1, keep=[scope.params[i]]
     )
-    done[i] = (*joined, weight[0])
+    done[i] = (*joined[len(stack) - 3 :], weight[0])
   return done

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_superoffload._src.core import backend
 from jax_superoffload._src.core import host_memory
 from jax_superoffload._src.host import steps
 from jax_superoffload._src.optim import state as state_lib
@@ -86,6 +87,27 @@ def _eligible(opts, plan, state, params) -> list[int]:
     ):
       out.append(i)
   return out
+
+
+def host_weights(param: Any) -> bool:
+  """Whether a stack's rows write its new weights into a host copy of it.
+
+  On a GPU, for a 16-bit stack in device memory: the row steps round
+  their new masters into a 16-bit stack in pinned host memory (a copy of
+  the parameters made at the scope's opening), which then crosses to the
+  device as 16 bits, not as the fp32 master. Elsewhere (the CPU, weight
+  flow's stacks in host memory) the master is rounded after the join.
+  """
+  return (
+    backend.target() == 'gpu'
+    and jnp.result_type(param) in (jnp.bfloat16, jnp.float16)
+    and host_memory.typed_on_device(param)
+  )
+
+
+def has_weights(scope: Scope, i: int) -> bool:
+  """Whether leaf `i`'s stacks hold its 16-bit host weights (`host_weights`)."""
+  return len(scope.stacks.get(i, ())) > 3
 
 
 def one_device(tree: Any) -> bool:
@@ -172,6 +194,8 @@ class Scope:
     # The state of the leaves a stack may start, as given; `acquire` moves
     # those of each stack into `stacks` when the stack runs.
     self.candidates = {i: tuple(run[i] for run in runs) for i in ids}
+    # Leaf id to its joined (master, mu, nu), and its 16-bit host weights
+    # where it has them (`host_weights`).
     self.stacks: dict[int, tuple] = {}
     self.params = leaves  # A stack's leaves must be these (`acquire`).
     self.active: set[tuple] = set()  # The params_paths whose rows start.
@@ -215,16 +239,18 @@ def calls(scope: Scope, ids: list[int]) -> list[tuple[int, list[int]]]:
   it: in a call shared with the layer's last gradient it would wait in
   device memory through the rest of the layer's backward (1B on an H200:
   0.15 GB more at the peak). The smaller leaves share one call per decay
-  group.
+  group and per whether they write host weights (`has_weights`: a call
+  writes them for all of its leaves or for none).
   """
-  groups: dict[int, list[int]] = {}
+  groups: dict[tuple[int, bool], list[int]] = {}
   out = []
   for j, i in enumerate(ids):
     if own_call(scope, i):
       out.append((scope.group_of[i], [j]))
     else:
-      groups.setdefault(scope.group_of[i], []).append(j)
-  return out + list(groups.items())
+      key = (scope.group_of[i], has_weights(scope, i))
+      groups.setdefault(key, []).append(j)
+  return out + [(g, js) for (g, _), js in groups.items()]
 
 
 def by_decay_group(scope: Scope, ids: list[int]) -> list[tuple[int, list]]:

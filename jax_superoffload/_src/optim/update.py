@@ -288,8 +288,9 @@ def _finish_rows(rows, inputs: Inputs, out: list) -> tuple[dict, dict]:
   done = scan_overlap.finish(rows, inputs.grads, inputs.params)
   weights = {}
   for i, (*_, weight) in done.items():
-    # Rounded on the device as the buckets round on the host (to nearest
-    # even), then the same exact update.
+    # The weights the rows rounded on the host, or a master rounded here
+    # as the buckets round on the host (to nearest even); then the same
+    # exact update.
     weights[i] = weight.astype(inputs.params[i].dtype)
     out[i] = _exact_delta(weights[i], inputs.params[i])
   return {i: tuple(x[:3]) for i, x in done.items()}, weights
