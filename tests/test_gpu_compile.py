@@ -485,24 +485,33 @@ def test_the_deviceless_pages_small_compile_runs(tmp_path):
   assert names == ['optax', 'auto=stream', 'stream', 'device'], names
 
 
+def _run_with_plugin(argv: list, cwd=None, pythonpath=None) -> str:
+  """Standard output of this Python on `argv`, the CUDA plugin at hand."""
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+  env[deviceless.PLUGIN_PATH_ENV] = str(deviceless.plugin_path())
+  if pythonpath is not None:
+    env['PYTHONPATH'] = os.pathsep.join(
+      [str(pythonpath), env.get('PYTHONPATH', '')]
+    )
+  done = subprocess.run(
+    [sys.executable, *argv],
+    cwd=cwd,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+    check=False,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  return done.stdout
+
+
 def test_the_deviceless_pages_example_runs(tmp_path):
   (code,) = re.findall(
     r'^```python\n(.*?)^```$', _PAGE.read_text(), re.S | re.M
   )
   (tmp_path / 'my_step.py').write_text(code)
-  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
-  env[deviceless.PLUGIN_PATH_ENV] = str(deviceless.plugin_path())
-  done = subprocess.run(
-    [sys.executable, 'my_step.py'],
-    cwd=tmp_path,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    check=False,
-  )
-  assert done.returncode == 0, done.stderr[-3000:]
-  lines = done.stdout.splitlines()
+  lines = _run_with_plugin(['my_step.py'], cwd=tmp_path).splitlines()
   assert (
     lines[0].startswith('optax.adamw: device ') and ' GB, host ' in lines[0]
   )
@@ -520,20 +529,10 @@ def test_the_deviceless_pages_example_runs(tmp_path):
 # its bucket the writes over its gradients; optax's wrappers read the
 # state only through its join.
 def _worker_cases(names: list[str]) -> dict[str, dict]:
-  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
-  env[deviceless.PLUGIN_PATH_ENV] = str(deviceless.plugin_path())
   root = pathlib.Path(__file__).resolve().parents[1]
-  env['PYTHONPATH'] = os.pathsep.join([str(root), env.get('PYTHONPATH', '')])
-  done = subprocess.run(
-    [sys.executable, str(root / 'tests' / 'gpu_compile_worker.py'), *names],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=900,
-    check=False,
-  )
-  assert done.returncode == 0, done.stderr[-3000:]
-  results = [json.loads(line) for line in done.stdout.splitlines()]
+  worker = str(root / 'tests' / 'gpu_compile_worker.py')
+  out = _run_with_plugin([worker, *names], pythonpath=root)
+  results = [json.loads(line) for line in out.splitlines()]
   return {r['case']: r for r in results}
 
 
