@@ -485,14 +485,14 @@ def test_the_deviceless_pages_small_compile_runs(tmp_path):
   assert names == ['optax', 'auto=stream', 'stream', 'device'], names
 
 
-def _run_with_plugin(argv: list, cwd=None, pythonpath=None) -> str:
-  """Standard output of this Python on `argv`, the CUDA plugin at hand."""
+def _run_with_plugin(argv: list, cwd=None) -> str:
+  """Standard output of this Python on `argv`, the CUDA plugin at hand.
+
+  The package comes from where this venv takes it (a wheel in CI), and
+  experiments/ from the checkout's path file.
+  """
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
   env[deviceless.PLUGIN_PATH_ENV] = str(deviceless.plugin_path())
-  if pythonpath is not None:
-    env['PYTHONPATH'] = os.pathsep.join(
-      [str(pythonpath), env.get('PYTHONPATH', '')]
-    )
   done = subprocess.run(
     [sys.executable, *argv],
     cwd=cwd,
@@ -529,9 +529,8 @@ def test_the_deviceless_pages_example_runs(tmp_path):
 # its bucket the writes over its gradients; optax's wrappers read the
 # state only through its join.
 def _worker_cases(names: list[str]) -> dict[str, dict]:
-  root = pathlib.Path(__file__).resolve().parents[1]
-  worker = str(root / 'tests' / 'gpu_compile_worker.py')
-  out = _run_with_plugin([worker, *names], pythonpath=root)
+  worker = pathlib.Path(__file__).with_name('gpu_compile_worker.py')
+  out = _run_with_plugin([str(worker), *names])
   results = [json.loads(line) for line in out.splitlines()]
   return {r['case']: r for r in results}
 
