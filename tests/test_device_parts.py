@@ -19,7 +19,8 @@ from experiments.device import check_parts
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PARTS = (
   'link opt:stream opt:stream:bfloat16 opt:stream+stv opt:stream+clip '
-  'train:stream:noscan:4 train:stream+after-loop:scan:4 profile:stream'
+  'train:stream:noscan:4 train:stream+after-loop:scan:4 '
+  'train:stream+held:scan:4 profile:stream'
 )
 
 

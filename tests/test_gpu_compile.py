@@ -441,6 +441,39 @@ def _check_rows(calls: list, layers: int) -> None:
     assert not any(c['waits'] for c in rows), calls
 
 
+# JAX_SUPEROFFLOAD_SCAN_ROWS=held (an experiment, off by default): the
+# stack's backward loop is the library's, and each row step reads its row
+# of the stacked gradient, which the call passes on and the join holds.
+# Its start stages only the count, the scalars and the row (three
+# 256-byte slots); its worker fetches the row (`fetched`), so the compute
+# stream waits for no gradient copy. Failed before: each row step staged
+# its whole gradient at its start. Five row steps per layer as before.
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_held_rows_fetch_their_gradients_off_the_compute_stream(
+  monkeypatch, dtype
+):
+  monkeypatch.setenv('JAX_SUPEROFFLOAD_SCAN_ROWS', 'held')
+  case = aot_steps.Case(
+    optimizer='stream',
+    layout='scan',
+    layers=2,
+    batch=2,
+    overrides=SMALL,
+    param_dtype=dtype,
+  )
+  result = aot.run_case(dataclasses.asdict(case), timeout=900)
+  assert result['compiles'], result.get('error')
+  assert result['case'].endswith(':rows=held'), result['case']
+  rows = [
+    s for s in result['stream_staging'] if s['target'].endswith('_step_row')
+  ]
+  assert len(rows) == 5, rows
+  for s in rows:
+    assert s['fetched'] > 0 and s['staged'] - s['fetched'] <= 3 * 256, s
+  _check_rows(result['optimizer_calls'], 2)
+  assert result['reads_before_join'] == [], result['reads_before_join']
+
+
 # bf16 stacks (fp32 masters on the host) start their rows in the loop too.
 def test_bf16_stacks_start_their_rows_in_the_backward_loop():
   calls = compiled('stream', 'scan', param_dtype='bfloat16')['optimizer_calls']

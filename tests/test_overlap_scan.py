@@ -143,6 +143,28 @@ def test_steps_in_the_loop_equal_the_step_without_the_scope(policy, donate):
   )
 
 
+# JAX_SUPEROFFLOAD_SCAN_ROWS=held: the stack's backward loop is the
+# library's (row_backward), and the rows read the stacked gradient, which
+# each call passes on (a result per leaf). The numbers stay those of the
+# step without the scope, bit for bit; weight flow keeps the layer hooks.
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_held_rows_read_the_stacked_gradient_and_keep_the_numbers(
+  monkeypatch, dtype
+):
+  monkeypatch.setenv('JAX_SUPEROFFLOAD_SCAN_ROWS', 'held')
+  tx = _tx()
+  rows = _rows_in_loop(tx, dtype=dtype)
+  assert len(rows) == 2 and not any(' = () custom-call' in r for r in rows)
+  assert len(_rows_in_loop(tx, 'flow')) == 2
+  _assert_bitwise(_run(tx, True, dtype=dtype), _run(tx, False, dtype=dtype))
+
+
+def test_a_bad_scan_rows_setting_names_the_variable(monkeypatch):
+  monkeypatch.setenv('JAX_SUPEROFFLOAD_SCAN_ROWS', 'stacked')
+  with pytest.raises(ValueError, match=r"JAX_SUPEROFFLOAD_SCAN_ROWS='stacked'"):
+    _run(_tx(), True, steps=1)
+
+
 def _rounded_b(b: float) -> float:
   """The relative error of 1 - b when b is rounded to fp32 first."""
   return abs(float(np.float32(b)) - b) / (1 - b)

@@ -96,6 +96,18 @@ def test_a_start_that_holds_its_inputs_leaves_the_compute_stream_alone():
   assert waited['compute_stream_waits_s'] == pytest.approx(copy_s, abs=1e-4)
 
 
+def test_a_row_its_worker_fetches_costs_the_compute_stream_its_scalars_only():
+  # A row step of stacked gradients stages 768 bytes of scalars at its
+  # start, which the compute stream waits for, and its worker fetches the
+  # 0.4 GB row itself: the compute stream never waits for that copy.
+  case = _start_case(hold=False, share=0.5, aliased=False)
+  case['stream_staging'][0].update(staged=400_000_768, fetched=400_000_000)
+  got = predict_step.predict_case(case, 4)
+  scalars_s = 768 / predict_step.D2H_BYTES_PER_S
+  assert got['compute_stream_waits_s'] == pytest.approx(scalars_s, abs=1e-6)
+  assert got['D2H_GB'] == pytest.approx(0.4, abs=1e-6)
+
+
 def test_only_the_last_buckets_host_step_and_copy_back_are_exposed():
   # A start when the backward ends: its copy to the host, its host step
   # and its weights' copy back follow the backward, nothing else does.

@@ -3,6 +3,7 @@
 
 #include "xla_ffi/row_ffi.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -35,21 +36,28 @@ ffi::Error GetRowWeights(ffi::RemainingArgs& args, int64_t k, int64_t run,
 }
 
 // Leaf j of a row step (see AdamStepRow): its stacked state, `*rows` rows
-// of the gradient's n elements, as row 0's buffers, and with `weights` its
-// stacked 16-bit weights.
+// of n elements, as row 0's buffers, and with `weights` its stacked 16-bit
+// weights. The gradient is the row's (n elements) or, shaped like the
+// stacked master, every row's (`*stacked`), read at the step's row.
 ffi::Error GetRowLeaf(ffi::RemainingArgs& args, int64_t k, bool reseed,
-                      bool weights, size_t j, SegmentLeaf* leaf,
-                      int64_t* rows) {
+                      bool weights, size_t j, SegmentLeaf* leaf, int64_t* rows,
+                      bool* stacked) {
   ffi::AnyBuffer grad(nullptr), master(nullptr), mu(nullptr), nu(nullptr);
   JSO_RETURN_IF_ERROR(GetArg(args, k, 3, j, -1, &grad));
-  const int64_t n = static_cast<int64_t>(grad.element_count());
+  JSO_RETURN_IF_ERROR(GetArg(args, k, 0, j, -1, &master));
+  const auto dims = master.dimensions();
+  const auto grad_dims = grad.dimensions();
+  *stacked =
+      dims.size() > 0 && dims[0] > 0 &&
+      std::equal(dims.begin(), dims.end(), grad_dims.begin(), grad_dims.end());
+  const int64_t total = static_cast<int64_t>(master.element_count());
+  const int64_t n =
+      *stacked ? total / dims[0] : static_cast<int64_t>(grad.element_count());
   if (n == 0) {
     return LeafError(j,
                      "the row's gradient is empty: a stacked leaf needs "
                      "at least one element per row");
   }
-  JSO_RETURN_IF_ERROR(GetArg(args, k, 0, j, -1, &master));
-  const int64_t total = static_cast<int64_t>(master.element_count());
   if (total % n != 0) {
     return LeafError(j, "stacked state of " + std::to_string(total) +
                             " elements is not a whole number of rows of the "
@@ -63,8 +71,8 @@ ffi::Error GetRowLeaf(ffi::RemainingArgs& args, int64_t k, bool reseed,
   }
   AdamBuffers& b = leaf->b;
   b.size = n;
-  JSO_RETURN_IF_ERROR(
-      GetTyped(args, k, 3, j, n, "gradient", &b.grad, &b.grad_type));
+  JSO_RETURN_IF_ERROR(GetTyped(args, k, 3, j, *stacked ? total : n, "gradient",
+                               &b.grad, &b.grad_type));
   b.master_out = static_cast<float*>(master.untyped_data());
   b.mu_out = static_cast<float*>(mu.untyped_data());
   b.nu_out = static_cast<float*>(nu.untyped_data());
@@ -93,9 +101,14 @@ ffi::Error SameRows(size_t j, int64_t rows, int64_t* all) {
   return ffi::Error::Success();
 }
 
-// `b`, row 0's buffers of stacked state, moved to row `row`.
-void AtRow(int64_t row, AdamBuffers* b) {
+// `b`, row 0's buffers of stacked state, moved to row `row`; its gradient
+// too where it is stacked and read in place (`grad_in_place`).
+void AtRow(int64_t row, bool grad_in_place, AdamBuffers* b) {
   const int64_t offset = row * b->size;
+  if (grad_in_place) {
+    b->grad =
+        static_cast<const char*>(b->grad) + ElementBytes(b->grad_type, offset);
+  }
   b->master_in += offset;
   b->mu_in += offset;
   b->nu_in += offset;
@@ -108,6 +121,37 @@ void AtRow(int64_t row, AdamBuffers* b) {
   }
 }
 
+// Stacked gradients come back as the call's results, each aliased to its
+// operand, and only they: the step reads a row of them when it runs, so
+// XLA must keep them where they are until the join.
+ffi::Error CheckStackedGrads(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
+                             int64_t k, const RowStep& step) {
+  if (!step.stacked_grads) {
+    if (rets.size() == 0) return ffi::Error::Success();
+    return InvalidArgument(
+        "a row step of the row's gradients has no results; only stacked "
+        "gradients come back (aliased)");
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    ffi::AnyBuffer grad(nullptr);
+    void* out = nullptr;
+    ElementType out_type = ElementType::kNone;
+    JSO_RETURN_IF_ERROR(GetArg(args, k, 3, j, -1, &grad));
+    if (rets.size() != static_cast<size_t>(k)) {
+      return LeafError(j, "stacked gradients must come back as the results");
+    }
+    JSO_RETURN_IF_ERROR(GetRet(rets, k, 0, j,
+                               static_cast<int64_t>(grad.element_count()), &out,
+                               &out_type));
+    if (out != grad.untyped_data()) {
+      return LeafError(j,
+                       "the stacked gradient's result must alias its operand "
+                       "(input_output_aliases)");
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // The row's step, once its operands hold their values.
 ffi::Error StepRow(const RowStep& step, Workers workers) {
   const int64_t row = *step.row;
@@ -117,11 +161,13 @@ ffi::Error StepRow(const RowStep& step, Workers workers) {
         std::to_string(step.rows) +
         "): the stacked state has L = " + std::to_string(step.rows) + " rows");
   }
+  // A stacked gradient's row: fetched now into its stand-in, if it has one.
+  if (step.stacked_grads) JSO_RETURN_IF_ERROR(workers.Fetch(row));
   const AdamConstants constants = step.set.Read(0);
   std::vector<SegmentLeaf> leaves = step.leaves;
   std::vector<int64_t> sizes;
   for (SegmentLeaf& leaf : leaves) {
-    AtRow(row, &leaf.b);
+    AtRow(row, step.stacked_grads && !step.grads_staged, &leaf.b);
     sizes.push_back(leaf.b.size);
   }
   const Isa isa = BestIsa();
@@ -135,11 +181,15 @@ ffi::Error StepRow(const RowStep& step, Workers workers) {
 
 // One row of k stacked leaves. Operands after the count, the scalars and
 // `row` (s32, one element): k masters, k mu, k nu (f32, L rows of n_j
-// elements each, stepped in place: the call has no results), k gradients
-// of the row (n_j elements of f32, bf16 or f16), with `reseed` the k
+// elements each, stepped in place), k gradients of the row (n_j elements
+// of f32, bf16 or f16) or k stacked gradients (shaped like the masters),
+// with `reseed` the k
 // parameters of the row the step starts from (see ReseedRange) and
 // optionally k stacked weights (bf16 or f16, L rows of n_j elements, in
 // place), whose row receives the new master rounded to nearest even.
+// Results: none, or with stacked gradients the k gradients, aliased to
+// their operands (XLA keeps them alive where they are: the step reads its
+// row when it runs, ReadsRowOnDemand).
 ffi::Error AdamStepRow(Launch& launch, Counts count, Scalars scalars, Flag row,
                        ffi::RemainingArgs args, ffi::RemainingRets rets,
                        BucketAttrs attrs) {
@@ -147,7 +197,8 @@ ffi::Error AdamStepRow(Launch& launch, Counts count, Scalars scalars, Flag row,
   const int64_t leaf_args = attrs.reseed ? 5 : 4;
   const bool weights = runs.k() > 0 && static_cast<int64_t>(args.size()) ==
                                            (leaf_args + 1) * runs.k();
-  JSO_RETURN_IF_ERROR(runs.Expect(leaf_args + (weights ? 1 : 0), 0));
+  const int64_t results = runs.k() > 0 ? rets.size() / runs.k() : 0;
+  JSO_RETURN_IF_ERROR(runs.Expect(leaf_args + (weights ? 1 : 0), results));
   if (runs.k() < 1) return InvalidArgument("a row step needs a leaf");
   if (attrs.compute_sumsq) {
     return InvalidArgument("a row step has no sum of squares");
@@ -162,11 +213,17 @@ ffi::Error AdamStepRow(Launch& launch, Counts count, Scalars scalars, Flag row,
   step.leaves.resize(runs.k());
   for (int64_t j = 0; j < runs.k(); ++j) {
     int64_t rows = 0;
+    bool stacked = false;
     JSO_RETURN_IF_ERROR(GetRowLeaf(args, runs.k(), attrs.reseed, weights, j,
-                                   &step.leaves[j], &rows));
+                                   &step.leaves[j], &rows, &stacked));
     step.leaves[j].b.prefetch = prefetch;
     JSO_RETURN_IF_ERROR(SameRows(j, rows, &step.rows));
+    if (j > 0 && stacked != step.stacked_grads) {
+      return LeafError(j, "gradients must all be the row's or all stacked");
+    }
+    step.stacked_grads = stacked;
   }
+  JSO_RETURN_IF_ERROR(CheckStackedGrads(args, rets, runs.k(), step));
   JSO_RETURN_IF_ERROR(CheckScalarSets(count, scalars, attrs, -1, &step.set));
   step.row = row.typed_data();
   return StartRowStep(launch, std::move(step), attrs);
@@ -272,8 +329,17 @@ ffi::Error StartRowStep(Launch& launch, RowStep step,
     for (float** x : {&b.master_out, &b.mu_out, &b.nu_out}) {
       touched.push_back(Touch(*x, stacked, Role::kState));
     }
-    touched.push_back(
-        Touch(b.grad, ElementBytes(b.grad_type, b.size), Role::kInput));
+    if (step.stacked_grads) {
+      // Row 0 on demand: its stand-in takes the step's row (StepRow).
+      touched.push_back(Touched{b.grad, ElementBytes(b.grad_type, b.size),
+                                Role::kOnDemand, [&b, &step](void* to) {
+                                  b.grad = to;
+                                  step.grads_staged = true;
+                                }});
+    } else {
+      touched.push_back(
+          Touch(b.grad, ElementBytes(b.grad_type, b.size), Role::kInput));
+    }
     touched.push_back(Touch(leaf.params, ElementBytes(leaf.param_type, b.size),
                             Role::kInput));
     // Every row, as the state: only the step's row is written.

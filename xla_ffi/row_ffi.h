@@ -33,12 +33,17 @@ namespace jax_superoffload {
 // A row step's decoded operands. Each leaf's buffers are its row 0 (b.size
 // = n, master_in == master_out and so on, each of `rows` * n elements, as
 // is b.lowp_out where the leaf has stacked weights); `row` (s32[1]) is
-// read by the work.
+// read by the work. `stacked_grads`: each b.grad is every row's gradient
+// (row 0's pointer), of which the work reads its row: in place, or, where
+// it was given a stand-in (`grads_staged`, a row of staging), fetched into
+// it then (Workers::Fetch).
 struct RowStep {
   ScalarSet set;
   const int32_t* row = nullptr;
   int64_t rows = 0;
   std::vector<SegmentLeaf> leaves;
+  bool stacked_grads = false;
+  bool grads_staged = false;
 };
 
 // Places `step`'s buffers through `launch` and runs (or enqueues) the

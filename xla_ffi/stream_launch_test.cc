@@ -706,6 +706,18 @@ void TestHeldInputsAndWeightsBackBeforeTheJoin() {
          "the join is the compute stream's one wait");
 }
 
+// Whether the log shows a copy of `bytes` to the host on the fetch stream
+// after the side stream's host function: a worker's fetch on demand.
+bool FetchedAfterHostFunction(const std::vector<std::string>& log,
+                              int64_t bytes) {
+  int host = -1, fetch = -1;
+  for (int i = 0; i < static_cast<int>(log.size()); ++i) {
+    if (log[i] == "side: host function") host = i;
+    if (log[i] == "side#2: copy to host " + std::to_string(bytes)) fetch = i;
+  }
+  return host >= 0 && fetch > host;
+}
+
 // Point 5: a re-seeding step's parameters (Role::kOnDemand) are copied to
 // the host only when the step asks, that is when its device-side
 // `unchanged` flag (staged with the start) is zero; then by the worker,
@@ -770,13 +782,7 @@ void TestParamsCopiedOnlyWhenChanged() {
              std::to_string(seen));
   Expect(param_copies() == 1 && rig.launches->fetched_inputs() == 1,
          "one parameter copy");
-  std::vector<std::string> log = rig.fake.Log();
-  int host = -1, fetch = -1;
-  for (int i = 0; i < static_cast<int>(log.size()); ++i) {
-    if (log[i] == "side: host function") host = i;
-    if (log[i] == "side#2: copy to host " + std::to_string(4 * n)) fetch = i;
-  }
-  Expect(host >= 0 && fetch > host,
+  Expect(FetchedAfterHostFunction(rig.fake.Log(), 4 * n),
          "copied on the fetch stream after the start's host function");
 }
 
@@ -993,6 +999,61 @@ void TestRowWritesItsRoundedWeights() {
   }
 }
 
+// A row step of a stacked gradient (every row's, in device memory, held
+// by XLA until the join): the start stages only the count, the scalars
+// and the row, so the compute stream waits for no gradient copy; the
+// worker fetches the step's row itself, on the fetch stream, after the
+// start's host function. The compute stream meanwhile writes the next
+// row (a scan's next iteration), which the step does not read.
+void TestStackedGradientRowIsFetchedByTheWorker() {
+  Rig rig;
+  RowStack stack(517, 51);
+  const int64_t n = stack.n;
+  std::vector<uint16_t> stacked(RowStack::kRows * n, 0);
+  for (int64_t r = 0; r < RowStack::kRows; ++r) {
+    stack.SetGradient(60 + r);
+    std::copy(stack.grad.begin(), stack.grad.end(), stacked.begin() + r * n);
+  }
+  stack.MarkDevice(rig.fake);
+  rig.fake.MarkDevice(stacked.data(), 2 * RowStack::kRows * n);
+  stack.row = 1;
+  RowStack want = stack;
+  std::copy(stacked.begin() + n, stacked.begin() + 2 * n, want.grad.begin());
+  want.StepRowDirectly(1);
+  rig.fake.Hold(true);
+  OnStream launch(rig.launches.get(), rig.stream);
+  RowStep step = stack.Step();
+  step.leaves[0].b.grad = stacked.data();
+  step.stacked_grads = true;
+  ffi::Error e = StartRowStep(launch, std::move(step), kRowAttrs);
+  Expect(e.success(),
+         "the row step of a stacked gradient starts: " + e.message());
+  uint16_t* next = stacked.data();  // Row 0: the loop's next iteration.
+  rig.fake.Enqueue(rig.stream, "next iteration", [next, n] {
+    std::fill(next, next + n, uint16_t{0x7f80});  // +Inf in bf16.
+  });
+  rig.fake.Hold(false);
+  e = rig.Join();
+  Expect(e.success(), "and joins: " + e.message());
+  Expect(stack.SameState(want), "row 1 stepped with its own gradient");
+  const uint64_t row1 = reinterpret_cast<uint64_t>(stacked.data() + n);
+  int gradient_copies = 0;
+  for (const FakeCuda::CopyRecord& c : rig.fake.Copies()) {
+    const bool gradient =
+        c.to_host && c.device >= reinterpret_cast<uint64_t>(stacked.data()) &&
+        c.device < reinterpret_cast<uint64_t>(stacked.data() + 3 * n);
+    if (gradient) {
+      ++gradient_copies;
+      Expect(c.device == row1 && c.bytes == static_cast<size_t>(2 * n),
+             "only row 1's bytes are copied");
+    }
+  }
+  Expect(gradient_copies == 1 && rig.launches->fetched_inputs() == 1,
+         "one gradient copy, fetched by the worker");
+  Expect(FetchedAfterHostFunction(rig.fake.Log(), 2 * n),
+         "copied on the fetch stream after the start's host function");
+}
+
 // Point 5 for the rows: a stack's re-seed (AdamReseedRows) reads nothing
 // while `unchanged` is set; cleared, its worker fetches the stack's
 // parameters a row at a time (on demand, through one row of staging) and
@@ -1102,6 +1163,7 @@ int main(int argc, char** argv) {
       {"row_no_shared_staging", TestTwoRowLaunchesShareNoStaging},
       {"row_out_of_range", TestRowOutOfRangeIsAStickyError},
       {"row_weights", TestRowWritesItsRoundedWeights},
+      {"row_stacked_gradient", TestStackedGradientRowIsFetchedByTheWorker},
       {"stack_reseed_on_demand", TestStackReseedFetchesRowByRowOnlyWhenChanged},
       {"host_pool", TestHostPoolResultsDoNotDependOnWorkers},
   };

@@ -96,6 +96,9 @@ def compile_case(case_fields: dict[str, Any]) -> dict[str, Any]:
   return result
 
 
+SCAN_ROWS_ENV = 'JAX_SUPEROFFLOAD_SCAN_ROWS'
+
+
 def resolved_executor(case: Any) -> dict[str, Any]:
   """The executor a case compiles, `auto` resolved as the library does.
 
@@ -112,6 +115,12 @@ def resolved_executor(case: Any) -> dict[str, Any]:
   if case.optimizer == 'auto':
     out['case'] = case.name.replace('auto', f'auto={resolved}', 1)
     out['host_registration'] = superoffload.host_registration().reason
+  # overlap_scan's rows read each layer's gradient, or with 'held' the
+  # stack's (the library's experiment switch, read when the step traces).
+  rows = os.environ.get(SCAN_ROWS_ENV, 'layer')
+  if rows != 'layer' and case.layout == 'scan':
+    out['scan_rows'] = rows
+    out['case'] = f'{out.get("case", case.name)}:rows={rows}'
   return out
 
 

@@ -219,14 +219,18 @@ def part_train(case: str, layout: str, batch: int, dry: bool) -> dict:
     sizes = gpu_analysis.gpu_sizes(gpu_bench._device_limit())
   sizes = dataclasses.replace(sizes, batch=batch if not dry else sizes.batch)
   # "stream+after-loop": scanned blocks start after the backward loop (the
-  # trainer's overlap_scan off), to set against the default's in-loop rows.
+  # trainer's overlap_scan off), to set against the default's in-loop rows;
+  # "stream+held": the rows read the stacked gradient, held until the join
+  # (JAX_SUPEROFFLOAD_SCAN_ROWS=held, read when the step traces).
   executor, _, variant = case.partition('+')
-  if variant not in ('', 'after-loop'):
+  if variant not in ('', 'after-loop', 'held'):
     raise ValueError(f'unknown train variant {variant!r} in {case!r}')
   name = case if case == 'optax' else f'superoffload:{executor}'
   fixed = {'scan_layers': layout == 'scan'}
-  if variant:
+  if variant == 'after-loop':
     fixed['overlap_scan'] = False
+  if variant == 'held':
+    os.environ['JAX_SUPEROFFLOAD_SCAN_ROWS'] = 'held'
   original = gpu_bench._decoder_config
 
   def config(s, c, **over):

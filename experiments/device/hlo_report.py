@@ -443,6 +443,9 @@ ON_DEMAND_PARAMS = {
 # (after the count, scalars, flag and stacked masters) are read on demand,
 # a row at a time, through one row of staging.
 RESEED_ROWS_TARGET = 'jax_superoffload_adam_reseed_rows'
+# A row step with results reads the stacked gradients it passes on (held
+# by XLA until the join): its worker fetches the row, on demand.
+ROW_TARGET = 'jax_superoffload_adam_step_row'
 
 
 def _aliasing(i: Instr) -> dict[int, int]:
@@ -470,6 +473,8 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
   `on_demand`: of those, the parameters of a re-seeding bucket call, which
   its worker copies only when they changed (weights_digest.py), and one
   row of a stack's re-seed, whose worker copies the rows in turn.
+  `fetched`: of those, the rows of the stacked gradients a row step reads
+  (`_held_row_bytes`), which its worker fetches.
   `host_results`: the bytes of its results that alias no operand and that
   XLA placed in host memory (written there, not staged; XLA:GPU of
   jaxlib 0.12.0.1 placed the new weights so, that of 0.12.1 in device
@@ -498,8 +503,11 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
       # The weights written over claimed gradients: a stand-in of their own.
       written_over = sum(_aligned(b) for b in _claimed(module, i))
       staged += written_over
+      fetched = 0
       if i.attr('custom_call_target') == RESEED_ROWS_TARGET:
         staged, on_demand = _reseed_rows_bytes(module, i, names, device)
+      elif _fetches_rows(i):
+        staged, fetched = _held_row_bytes(i, names, device)
       out.append(
         dict(
           name=i.name,
@@ -509,6 +517,7 @@ def stream_staging(hlo: str) -> list[dict[str, int]]:
           on_demand=on_demand,
           written_over=written_over,
           host_results=host_results,
+          fetched=fetched,
         )
       )
   return out
@@ -523,6 +532,24 @@ def _reseed_rows_bytes(module, i, names: list[str], device) -> tuple[int, int]:
   on_demand = sum(_aligned(a.bytes // rows) for a in params)
   scalars = sum(_aligned(a.bytes) for a in device(names[:3]))
   return scalars + on_demand, on_demand
+
+
+def _fetches_rows(i) -> bool:
+  """Whether call `i` is a row step of stacked gradients (it has results)."""
+  return i.attr('custom_call_target') == ROW_TARGET and bool(arrays(i.shape))
+
+
+def _held_row_bytes(i, names: list[str], device) -> tuple[int, int]:
+  """A row step of stacked gradients: (bytes staged, of which fetched).
+
+  At its start it stages the count, the scalars and the row; its worker
+  fetches one row of each stacked gradient when the step runs.
+  """
+  k = int(re.search(r'num_leaves = (\d+)', i.rest)[1])
+  grads = device(names[3 + 3 * k : 3 + 4 * k])
+  fetched = sum(_aligned(a.bytes // a.dims[0]) for a in grads)
+  scalars = sum(_aligned(a.bytes) for a in device(names[:3]))
+  return scalars + fetched, fetched
 
 
 def _on_demand_bytes(i, names: list[str], device) -> int:
@@ -671,7 +698,9 @@ def _start_facts(module: _Module, i: Instr) -> dict[str, Any]:
   names, results = _operands(i), arrays(i.shape)
   front = ON_DEMAND_PARAMS.get(target, 0)
   weights = 0
-  for r, o in _aliasing(i).items():
+  # A row step's results are the stacked gradients it holds, not weights.
+  aliasing = {} if _fetches_rows(i) else _aliasing(i)
+  for r, o in aliasing.items():
     operand = arrays(module.shapes.get(names[o], '')) if o < len(names) else []
     on_device = r < len(results) and not results[r].on_host
     if o >= front and on_device and operand and not operand[0].on_host:

@@ -162,10 +162,18 @@ def _host_compute(clock: _Clock, call: dict, params: float, gemm_s) -> None:
   clock.copy('H2D', call.get('device_result_bytes', 0), 'compute')
 
 
-def _start(clock: _Clock, call: dict, staged: int, params: float) -> None:
-  """A stream start: its copies to the host, then its host step, FIFO."""
+def _start(
+  clock: _Clock, call: dict, staged: int, params: float, fetched: int = 0
+) -> None:
+  """A stream start: its copies to the host, then its host step, FIFO.
+
+  `fetched`: of `staged`, what its worker fetches when the step runs (a
+  row of stacked gradients), which the compute stream never waits for.
+  """
   waited_by = 'worker' if call.get('hold_inputs') else 'compute'
-  copied = clock.copy('D2H', staged, waited_by)
+  copied = clock.copy('D2H', staged - fetched, waited_by)
+  if fetched:
+    copied = max(copied, clock.copy('D2H', fetched, 'worker'))
   end = clock.host_step(copied, params)
   if call.get('weights_alias_grads'):  # Its worker copies them back now.
     back_s = call['weights_bytes'] / H2D_BYTES_PER_S
@@ -176,8 +184,11 @@ def _start(clock: _Clock, call: dict, staged: int, params: float) -> None:
   clock.pending.append(end)
 
 
-def _work(case: dict) -> list[tuple[dict, int]] | None:
-  """Per call, the bytes its host step reads from the device.
+def _work(case: dict) -> list[tuple[dict, int, int]] | None:
+  """Per call, the bytes its host step reads from the device, and fetches.
+
+  The second count is, of those bytes, what its worker fetches itself
+  (`_start`).
 
   None where the program lacks what the model needs: host compute's
   copies (JSONs written before hlo_report recorded them).
@@ -186,6 +197,9 @@ def _work(case: dict) -> list[tuple[dict, int]] | None:
   staged = {
     s['name']: s['staged'] - s.get('on_demand', 0) - s.get('written_over', 0)
     for s in case.get('stream_staging', [])
+  }
+  fetched = {
+    s['name']: s.get('fetched', 0) for s in case.get('stream_staging', [])
   }
   out = []
   for call in case['optimizer_calls']:
@@ -197,7 +211,7 @@ def _work(case: dict) -> list[tuple[dict, int]] | None:
       nbytes = 0
     else:  # In a steady step the parameters are unchanged: not copied.
       nbytes = staged[call['name']]
-    out.append((call, nbytes))
+    out.append((call, nbytes, fetched.get(call['name'], 0)))
   return out
 
 
@@ -208,10 +222,10 @@ def play(case: dict, fb_s: float) -> dict[str, float] | None:
     return None
   forward = fb_s * (1 - BACKWARD_SHARE)
   gemm_s = lambda share: forward + share * fb_s * BACKWARD_SHARE  # noqa: E731
-  total = sum(b for _, b in work) or 1
+  total = sum(b for _, b, _ in work) or 1
   to_device = {t['name']: t['bytes'] for t in case.get('to_device', [])}
   clock = _Clock()
-  for call, nbytes in work:
+  for call, nbytes, fetched in work:
     clock.gemms_to(gemm_s(call['backward_flops_before']))
     for c in call.get('copies_in', []):  # XLA's copies of its operands.
       clock.wait(clock.copy(c['direction'], c['bytes'], c['waited_by'], True))
@@ -224,7 +238,7 @@ def play(case: dict, fb_s: float) -> dict[str, float] | None:
     elif call['target'] == TO_DEVICE:
       clock.copy('H2D', to_device.get(call['name'], 0), 'compute')
     elif call['target'] not in _NOT_STARTS:
-      _start(clock, call, nbytes, params)
+      _start(clock, call, nbytes, params, fetched)
     for c in call.get('copies_out', []):  # XLA's copies of its results.
       clock.copy(c['direction'], c['bytes'], c['waited_by'])
   clock.gemms_to(fb_s)

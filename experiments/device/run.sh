@@ -27,12 +27,14 @@ fi
 # and the 1B train step against optax at batch 8 (the overlap's targets),
 # unrolled (where buckets can overlap the backward) then scanned (the rows
 # started in the backward loop, then after it: overlap_scan's gain and
-# its 0.87 GB), STV's costs, a profile. Estimated 500 s on a warm H200
-# machine (estimates: process start ~8 s, opt parts ~25 s, unrolled
-# train parts ~60 s, scanned ~40 s), within a 9-minute budget. PARTS=all
-# adds the rest.
+# its 0.87 GB; then the rows reading the held stacked gradient), STV's
+# costs, a profile. Estimated 540 s on a warm H200 machine (estimates:
+# process start ~8 s, opt parts ~25 s, unrolled train parts ~60 s,
+# scanned ~40 s), a 9-minute budget: the last parts may be cut.
+# PARTS=all adds the rest.
 DEFAULT="link opt:stream train:stream:noscan:8 train:optax:noscan:8
 train:stream:scan:8 train:stream+after-loop:scan:8 train:optax:scan:8
+train:stream+held:scan:8
 opt:optax opt:stream+stv
 opt:stream+clip profile:stream train:stream:noscan:4 train:optax:noscan:4"
 REST="opt:stream:bfloat16 opt:optax:bfloat16 opt:device opt:ffi

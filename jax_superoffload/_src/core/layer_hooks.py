@@ -31,6 +31,10 @@ class Hooks(NamedTuple):
   layer: Callable[[Any, Any, Any], Any]
   # moved(x, y): `y` is `x` moved to another memory (the same values).
   moved: Callable[[Any, Any], None]
+  # rows(stacked_params, params_path) -> (on_row, aux) or None: the hook a
+  # stack's own backward loop calls on its stacked gradient
+  # (`row_backward.scan`), instead of `layer` on each layer's.
+  rows: Callable[[Any, Any], tuple[Callable, Any] | None] | None = None
 
 
 _HOOKS: contextvars.ContextVar[Hooks | None] = contextvars.ContextVar(
@@ -62,6 +66,18 @@ def layer_weights(layer_params: Any, row: Any, params_path: Any) -> Any:
   if hooks is None or params_path is None:
     return layer_params
   return hooks.layer(layer_params, row, params_path)
+
+
+def row_hook(stacked_params: Any, params_path: Any) -> tuple | None:
+  """``(on_row, aux)`` for a stack whose backward loop is ours, or None.
+
+  Asked after `stack_starts`, for a stack that `row_backward.scan` can
+  run; with an answer, the stack's layers are not hooked one by one.
+  """
+  hooks = _HOOKS.get()
+  if hooks is None or params_path is None or hooks.rows is None:
+    return None
+  return hooks.rows(stacked_params, params_path)
 
 
 def moved(tree: Any, new: Any) -> Any:

@@ -927,7 +927,16 @@ def _check_row_leaves(master, mu, nu, grads, params, weights) -> None:
           f'master {m.shape}, got {x.dtype}{list(x.shape)}'
         )
     rows = m.shape[0]
-    shapes = [g.shape] + ([] if params is None else [params[j].shape])
+    stacked = g.shape == m.shape
+    if stacked != (grads[0].shape == master[0].shape):
+      raise ValueError(
+        f"adam_step_row: leaf {j}: the gradients must all be the row's or "
+        f'all stacked like the masters; got {list(g.shape)} for '
+        f'{list(m.shape)}'
+      )
+    shapes = ([] if stacked else [g.shape]) + (
+      [] if params is None else [params[j].shape]
+    )
     for shape in shapes:
       if m.size != rows * math.prod(shape):
         raise ValueError(
@@ -960,34 +969,42 @@ def adam_step_row(
   weights: list[jax.Array] | None = None,
   keep_nonfinite: bool = False,
   place: Place | None = None,
-) -> None:
-  """Steps row `row` of stacked fp32 state in place: a side effect only.
+) -> list[jax.Array]:
+  """Steps row `row` of stacked fp32 state in place.
 
   `master`, `mu` and `nu` are ``f32[L, ...]`` per leaf (a scanned layer
   stack's state; pinned host memory on a GPU), `grads` row `row`'s
-  gradients (f32, bf16 or f16; L-th part of the state's size each), `row`
-  an int32 scalar (a scan's counter), read when the step runs. Elements
+  gradients (f32, bf16 or f16; L-th part of the state's size each) or
+  every row's, shaped like the masters (stacked, see below), `row` an
+  int32 scalar (a scan's counter), read when the step runs. Elements
   ``[row * n, (row + 1) * n)`` of each leaf's state take exactly the step
   `adam_step_segments` takes on that row as its own bucket (with `params`,
-  the row's parameters, re-seeded first). The call has no results and
-  writes the state where it lives: no copy, also as a loop-invariant
-  operand of a scan. Whoever reads the state afterwards must order that
-  read after the call: a stream join after the loop, aliasing the state,
-  whose barrier is a value the loop computes (the stacked gradients; on
-  a constant one XLA:CPU copied the state for the join before the loop,
-  and the steps' writes were lost). On a GPU the join also reports a row
+  the row's parameters, re-seeded first). The call writes the state where
+  it lives, without results: no copy, also as a loop-invariant operand of
+  a scan. Whoever reads the state afterwards must order that read after
+  the call: a stream join after the loop, aliasing the state, whose
+  barrier is a value the loop computes (the stacked gradients; on a
+  constant one XLA:CPU copied the state for the join before the loop, and
+  the steps' writes were lost). On a GPU the join also reports a row
   outside ``[0, L)``; on the CPU the call fails at once. With `weights`
   (bf16 or f16, shaped like the master; pinned host memory on a GPU),
   the same pass writes row `row` of each with its new master rounded to
   nearest even, in place like the state, and leaves their other rows as
   they were. No sum of squares. `place` moves every operand but the
-  state and `weights` (see `Place`).
+  state, `weights` and stacked gradients (see `Place`).
+
+  Returns `grads`. Stacked ones pass through the call, aliased: the step
+  reads its row where they are when it runs (on a GPU its worker fetches
+  it, so the compute stream waits for no gradient copy), so they must
+  stay alive, unchanged, until a join that waits for it (`join_rows`'s
+  `keep`); write the next rows into the returned arrays.
   """
   _check_row_leaves(master, mu, nu, grads, params, weights)
   kept = [j for j, g in enumerate(grads) if g.size]
   if not kept:
-    return
+    return list(grads)
   place = place or _as_is
+  stacked = grads[kept[0]].shape == master[kept[0]].shape
 
   def run(xs):
     return [xs[j] for j in kept]
@@ -998,12 +1015,20 @@ def adam_step_row(
     *run(master),
     *run(mu),
     *run(nu),
-    *(place(g) for g in run(grads)),
+    *(run(grads) if stacked else (place(g) for g in run(grads))),
     *(place(p) for p in (run(params) if params is not None else ())),
     *(run(weights) if weights is not None else ()),
   ]
-  call = jax.ffi.ffi_call(ADAM_STEP_ROW_TARGET, (), has_side_effect=True)
-  call(
+  first_grad = len(operands) - len(kept) * (
+    1 + (params is not None) + (weights is not None)
+  )
+  call = jax.ffi.ffi_call(
+    ADAM_STEP_ROW_TARGET,
+    _like(run(grads)) if stacked else (),
+    has_side_effect=True,
+    input_output_aliases=_aliases(first_grad, 0, len(kept)) if stacked else {},
+  )
+  out = call(
     *operands,
     **_bucket_attrs(
       hyper,
@@ -1013,6 +1038,11 @@ def adam_step_row(
       staging_bytes=getattr(place, 'staging_bytes', 0),
     ),
   )
+  grads = list(grads)
+  if stacked:
+    for j, g in zip(kept, out, strict=True):
+      grads[j] = g
+  return grads
 
 
 def reseed_rows(

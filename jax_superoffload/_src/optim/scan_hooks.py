@@ -8,6 +8,7 @@ the stacked state (see scan_overlap.py for what starts and why).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -55,6 +56,9 @@ def _matched(
 def _start(scope: scan_scope.Scope, ids: list[int], hypers, stacks, grads, row):
   """Row `row`'s host steps of leaves `ids`, in `scan_scope.calls`'s calls.
 
+  `grads` are the row's gradients, or the stacked ones (`rows`), which
+  come back passed through the calls: the gradients, as the loop goes on.
+
   Raises:
     ValueError: If a leaf's rows were started already in this scope (the
       stack used twice in the loss, or a second gradient taken): each
@@ -68,12 +72,17 @@ def _start(scope: scan_scope.Scope, ids: list[int], hypers, stacks, grads, row):
       'stack used twice in the loss, or a second gradient taken); open one '
       'scope per gradient, and run a shared stack once per step'
     )
+  grads = list(grads)
   for (_, js), hyper in zip(scan_scope.calls(scope, ids), hypers, strict=True):
     picked = [grads[j] for j in js]
-    scope.reserve = max(scope.reserve, steps.staged_bytes(picked, None))
+    # A stacked gradient is staged a row at a time.
+    rows = [
+      _row_shape(g, stacks[j][0]) for g, j in zip(picked, js, strict=True)
+    ]
+    scope.reserve = max(scope.reserve, steps.staged_bytes(rows, None))
     # A call's leaves all have host weights, or none do (`calls`).
     weights = [stacks[j][3] for j in js if len(stacks[j]) > 3]
-    grace_adam.adam_step_row(
+    out = grace_adam.adam_step_row(
       *([stacks[j][r] for j in js] for r in range(3)),
       picked,
       row,
@@ -81,7 +90,76 @@ def _start(scope: scan_scope.Scope, ids: list[int], hypers, stacks, grads, row):
       weights=weights or None,
       place=steps.stream_place(None, scope.reserve),
     )
+    for j, g in zip(js, out, strict=True):
+      grads[j] = g
   scope.started.update(ids)
+  return grads
+
+
+def _row_shape(grad: Any, master: Any) -> Any:
+  """One row of `grad` where it is stacked like `master`, else `grad`."""
+  if jnp.shape(grad) != jnp.shape(master):
+    return grad
+  return jax.ShapeDtypeStruct(jnp.shape(grad)[1:], jnp.result_type(grad))
+
+
+# Where the rows read their gradients (for experiments, read at trace
+# time): 'layer', each layer's, as its backward makes it (the default);
+# 'held', the stack's, through a backward loop of the library's own.
+ROWS_ENV = 'JAX_SUPEROFFLOAD_SCAN_ROWS'
+ROWS_CHOICES = ('layer', 'held')
+
+
+def rows_from_env() -> str:
+  """The rows' gradient source `ROWS_ENV` names ('layer' when unset).
+
+  Raises:
+    ValueError: Naming the variable and its value, for any other value.
+  """
+  value = os.environ.get(ROWS_ENV, 'layer')
+  if value not in ROWS_CHOICES:
+    raise ValueError(
+      f'{ROWS_ENV}={value!r}: must be one of {ROWS_CHOICES} (unset: layer)'
+    )
+  return value
+
+
+def rows(stacked: Any, params_path: Any) -> tuple | None:
+  """``(on_row, aux)`` for a stack whose backward loop is ours, or None.
+
+  With ``JAX_SUPEROFFLOAD_SCAN_ROWS=held`` (`ROWS_ENV`), and only then:
+  `row_backward.scan` calls ``on_row(aux, grads, i)`` with the stacked
+  gradient once its row ``i`` is in, and the acquired leaves' row steps
+  read that row from the stack, which the loop keeps and `finish` holds
+  until the join. On a GPU the worker fetches the row when the step runs,
+  so the compute stream waits for no gradient copy, only for the start's
+  count, scalars and row (docs/gpu.md has what that gives, compiled). The
+  numbers are the layer hooks' (the CPU reads the row in place).
+  """
+  scope = scan_scope.CURRENT.get()
+  if scope is None or scan_scope.as_path(params_path) not in scope.active:
+    return None
+  if rows_from_env() != 'held':
+    return None
+  leaves = jax.tree.leaves(stacked)
+  take, ids = _matched(
+    scope, stacked, params_path, scope.stacks, jnp.shape(leaves[0])[0]
+  )
+  if not take:
+    return None
+  stacks = [scope.stacks[i] for i in ids]
+  hypers = [scope.hyper[g] for g, _ in scan_scope.calls(scope, ids)]
+
+  def on_row(aux, grads, row):
+    stacks, hypers = aux
+    values, treedef = jax.tree.flatten(grads)
+    out = _start(scope, ids, hypers, stacks, [values[j] for j in take], row)
+    for j, i, g in zip(take, ids, out, strict=True):
+      values[j] = g
+      scope.held.add(i)
+    return jax.tree.unflatten(treedef, values)
+
+  return on_row, (stacks, hypers)
 
 
 def acquire(stacked: Any, params_path: Any, unroll: Any, inputs: Any) -> Any:

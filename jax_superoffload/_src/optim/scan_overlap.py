@@ -119,6 +119,7 @@ def overlap_scan(
         scan_hooks.acquire,
         scan_hooks.hook,
         functools.partial(scan_hooks.note_moved, scope),
+        scan_hooks.rows,
       )
     with layer_hooks.hooked(hooks):
       yield
@@ -304,9 +305,13 @@ def finish(scope: scan_scope.Scope, grads: list, params: list | None) -> dict:
     # leaf's new weights wait in device memory at a time. The parameters
     # stay alive until then: the re-seed's worker may read them.
     # The host weights, where the leaf has them, first: they are copied.
+    # A held leaf's rows read its stacked gradient until the join.
+    keep = [scope.params[i]]
+    if i in scope.held:
+      keep.append(scope.cotangents[i])
     stack = scope.stacks[i]
     joined, weight = grace_adam.join_rows(
-      [*stack[3:], *stack[:3]], barrier, to_device=1, keep=[scope.params[i]]
+      [*stack[3:], *stack[:3]], barrier, to_device=1, keep=keep
     )
     done[i] = (*joined[len(stack) - 3 :], weight[0])
   return done

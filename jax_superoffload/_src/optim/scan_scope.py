@@ -214,6 +214,8 @@ class Scope:
         _rows_staging(self.group_of, leaves, ids),
       )
     self.started: set[int] = set()
+    # Leaves whose rows read the stacked gradient (`scan_hooks.rows`).
+    self.held: set[int] = set()
     self.claimed = False
     # The state's digest of the parameters: a stack whose parameters have
     # it re-seeds nothing and reads none (`scan_hooks.acquire`).

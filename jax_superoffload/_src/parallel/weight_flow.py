@@ -37,6 +37,7 @@ import optax
 
 from jax_superoffload._src.core import host_memory
 from jax_superoffload._src.core import layer_hooks
+from jax_superoffload._src.core import row_backward
 
 WEIGHT_POLICIES = ('stationary', 'flow')
 
@@ -288,8 +289,35 @@ def weight_flow_scan(
   stacked_params = layer_hooks.stack_starts(
     stacked_params, params_path, unroll, (carry, xs)
   )
+  held = None
+  if policy == 'stationary' and remat and remat_policy is None and xs is None:
+    held = _held_rows(plain, carry, stacked_params, params_path)
+  if held is not None:
+    return held
   rows = _row_counters(stacked_params, params_path)
   return jax.lax.scan(step, carry, (stacked_params, (xs, rows)), unroll=unroll)
+
+
+def _held_rows(plain, carry, stacked_params, params_path):
+  """The scan with its own backward loop, where the open scope asks for it.
+
+  The scope's row steps then read the stacked gradient the loop keeps,
+  not each layer's temporary (`row_backward`). Fully rematerialized, as
+  the scan it replaces: its backward recomputes each layer from its input.
+  """
+  hook = layer_hooks.row_hook(stacked_params, params_path)
+  if hook is None:
+    return None
+
+  def layer(p, c):
+    return plain(p, c, None)
+
+  converted = row_backward.applies(layer, carry, stacked_params)
+  if converted is None:
+    return None
+  fn, consts = converted
+  on_row, aux = hook
+  return row_backward.scan(fn, consts, carry, stacked_params, on_row, aux)
 
 
 def _row_counters(stacked_params: Any, params_path: Any) -> jax.Array | None:
