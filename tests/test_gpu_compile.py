@@ -444,10 +444,12 @@ def _check_rows(calls: list, layers: int) -> None:
 # JAX_SUPEROFFLOAD_SCAN_ROWS=held (an experiment, off by default): the
 # stack's backward loop is the library's, and each row step reads its row
 # of the stacked gradient, which the call passes on and the join holds.
-# Its start stages only the count, the scalars and the row (three
-# 256-byte slots); its worker fetches the row (`fetched`), so the compute
-# stream waits for no gradient copy. Failed before: each row step staged
-# its whole gradient at its start. Five row steps per layer as before.
+# Its start holds its inputs: the count and the scalars (two 256-byte
+# slots, made before the loop) and a row cursor in host memory; its worker
+# fetches the row (`fetched`), so the compute stream waits for nothing
+# before the join. Failed before: each row step staged its whole
+# gradient and its row at its start, and the compute stream waited for
+# those copies. Five row steps per layer as before.
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_held_rows_fetch_their_gradients_off_the_compute_stream(
   monkeypatch, dtype
@@ -469,8 +471,11 @@ def test_held_rows_fetch_their_gradients_off_the_compute_stream(
   ]
   assert len(rows) == 5, rows
   for s in rows:
-    assert s['fetched'] > 0 and s['staged'] - s['fetched'] <= 3 * 256, s
-  _check_rows(result['optimizer_calls'], 2)
+    assert s['fetched'] > 0 and s['staged'] - s['fetched'] <= 2 * 256, s
+  calls = result['optimizer_calls']
+  _check_rows(calls, 2)
+  assert all(c['hold_inputs'] for c in calls if c['target'].endswith('_row'))
+  assert result['first_wait_at'] == 1.0, calls
   assert result['reads_before_join'] == [], result['reads_before_join']
 
 

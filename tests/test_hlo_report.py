@@ -202,25 +202,26 @@ HELD_ROW = """HloModule held_row
 ENTRY %main (c: s32[], s: f32[9], r: s32[1], m: f32[3,64], u: f32[3,64], v: f32[3,64], g: bf16[3,64]) -> bf16[3,64] {
   %c = s32[] parameter(0)
   %s = f32[9]{0} parameter(1)
-  %r = s32[1]{0} parameter(2)
+  %r = s32[1]{0:S(5)} parameter(2)
   %m = f32[3,64]{1,0:S(5)} parameter(3)
   %u = f32[3,64]{1,0:S(5)} parameter(4)
   %v = f32[3,64]{1,0:S(5)} parameter(5)
   %g = bf16[3,64]{1,0} parameter(6)
-  ROOT %row = bf16[3,64]{1,0} custom-call(%c, %s, %r, %m, %u, %v, %g), custom_call_target="jax_superoffload_adam_step_row", output_to_operand_aliasing={{}: (6, {})}, backend_config={hold_inputs = false, num_leaves = 1 : i64, reseed = false, staging_bytes = 2048 : i64}
+  ROOT %row = bf16[3,64]{1,0} custom-call(%c, %s, %r, %m, %u, %v, %g), custom_call_target="jax_superoffload_adam_step_row", output_to_operand_aliasing={{}: (6, {})}, backend_config={hold_inputs = true, num_leaves = 1 : i64, reseed = false, staging_bytes = 2048 : i64}
 }
 """
 
 
 def test_a_row_step_of_stacked_gradients_fetches_one_row_and_writes_no_weights():
-  # The three 256-byte-aligned scalars at its start, and one row of the
-  # stacked bf16 gradient (128 bytes, aligned), which its worker fetches:
-  # not the stack's 384 bytes, nor twice for the aliased result, which is
-  # the gradient passed on, held, not new weights.
+  # The count and scalars (256-byte aligned; the row cursor is in host
+  # memory), and one row of the stacked bf16 gradient (128 bytes,
+  # aligned), which its worker fetches: not the stack's 384 bytes, nor
+  # twice for the aliased result, which is the gradient passed on, held,
+  # not new weights. It holds its inputs.
   (call,) = hlo_report.stream_staging(HELD_ROW)
-  assert (call['staged'], call['fetched'], call['on_demand']) == (1024, 256, 0)
+  assert (call['staged'], call['fetched'], call['on_demand']) == (768, 256, 0)
   facts = hlo_report.call_facts(HELD_ROW)['row']
-  assert not facts['weights_alias_grads'], facts
+  assert facts['hold_inputs'] and not facts['weights_alias_grads'], facts
 
 
 SPECULATIVE = """HloModule speculative

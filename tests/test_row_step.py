@@ -367,3 +367,39 @@ def test_the_probe_calls_the_row_step_as_the_binding_does(monkeypatch):
   want = _custom_calls(binding, *args)
   assert len(want) == 1 and 'staging_bytes = 262912' in want[0]
   assert _custom_calls(spelled_out, *args) == want
+
+
+@jax.jit
+def _stacked_rows(master, mu, nu, grads):
+  """adam_step_row of the stacked gradient from a scan's loop, last row
+  first, its row a cursor; the join after it, on the passed gradient."""
+  cursor = grace_adam.row_cursor(master[0].shape[0])
+
+  def body(grads, _):
+    return grace_adam.adam_step_row(master, mu, nu, grads, cursor, HYPER), None
+
+  grads, _ = jax.lax.scan(body, grads, None, length=master[0].shape[0])
+  barrier = grads[0].ravel()[0].astype(jnp.float32).view(jnp.int32)
+  return _join([*master, *mu, *nu], barrier)
+
+
+# A stacked gradient (shaped like the master) is read at the cursor's next
+# row, counting down from L: three steps take rows 2, 1, 0, each the
+# bucket's bits for its row with its own gradient.
+@pytest.mark.parametrize('grad_dtype', [jnp.float32, jnp.bfloat16])
+def test_a_stacked_gradient_is_stepped_a_row_at_a_time_from_its_cursor(
+  grad_dtype,
+):
+  master, mu, nu, grads, _ = _case(3, 1000, grad_dtype, False)
+  want = _bucket([master], [mu], [nu], [grads], None)
+  got = _stacked_rows(
+    [jnp.asarray(master)], [jnp.asarray(mu)], [jnp.asarray(nu)], [grads]
+  )
+  for x, y in zip(got, want, strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_stacked_gradients_row_must_be_a_cursor():
+  master, mu, nu, grads, _ = _case(3, 7, jnp.float32, False)
+  with pytest.raises(ValueError, match=r'row is a cursor, an int32\[1\]'):
+    grace_adam.adam_step_row([master], [mu], [nu], [grads], 0, HYPER)

@@ -152,14 +152,19 @@ ffi::Error CheckStackedGrads(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
   return ffi::Error::Success();
 }
 
-// The row's step, once its operands hold their values.
+// The row's step, once its operands hold their values. With stacked
+// gradients the row is the cursor's next, counting down, and the cursor
+// moves to it once the row has stepped.
 ffi::Error StepRow(const RowStep& step, Workers workers) {
-  const int64_t row = *step.row;
+  const int64_t row = step.stacked_grads ? *step.row - 1 : *step.row;
   if (row < 0 || row >= step.rows) {
     return InvalidArgument(
         "row " + std::to_string(row) + " is outside [0, " +
         std::to_string(step.rows) +
-        "): the stacked state has L = " + std::to_string(step.rows) + " rows");
+        "): the stacked state has L = " + std::to_string(step.rows) + " rows" +
+        (step.stacked_grads ? " (more row steps than rows since the cursor "
+                              "was set to L)"
+                            : ""));
   }
   // A stacked gradient's row: fetched now into its stand-in, if it has one.
   if (step.stacked_grads) JSO_RETURN_IF_ERROR(workers.Fetch(row));
@@ -176,6 +181,7 @@ ffi::Error StepRow(const RowStep& step, Workers workers) {
                  StepSegmentPiece(constants, leaves[j], begin, end, isa,
                                   nullptr);
                });
+  if (step.stacked_grads) *step.row = static_cast<int32_t>(row);
   return ffi::Error::Success();
 }
 
@@ -319,7 +325,10 @@ ffi::Error StartRowStep(Launch& launch, RowStep step,
                         const BucketAttrs& attrs) {
   using Role = Touched::Role;
   std::vector<Touched> touched = TouchScalars(step.set);
-  touched.push_back(Touch(step.row, 4, Role::kInput));
+  // A cursor (stacked gradients) is state, in host memory (where a start
+  // staged it, a later start would read it before this one wrote it back).
+  touched.push_back(
+      Touch(step.row, 4, step.stacked_grads ? Role::kState : Role::kInput));
   for (SegmentLeaf& leaf : step.leaves) {
     AdamBuffers& b = leaf.b;
     const int64_t stacked = 4 * step.rows * b.size;  // Every row.

@@ -39,7 +39,7 @@ namespace jax_superoffload {
 // it then (Workers::Fetch).
 struct RowStep {
   ScalarSet set;
-  const int32_t* row = nullptr;
+  int32_t* row = nullptr;  // With stacked_grads, a cursor (see StepRow).
   int64_t rows = 0;
   std::vector<SegmentLeaf> leaves;
   bool stacked_grads = false;

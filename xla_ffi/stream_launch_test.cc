@@ -999,13 +999,14 @@ void TestRowWritesItsRoundedWeights() {
   }
 }
 
-// A row step of a stacked gradient (every row's, in device memory, held
-// by XLA until the join): the start stages only the count, the scalars
-// and the row, so the compute stream waits for no gradient copy; the
-// worker fetches the step's row itself, on the fetch stream, after the
-// start's host function. The compute stream meanwhile writes the next
-// row (a scan's next iteration), which the step does not read.
-void TestStackedGradientRowIsFetchedByTheWorker() {
+// Two row steps of a stacked gradient (every row's, in device memory, held
+// by XLA until the join) in a backward loop's order: the row is a cursor
+// in host memory, set to L = 3, so the first steps row 2 and the second
+// row 1, and leaves it at 1. The starts hold their inputs: the compute
+// stream waits for nothing before the join (it rewrites row 0 meanwhile,
+// the loop's next iteration, which no step reads), and each worker fetches
+// its own row, on the fetch stream, after its start's host function.
+void TestStackedGradientRowsAreFetchedByTheWorker() {
   Rig rig;
   RowStack stack(517, 51);
   const int64_t n = stack.n;
@@ -1014,42 +1015,49 @@ void TestStackedGradientRowIsFetchedByTheWorker() {
     stack.SetGradient(60 + r);
     std::copy(stack.grad.begin(), stack.grad.end(), stacked.begin() + r * n);
   }
-  stack.MarkDevice(rig.fake);
   rig.fake.MarkDevice(stacked.data(), 2 * RowStack::kRows * n);
-  stack.row = 1;
+  rig.fake.MarkDevice(&stack.count, 4);
+  rig.fake.MarkDevice(stack.scalars.data(), 4 * stack.scalars.size());
+  stack.row = RowStack::kRows;  // The cursor, in host memory.
   RowStack want = stack;
-  std::copy(stacked.begin() + n, stacked.begin() + 2 * n, want.grad.begin());
-  want.StepRowDirectly(1);
+  for (int64_t r : {2, 1}) {
+    std::copy(stacked.begin() + r * n, stacked.begin() + (r + 1) * n,
+              want.grad.begin());
+    want.StepRowDirectly(r);
+  }
   rig.fake.Hold(true);
-  OnStream launch(rig.launches.get(), rig.stream);
-  RowStep step = stack.Step();
-  step.leaves[0].b.grad = stacked.data();
-  step.stacked_grads = true;
-  ffi::Error e = StartRowStep(launch, std::move(step), kRowAttrs);
-  Expect(e.success(),
-         "the row step of a stacked gradient starts: " + e.message());
+  for (int k = 0; k < 2; ++k) {
+    OnStream launch(rig.launches.get(), rig.stream, 0, /*hold_inputs=*/true);
+    RowStep step = stack.Step();
+    step.leaves[0].b.grad = stacked.data();
+    step.stacked_grads = true;
+    ffi::Error e = StartRowStep(launch, std::move(step), kRowAttrs);
+    Expect(e.success(),
+           "a row step of a stacked gradient starts: " + e.message());
+  }
   uint16_t* next = stacked.data();  // Row 0: the loop's next iteration.
   rig.fake.Enqueue(rig.stream, "next iteration", [next, n] {
     std::fill(next, next + n, uint16_t{0x7f80});  // +Inf in bf16.
   });
   rig.fake.Hold(false);
-  e = rig.Join();
+  rig.fake.Synchronize();
+  Expect(rig.fake.Count("compute: wait event") == 0,
+         "the compute stream waited for nothing before the join");
+  ffi::Error e = rig.Join();
   Expect(e.success(), "and joins: " + e.message());
-  Expect(stack.SameState(want), "row 1 stepped with its own gradient");
-  const uint64_t row1 = reinterpret_cast<uint64_t>(stacked.data() + n);
-  int gradient_copies = 0;
+  Expect(stack.SameState(want), "rows 2 then 1 stepped with their gradients");
+  Expect(stack.row == 1, "the cursor is left at the last row stepped");
+  std::vector<uint64_t> rows;
   for (const FakeCuda::CopyRecord& c : rig.fake.Copies()) {
-    const bool gradient =
-        c.to_host && c.device >= reinterpret_cast<uint64_t>(stacked.data()) &&
-        c.device < reinterpret_cast<uint64_t>(stacked.data() + 3 * n);
-    if (gradient) {
-      ++gradient_copies;
-      Expect(c.device == row1 && c.bytes == static_cast<size_t>(2 * n),
-             "only row 1's bytes are copied");
+    const uint64_t base = reinterpret_cast<uint64_t>(stacked.data());
+    if (c.to_host && c.device >= base && c.device < base + 6 * n) {
+      Expect(c.bytes == static_cast<size_t>(2 * n), "a row's bytes");
+      rows.push_back((c.device - base) / (2 * n));
     }
   }
-  Expect(gradient_copies == 1 && rig.launches->fetched_inputs() == 1,
-         "one gradient copy, fetched by the worker");
+  Expect(rows == std::vector<uint64_t>{2, 1} &&
+             rig.launches->fetched_inputs() == 2,
+         "rows 2 and 1 fetched by the workers, nothing else");
   Expect(FetchedAfterHostFunction(rig.fake.Log(), 2 * n),
          "copied on the fetch stream after the start's host function");
 }
@@ -1163,7 +1171,7 @@ int main(int argc, char** argv) {
       {"row_no_shared_staging", TestTwoRowLaunchesShareNoStaging},
       {"row_out_of_range", TestRowOutOfRangeIsAStickyError},
       {"row_weights", TestRowWritesItsRoundedWeights},
-      {"row_stacked_gradient", TestStackedGradientRowIsFetchedByTheWorker},
+      {"row_stacked_gradient", TestStackedGradientRowsAreFetchedByTheWorker},
       {"stack_reseed_on_demand", TestStackReseedFetchesRowByRowOnlyWhenChanged},
       {"host_pool", TestHostPoolResultsDoNotDependOnWorkers},
   };

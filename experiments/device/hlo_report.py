@@ -542,8 +542,9 @@ def _fetches_rows(i) -> bool:
 def _held_row_bytes(i, names: list[str], device) -> tuple[int, int]:
   """A row step of stacked gradients: (bytes staged, of which fetched).
 
-  At its start it stages the count, the scalars and the row; its worker
-  fetches one row of each stacked gradient when the step runs.
+  Its count and scalars in device memory (held until the join, copied by
+  its worker: `hold_inputs`), its row cursor in host memory (not staged);
+  its worker fetches one row of each stacked gradient when the step runs.
   """
   k = int(re.search(r'num_leaves = (\d+)', i.rest)[1])
   grads = device(names[3 + 3 * k : 3 + 4 * k])

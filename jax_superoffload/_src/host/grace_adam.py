@@ -969,6 +969,7 @@ def adam_step_row(
   weights: list[jax.Array] | None = None,
   keep_nonfinite: bool = False,
   place: Place | None = None,
+  scalars: list[jax.Array] | None = None,
 ) -> list[jax.Array]:
   """Steps row `row` of stacked fp32 state in place.
 
@@ -997,7 +998,14 @@ def adam_step_row(
   reads its row where they are when it runs (on a GPU its worker fetches
   it, so the compute stream waits for no gradient copy), so they must
   stay alive, unchanged, until a join that waits for it (`join_rows`'s
-  `keep`); write the next rows into the returned arrays.
+  `keep`); write the next rows into the returned arrays. With them `row`
+  is a cursor, an int32[1] host buffer of the step's own set to L before
+  the loop (through the join): the call steps row ``cursor - 1`` and
+  leaves the cursor there, so the calls of a loop running its rows from
+  L - 1 down need no row from the device; and on a GPU the call holds its
+  inputs: `scalars` (`scalar_operands`, made before the loop) and the
+  cursor must stay alive until that join too, and the compute stream
+  waits for nothing.
   """
   _check_row_leaves(master, mu, nu, grads, params, weights)
   kept = [j for j, g in enumerate(grads) if g.size]
@@ -1010,8 +1018,8 @@ def adam_step_row(
     return [xs[j] for j in kept]
 
   operands = [
-    *_scalar_operands(hyper, place),
-    place(jnp.asarray(row, jnp.int32).reshape(1)),
+    *(scalars or _scalar_operands(hyper, place)),
+    _row_operand(row, stacked, place),
     *run(master),
     *run(mu),
     *run(nu),
@@ -1036,6 +1044,7 @@ def adam_step_row(
       keep_nonfinite=keep_nonfinite,
       reseed=params is not None,
       staging_bytes=getattr(place, 'staging_bytes', 0),
+      hold_inputs=stacked and getattr(place, 'join', False),
     ),
   )
   grads = list(grads)
@@ -1043,6 +1052,42 @@ def adam_step_row(
     for j, g in zip(kept, out, strict=True):
       grads[j] = g
   return grads
+
+
+def _row_operand(row: jax.typing.ArrayLike, stacked: bool, place: Place):
+  """A row step's row: the row, or with stacked gradients the cursor.
+
+  Raises:
+    ValueError: If a cursor is not an int32[1] array.
+  """
+  if not stacked:
+    return place(jnp.asarray(row, jnp.int32).reshape(1))
+  if jnp.shape(row) != (1,) or jnp.result_type(row) != jnp.int32:
+    raise ValueError(
+      'adam_step_row: with stacked gradients the row is a cursor, an int32[1] '
+      f'array; got {jnp.result_type(row)}{list(jnp.shape(row))}'
+    )
+  return row
+
+
+def scalar_operands(hyper: Hyperparams, place: Place) -> list[jax.Array]:
+  """A row step's count and packed scalars, to make once, before a loop.
+
+  `adam_step_row(..., scalars=...)` of stacked gradients holds them until
+  the join: inside the loop they would be a temporary of each iteration.
+  """
+  return _scalar_operands(hyper, place)
+
+
+def row_cursor(rows: int) -> jax.Array:
+  """A row cursor for `adam_step_row` of stacked gradients, set to `rows`.
+
+  An int32[1] host buffer of the step's own (not a constant): through a
+  stream claim, which passes it on and waits for nothing, unlike a join,
+  which would wait for the host steps started before it.
+  """
+  start = host_memory.to_host(jnp.full((1,), rows, jnp.int32))
+  return _typed_like(_passing(STREAM_CLAIM_TARGET, [start]), [start])[0]
 
 
 def reseed_rows(

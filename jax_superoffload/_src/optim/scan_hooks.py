@@ -53,11 +53,14 @@ def _matched(
   return take, [found[j] for j in take]
 
 
-def _start(scope: scan_scope.Scope, ids: list[int], hypers, stacks, grads, row):
+def _start(
+  scope: scan_scope.Scope, ids: list[int], hypers, stacks, grads, row, held=None
+):
   """Row `row`'s host steps of leaves `ids`, in `scan_scope.calls`'s calls.
 
-  `grads` are the row's gradients, or the stacked ones (`rows`), which
-  come back passed through the calls: the gradients, as the loop goes on.
+  `grads` are the row's gradients, or with `held` (per call, its scalar
+  operands and row cursor, `rows`) the stacked ones, which come back
+  passed through the calls: the gradients, as the loop goes on.
 
   Raises:
     ValueError: If a leaf's rows were started already in this scope (the
@@ -73,7 +76,9 @@ def _start(scope: scan_scope.Scope, ids: list[int], hypers, stacks, grads, row):
       'scope per gradient, and run a shared stack once per step'
     )
   grads = list(grads)
-  for (_, js), hyper in zip(scan_scope.calls(scope, ids), hypers, strict=True):
+  calls = scan_scope.calls(scope, ids)
+  for c, ((_, js), hyper) in enumerate(zip(calls, hypers, strict=True)):
+    scalars, cursor = held[c] if held is not None else (None, row)
     picked = [grads[j] for j in js]
     # A stacked gradient is staged a row at a time.
     rows = [
@@ -85,10 +90,11 @@ def _start(scope: scan_scope.Scope, ids: list[int], hypers, stacks, grads, row):
     out = grace_adam.adam_step_row(
       *([stacks[j][r] for j in js] for r in range(3)),
       picked,
-      row,
+      cursor,
       hyper,
       weights=weights or None,
       place=steps.stream_place(None, scope.reserve),
+      scalars=scalars,
     )
     for j, g in zip(js, out, strict=True):
       grads[j] = g
@@ -149,17 +155,27 @@ def rows(stacked: Any, params_path: Any) -> tuple | None:
     return None
   stacks = [scope.stacks[i] for i in ids]
   hypers = [scope.hyper[g] for g, _ in scan_scope.calls(scope, ids)]
+  cursors = scope.cursors.get(scan_scope.as_path(params_path))
+  if cursors is None or len(cursors) != len(hypers):
+    return None  # Not the calls `acquire` made cursors for.
+  # Made before the loop and held until the join (`finish`): each call's
+  # scalars and its row cursor.
+  place = steps.stream_place(None, scope.reserve)
+  scalars = [grace_adam.scalar_operands(h, place) for h in hypers]
+  held = list(zip(scalars, cursors, strict=True))
+  scope.held_operands += jax.tree.leaves(held)
 
   def on_row(aux, grads, row):
-    stacks, hypers = aux
+    stacks, hypers, held = aux
     values, treedef = jax.tree.flatten(grads)
-    out = _start(scope, ids, hypers, stacks, [values[j] for j in take], row)
+    picked = [values[j] for j in take]
+    out = _start(scope, ids, hypers, stacks, picked, row, held)
     for j, i, g in zip(take, ids, out, strict=True):
       values[j] = g
       scope.held.add(i)
     return jax.tree.unflatten(treedef, values)
 
-  return on_row, (stacks, hypers)
+  return on_row, (stacks, hypers, held)
 
 
 def acquire(stacked: Any, params_path: Any, unroll: Any, inputs: Any) -> Any:
@@ -193,6 +209,9 @@ def acquire(stacked: Any, params_path: Any, unroll: Any, inputs: Any) -> Any:
     return stacked
   fresh = [i for i in ids if i not in scope.stacks]
   flat = [scope.candidates[i][r] for r in range(3) for i in fresh]
+  cursors = _cursors(scope, fresh, rows)
+  if cursors:
+    scope.cursors[scan_scope.as_path(params_path)] = cursors
   joined, _ = grace_adam.join_rows(flat, jnp.zeros((), jnp.int32))
   n = len(fresh)
   masters = _reseeded(scope, fresh, joined[:n])
@@ -201,6 +220,16 @@ def acquire(stacked: Any, params_path: Any, unroll: Any, inputs: Any) -> Any:
     scope.stacks[i] = stack + _host_weights(scope, i)
   scope.active.add(scan_scope.as_path(params_path))
   return _noted(scope, stacked, take, ids)
+
+
+def _cursors(scope: scan_scope.Scope, ids: list[int], rows: int) -> list:
+  """Per row call of leaves `ids`, its row cursor, set to L, if held.
+
+  Only with ``JAX_SUPEROFFLOAD_SCAN_ROWS=held`` (`rows`).
+  """
+  if not ids or rows_from_env() != 'held':
+    return []
+  return [grace_adam.row_cursor(rows) for _ in scan_scope.calls(scope, ids)]
 
 
 def _host_weights(scope: scan_scope.Scope, i: int) -> tuple:

@@ -38,6 +38,13 @@ transformed before it, a gradient scaled, clipped or summed after it, or
 one from an inner `jit`, is refused at trace time (`check_gradients`),
 before anything runs.
 
+With ``JAX_SUPEROFFLOAD_SCAN_ROWS=held`` (an experiment, read at trace
+time; docs/gpu.md) a stationary, fully rematerialized stack without `xs`
+instead gets a backward loop of the library's own (`row_backward`), and
+its row steps read their rows of the stacked gradient, which the join
+holds, with a row cursor each in host memory (`scan_hooks.rows`): on a
+GPU the compute stream then waits for no copy before the join.
+
 At the scope's opening, the state of those leaves passes through the join
 once: the row steps then write buffers of the step's own (a state the
 caller did not donate is copied there first, as the bucket steps' aliased
@@ -305,10 +312,11 @@ def finish(scope: scan_scope.Scope, grads: list, params: list | None) -> dict:
     # leaf's new weights wait in device memory at a time. The parameters
     # stay alive until then: the re-seed's worker may read them.
     # The host weights, where the leaf has them, first: they are copied.
-    # A held leaf's rows read its stacked gradient until the join.
+    # A held leaf's rows read its stacked gradient, their scalars and
+    # cursors until the join.
     keep = [scope.params[i]]
     if i in scope.held:
-      keep.append(scope.cotangents[i])
+      keep += [scope.cotangents[i], *scope.held_operands]
     stack = scope.stacks[i]
     joined, weight = grace_adam.join_rows(
       [*stack[3:], *stack[:3]], barrier, to_device=1, keep=keep

@@ -214,8 +214,12 @@ class Scope:
         _rows_staging(self.group_of, leaves, ids),
       )
     self.started: set[int] = set()
-    # Leaves whose rows read the stacked gradient (`scan_hooks.rows`).
+    # Leaves whose rows read the stacked gradient (`scan_hooks.rows`), and
+    # the operands their calls hold until the join (scalars, cursors).
     self.held: set[int] = set()
+    self.held_operands: list = []
+    # Per stack path, its row calls' cursors (`scan_hooks.acquire`).
+    self.cursors: dict = {}
     self.claimed = False
     # The state's digest of the parameters: a stack whose parameters have
     # it re-seeds nothing and reads none (`scan_hooks.acquire`).
