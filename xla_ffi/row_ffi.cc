@@ -132,14 +132,15 @@ ffi::Error CheckStackedGrads(ffi::RemainingArgs& args, ffi::RemainingRets& rets,
         "a row step of the row's gradients has no results; only stacked "
         "gradients come back (aliased)");
   }
+  if (rets.size() != static_cast<size_t>(k)) {
+    return InvalidArgument(
+        "stacked gradients must come back as the results, one per leaf");
+  }
   for (int64_t j = 0; j < k; ++j) {
     ffi::AnyBuffer grad(nullptr);
     void* out = nullptr;
     ElementType out_type = ElementType::kNone;
     JSO_RETURN_IF_ERROR(GetArg(args, k, 3, j, -1, &grad));
-    if (rets.size() != static_cast<size_t>(k)) {
-      return LeafError(j, "stacked gradients must come back as the results");
-    }
     JSO_RETURN_IF_ERROR(GetRet(rets, k, 0, j,
                                static_cast<int64_t>(grad.element_count()), &out,
                                &out_type));
@@ -186,16 +187,16 @@ ffi::Error StepRow(const RowStep& step, Workers workers) {
 }
 
 // One row of k stacked leaves. Operands after the count, the scalars and
-// `row` (s32, one element): k masters, k mu, k nu (f32, L rows of n_j
-// elements each, stepped in place), k gradients of the row (n_j elements
-// of f32, bf16 or f16) or k stacked gradients (shaped like the masters),
-// with `reseed` the k
-// parameters of the row the step starts from (see ReseedRange) and
+// `row` (s32, one element; with stacked gradients a cursor in host memory,
+// see StepRow): k masters, k mu, k nu (f32, L rows of n_j elements each,
+// stepped in place), k gradients of the row (n_j elements of f32, bf16 or
+// f16) or k stacked gradients (shaped like the masters), with `reseed` the
+// k parameters of the row the step starts from (see ReseedRange) and
 // optionally k stacked weights (bf16 or f16, L rows of n_j elements, in
 // place), whose row receives the new master rounded to nearest even.
 // Results: none, or with stacked gradients the k gradients, aliased to
 // their operands (XLA keeps them alive where they are: the step reads its
-// row when it runs, ReadsRowOnDemand).
+// row when it runs, StepRow).
 ffi::Error AdamStepRow(Launch& launch, Counts count, Scalars scalars, Flag row,
                        ffi::RemainingArgs args, ffi::RemainingRets rets,
                        BucketAttrs attrs) {

@@ -999,8 +999,8 @@ def adam_step_row(
   it, so the compute stream waits for no gradient copy), so they must
   stay alive, unchanged, until a join that waits for it (`join_rows`'s
   `keep`); write the next rows into the returned arrays. With them `row`
-  is a cursor, an int32[1] host buffer of the step's own set to L before
-  the loop (through the join): the call steps row ``cursor - 1`` and
+  is a cursor (`row_cursor`, set to L before the loop): the call steps
+  row ``cursor - 1`` and
   leaves the cursor there, so the calls of a loop running its rows from
   L - 1 down need no row from the device; and on a GPU the call holds its
   inputs: `scalars` (`scalar_operands`, made before the loop) and the

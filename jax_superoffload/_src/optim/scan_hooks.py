@@ -81,10 +81,10 @@ def _start(
     scalars, cursor = held[c] if held is not None else (None, row)
     picked = [grads[j] for j in js]
     # A stacked gradient is staged a row at a time.
-    rows = [
+    row_shapes = [
       _row_shape(g, stacks[j][0]) for g, j in zip(picked, js, strict=True)
     ]
-    scope.reserve = max(scope.reserve, steps.staged_bytes(rows, None))
+    scope.reserve = max(scope.reserve, steps.staged_bytes(row_shapes, None))
     # A call's leaves all have host weights, or none do (`calls`).
     weights = [stacks[j][3] for j in js if len(stacks[j]) > 3]
     out = grace_adam.adam_step_row(
@@ -137,10 +137,12 @@ def rows(stacked: Any, params_path: Any) -> tuple | None:
   `row_backward.scan` calls ``on_row(aux, grads, i)`` with the stacked
   gradient once its row ``i`` is in, and the acquired leaves' row steps
   read that row from the stack, which the loop keeps and `finish` holds
-  until the join. On a GPU the worker fetches the row when the step runs,
-  so the compute stream waits for no gradient copy, only for the start's
-  count, scalars and row (docs/gpu.md has what that gives, compiled). The
-  numbers are the layer hooks' (the CPU reads the row in place).
+  until the join, with each call's scalars (made here, before the loop)
+  and row cursor (`acquire`'s). On a GPU the worker fetches the row when
+  the step runs, and the start holds its inputs, so the compute stream
+  waits for nothing before the join (docs/gpu.md has what that gives,
+  compiled). The numbers are the layer hooks' (the CPU reads the row in
+  place).
   """
   scope = scan_scope.CURRENT.get()
   if scope is None or scan_scope.as_path(params_path) not in scope.active:
