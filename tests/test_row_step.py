@@ -399,6 +399,53 @@ def test_a_stacked_gradient_is_stepped_a_row_at_a_time_from_its_cursor(
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@jax.jit
+def _rows_over_grads(master, mu, nu, grads):
+  """`_stacked_rows` with the new weights written over the gradient."""
+  cursor = grace_adam.row_cursor(master[0].shape[0])
+
+  def body(grads, _):
+    out = grace_adam.adam_step_row(
+      master, mu, nu, grads, cursor, HYPER, weights_over_grads=True
+    )
+    return out, None
+
+  grads, _ = jax.lax.scan(body, grads, None, length=master[0].shape[0])
+  barrier = grads[0].ravel()[0].astype(jnp.float32).view(jnp.int32)
+  joined = _join([*master, *mu, *nu], barrier)
+  return [*joined, *grace_adam.written_rows(grads, joined[0])]
+
+
+# With the weights over the gradient, each row of the stacked gradient is
+# left holding that row's new master in the gradient's dtype (rounded to
+# nearest even, as the buckets round), and the state is the bucket's as
+# without them: every row was read before it was written.
+@pytest.mark.parametrize('grad_dtype', [jnp.float32, jnp.bfloat16])
+def test_row_steps_write_their_new_weights_over_the_stacked_gradient(
+  grad_dtype,
+):
+  master, mu, nu, grads, _ = _case(3, 1000, grad_dtype, False, seed=3)
+  want = _bucket([master], [mu], [nu], [grads], None)
+  got = _rows_over_grads(
+    [jnp.asarray(master)], [jnp.asarray(mu)], [jnp.asarray(nu)], [grads]
+  )
+  for x, y in zip(got[:3], want, strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  np.testing.assert_array_equal(
+    np.asarray(got[3]), np.asarray(jnp.asarray(want[0]).astype(grad_dtype))
+  )
+
+
+def test_weights_over_grads_needs_stacked_gradients():
+  master, mu, nu, grads, _ = _case(3, 7, jnp.float32, False)
+  with pytest.raises(
+    ValueError, match='weights_over_grads writes over stacked'
+  ):
+    grace_adam.adam_step_row(
+      [master], [mu], [nu], [grads[0]], 0, HYPER, weights_over_grads=True
+    )
+
+
 def test_a_stacked_gradients_row_must_be_a_cursor():
   master, mu, nu, grads, _ = _case(3, 7, jnp.float32, False)
   with pytest.raises(ValueError, match=r'row is a cursor, an int32\[1\]'):

@@ -31,6 +31,9 @@ struct Touched {
     // Read only, and only if the step asks for it (Workers::Fetch) when it
     // runs: a stand-in is filled then, not at the start.
     kOnDemand,
+    // As kOnDemand, and written: after a step that succeeded, its stand-in
+    // goes back to the window the step fetched (a row of a stack).
+    kOnDemandInOut,
   };
   const void* data = nullptr;
   int64_t bytes = 0;

@@ -38,10 +38,11 @@ ffi::Error GetRowWeights(ffi::RemainingArgs& args, int64_t k, int64_t run,
 // Leaf j of a row step (see AdamStepRow): its stacked state, `*rows` rows
 // of n elements, as row 0's buffers, and with `weights` its stacked 16-bit
 // weights. The gradient is the row's (n elements) or, shaped like the
-// stacked master, every row's (`*stacked`), read at the step's row.
+// stacked master, every row's (`*stacked`), read at the step's row, and
+// with `over_grads` written there with the new weights.
 ffi::Error GetRowLeaf(ffi::RemainingArgs& args, int64_t k, bool reseed,
-                      bool weights, size_t j, SegmentLeaf* leaf, int64_t* rows,
-                      bool* stacked) {
+                      bool weights, bool over_grads, size_t j,
+                      SegmentLeaf* leaf, int64_t* rows, bool* stacked) {
   ffi::AnyBuffer grad(nullptr), master(nullptr), mu(nullptr), nu(nullptr);
   JSO_RETURN_IF_ERROR(GetArg(args, k, 3, j, -1, &grad));
   JSO_RETURN_IF_ERROR(GetArg(args, k, 0, j, -1, &master));
@@ -86,6 +87,15 @@ ffi::Error GetRowLeaf(ffi::RemainingArgs& args, int64_t k, bool reseed,
   if (weights) {
     JSO_RETURN_IF_ERROR(GetRowWeights(args, k, reseed ? 5 : 4, j, total, &b));
   }
+  if (over_grads) {
+    if (!*stacked || weights) {
+      return LeafError(j,
+                       "new weights go over the gradients only where they "
+                       "are stacked, and the leaf has no stacked weights");
+    }
+    b.lowp_out = const_cast<void*>(b.grad);
+    b.lowp_type = b.grad_type;
+  }
   if (const char* error = ValidateAdamBuffers(b)) return LeafError(j, error);
   *rows = total / n;
   return ffi::Error::Success();
@@ -102,9 +112,11 @@ ffi::Error SameRows(size_t j, int64_t rows, int64_t* all) {
 }
 
 // `b`, row 0's buffers of stacked state, moved to row `row`; its gradient
-// too where it is stacked and read in place (`grad_in_place`).
+// too where it is stacked and read in place (`grad_in_place`), and the new
+// weights, unless they go over a gradient's stand-in (a staged row).
 void AtRow(int64_t row, bool grad_in_place, AdamBuffers* b) {
   const int64_t offset = row * b->size;
+  const bool over_stand_in = !grad_in_place && b->lowp_out == b->grad;
   if (grad_in_place) {
     b->grad =
         static_cast<const char*>(b->grad) + ElementBytes(b->grad_type, offset);
@@ -115,7 +127,7 @@ void AtRow(int64_t row, bool grad_in_place, AdamBuffers* b) {
   b->master_out += offset;
   b->mu_out += offset;
   b->nu_out += offset;
-  if (b->lowp_out != nullptr) {
+  if (b->lowp_out != nullptr && !over_stand_in) {
     b->lowp_out =
         static_cast<char*>(b->lowp_out) + ElementBytes(b->lowp_type, offset);
   }
@@ -193,7 +205,11 @@ ffi::Error StepRow(const RowStep& step, Workers workers) {
 // f16) or k stacked gradients (shaped like the masters), with `reseed` the
 // k parameters of the row the step starts from (see ReseedRange) and
 // optionally k stacked weights (bf16 or f16, L rows of n_j elements, in
-// place), whose row receives the new master rounded to nearest even.
+// place), whose row receives the new master rounded to nearest even. With
+// BucketAttrs::weights_over_grads (stacked gradients, no stacked weights)
+// the new weights, in the gradients' dtype, go over the step's row of the
+// gradients instead, once it is read: on a GPU the worker copies them back
+// there after the step, so the join's results hold them.
 // Results: none, or with stacked gradients the k gradients, aliased to
 // their operands (XLA keeps them alive where they are: the step reads its
 // row when it runs, StepRow).
@@ -221,8 +237,9 @@ ffi::Error AdamStepRow(Launch& launch, Counts count, Scalars scalars, Flag row,
   for (int64_t j = 0; j < runs.k(); ++j) {
     int64_t rows = 0;
     bool stacked = false;
-    JSO_RETURN_IF_ERROR(GetRowLeaf(args, runs.k(), attrs.reseed, weights, j,
-                                   &step.leaves[j], &rows, &stacked));
+    JSO_RETURN_IF_ERROR(GetRowLeaf(args, runs.k(), attrs.reseed, weights,
+                                   attrs.weights_over_grads, j, &step.leaves[j],
+                                   &rows, &stacked));
     step.leaves[j].b.prefetch = prefetch;
     JSO_RETURN_IF_ERROR(SameRows(j, rows, &step.rows));
     if (j > 0 && stacked != step.stacked_grads) {
@@ -233,6 +250,7 @@ ffi::Error AdamStepRow(Launch& launch, Counts count, Scalars scalars, Flag row,
   JSO_RETURN_IF_ERROR(CheckStackedGrads(args, rets, runs.k(), step));
   JSO_RETURN_IF_ERROR(CheckScalarSets(count, scalars, attrs, -1, &step.set));
   step.row = row.typed_data();
+  step.over_grads = attrs.weights_over_grads;
   return StartRowStep(launch, std::move(step), attrs);
 }
 
@@ -340,10 +358,14 @@ ffi::Error StartRowStep(Launch& launch, RowStep step,
       touched.push_back(Touch(*x, stacked, Role::kState));
     }
     if (step.stacked_grads) {
-      // Row 0 on demand: its stand-in takes the step's row (StepRow).
+      // Row 0 on demand: its stand-in takes the step's row (StepRow) and,
+      // with the new weights over it, goes back there.
+      const bool over = step.over_grads;
       touched.push_back(Touched{b.grad, ElementBytes(b.grad_type, b.size),
-                                Role::kOnDemand, [&b, &step](void* to) {
+                                over ? Role::kOnDemandInOut : Role::kOnDemand,
+                                [&b, &step, over](void* to) {
                                   b.grad = to;
+                                  if (over) b.lowp_out = to;
                                   step.grads_staged = true;
                                 }});
     } else {
@@ -353,9 +375,11 @@ ffi::Error StartRowStep(Launch& launch, RowStep step,
     touched.push_back(Touch(leaf.params, ElementBytes(leaf.param_type, b.size),
                             Role::kInput));
     // Every row, as the state: only the step's row is written.
-    touched.push_back(Touch(b.lowp_out,
-                            ElementBytes(b.lowp_type, step.rows * b.size),
-                            Role::kState));
+    if (!step.over_grads) {
+      touched.push_back(Touch(b.lowp_out,
+                              ElementBytes(b.lowp_type, step.rows * b.size),
+                              Role::kState));
+    }
   }
   JSO_RETURN_IF_ERROR(launch.Place(touched));
   return RunWith(launch, attrs, [step = std::move(step)](Workers workers) {

@@ -44,6 +44,9 @@ struct RowStep {
   std::vector<SegmentLeaf> leaves;
   bool stacked_grads = false;
   bool grads_staged = false;
+  // The new weights go over the step's row of the stacked gradients
+  // (b.lowp_out is b.grad), and with a stand-in back to that row.
+  bool over_grads = false;
 };
 
 // Places `step`'s buffers through `launch` and runs (or enqueues) the

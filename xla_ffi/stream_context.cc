@@ -63,6 +63,7 @@ std::string RunStep(Context& c, Pending& pending) {
   try {
     Workers workers;
     workers.fetch = [&c, &pending](int64_t window) {
+      pending.window = window;
       return c.Fetch(pending.on_demand, window);
     };
     ffi::Error result = pending.work(workers);
@@ -76,19 +77,35 @@ std::string RunStep(Context& c, Pending& pending) {
   return error;
 }
 
+// A step's stand-ins back to the device, on the side stream: its results,
+// and the on-demand stand-ins it writes, to the window it fetched. The
+// slot's next launch fetches into it only after these copies: it took the
+// slot once this launch was handled, so its host function, which its
+// worker waits for, follows them on the side stream. Returns the error,
+// empty on success.
+std::string CopyBack(Context& c, const Pending& pending) {
+  const CudaDriver& driver = *c.driver;
+  std::vector<OnStream::Copy> copies = pending.out;
+  if (pending.window >= 0) {
+    for (OnStream::Copy copy : pending.on_demand_back) {
+      copy.device += static_cast<uint64_t>(pending.window) * copy.bytes;
+      copies.push_back(copy);
+    }
+  }
+  for (const OnStream::Copy& copy : copies) {
+    if (int code =
+            driver.copy_to_device(copy.device, copy.host, copy.bytes, c.side)) {
+      return DriverError(driver, "cuMemcpyHtoDAsync", code);
+    }
+  }
+  return std::string();
+}
+
 // After the step: its results back to the device only if it succeeded
 // (`error` empty), then the done event in every case. Returns the error.
 std::string Finish(Context& c, Pending& pending, std::string error) {
   const CudaDriver& driver = *c.driver;
-  if (error.empty()) {
-    for (const OnStream::Copy& copy : pending.out) {
-      if (int code = driver.copy_to_device(copy.device, copy.host, copy.bytes,
-                                           c.side)) {
-        error = DriverError(driver, "cuMemcpyHtoDAsync", code);
-        break;
-      }
-    }
-  }
+  if (error.empty()) error = CopyBack(c, pending);
   if (int code = driver.event_record(pending.done, c.side)) {
     if (error.empty()) error = DriverError(driver, "cuEventRecord", code);
   } else {

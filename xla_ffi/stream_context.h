@@ -75,6 +75,10 @@ struct Pending {
   std::vector<OnStream::Copy> out;
   // Device to staging only if the step asks (Workers::Fetch), when it runs.
   std::vector<OnStream::Copy> on_demand;
+  // Of those, the stand-ins copied back, to the window the step fetched
+  // (`window`, -1 until it fetches), after a step that succeeded.
+  std::vector<OnStream::Copy> on_demand_back;
+  int64_t window = -1;
   int slot = -1;
   void* done = nullptr;  // Recorded on the side stream when handled.
   // Recorded on the side stream after the copies to staging; the compute

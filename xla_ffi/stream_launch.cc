@@ -68,7 +68,7 @@ ffi::Error OnStream::Stage(std::vector<Touched>& touched,
                            const std::vector<bool>& on_device) {
   struct Staged {
     Copy copy;
-    bool read = false, written = false, on_demand = false;
+    bool read = false, written = false, on_demand = false, returned = false;
   };
   // (Buffer, written only) -> its entry in `staged`.
   std::map<std::pair<const void*, bool>, size_t> index;
@@ -87,9 +87,12 @@ ffi::Error OnStream::Stage(std::vector<Touched>& touched,
     Staged& s = staged[it->second];
     s.copy.bytes = std::max(s.copy.bytes, static_cast<size_t>(t.bytes));
     using Role = Touched::Role;
-    s.on_demand |= t.role == Role::kOnDemand;
-    s.read |= t.role != Role::kOutput && t.role != Role::kOnDemand;
-    s.written |= t.role != Role::kInput && t.role != Role::kOnDemand;
+    const bool demand =
+        t.role == Role::kOnDemand || t.role == Role::kOnDemandInOut;
+    s.on_demand |= demand;
+    s.returned |= t.role == Role::kOnDemandInOut;
+    s.read |= t.role != Role::kOutput && !demand;
+    s.written |= t.role != Role::kInput && !demand;
   }
   size_t total = 0;
   for (const Staged& s : staged)
@@ -108,6 +111,7 @@ ffi::Error OnStream::Stage(std::vector<Touched>& touched,
       on_demand_.push_back(s.copy);
     }
     if (s.written) out_.push_back(s.copy);
+    if (s.returned) on_demand_back_.push_back(s.copy);
   }
   for (size_t i = 0; i < touched.size(); ++i) {
     if (on_device[i]) {
@@ -131,6 +135,7 @@ ffi::Error OnStream::Run(Work work) {
   pending->work = std::move(work);
   pending->out = std::move(out_);
   pending->on_demand = std::move(on_demand_);
+  pending->on_demand_back = std::move(on_demand_back_);
   pending->slot = slot_;
   pending->hold_inputs = hold_inputs_;
   JSO_RETURN_IF_ERROR(context_->Enqueue(stream_, in_, pending));

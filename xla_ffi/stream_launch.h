@@ -212,6 +212,8 @@ class OnStream final : public Launch {
   std::vector<Copy> in_;   // Device to staging, before the step.
   std::vector<Copy> out_;  // Staging to device, after a step that succeeded.
   std::vector<Copy> on_demand_;  // Device to staging, if the step asks.
+  // Of those, what goes back to the window fetched, after the step.
+  std::vector<Copy> on_demand_back_;
 };
 
 // A bucket handler's body `Body(Launch&, operands...)` as the handler of

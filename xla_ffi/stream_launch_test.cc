@@ -1062,6 +1062,70 @@ void TestStackedGradientRowsAreFetchedByTheWorker() {
          "copied on the fetch stream after the start's host function");
 }
 
+// Row steps of a stacked gradient with the new weights over it
+// (RowStep::over_grads), in a backward loop's order: each worker fetches its
+// row, steps it, and copies the row's new master, rounded to the
+// gradient's bf16, back over that row of the device buffer, so that after
+// the join the buffer holds every row's new weights. Three launches share
+// two staging slots: the third fetches into the first's slot only after
+// that one's copy back out of it.
+void TestStackedGradientRowsGetTheirNewWeightsBack() {
+  Rig rig;
+  RowStack stack(517, 53);
+  const int64_t n = stack.n, rows = RowStack::kRows;
+  std::vector<uint16_t> stacked(rows * n, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    stack.SetGradient(70 + r);
+    std::copy(stack.grad.begin(), stack.grad.end(), stacked.begin() + r * n);
+  }
+  rig.fake.MarkDevice(stacked.data(), 2 * rows * n);
+  rig.fake.MarkDevice(&stack.count, 4);
+  rig.fake.MarkDevice(stack.scalars.data(), 4 * stack.scalars.size());
+  stack.row = rows;  // The cursor, in host memory.
+  RowStack want = stack;
+  std::vector<uint16_t> weights(rows * n);
+  for (int64_t r : {2, 1, 0}) {
+    std::copy(stacked.begin() + r * n, stacked.begin() + (r + 1) * n,
+              want.grad.begin());
+    want.StepRowDirectly(r);
+    for (int64_t i = r * n; i < (r + 1) * n; ++i) {
+      weights[i] = FloatToBf16Bits(want.master[i]);
+    }
+  }
+  rig.fake.Hold(true);
+  for (int k = 0; k < 3; ++k) {
+    OnStream launch(rig.launches.get(), rig.stream, 0, /*hold_inputs=*/true);
+    RowStep step = stack.Step();
+    AdamBuffers& b = step.leaves[0].b;
+    b.grad = b.lowp_out = stacked.data();
+    b.lowp_type = ElementType::kBF16;
+    step.stacked_grads = step.over_grads = true;
+    ffi::Error e = StartRowStep(launch, std::move(step), kRowAttrs);
+    Expect(e.success(),
+           "a row step with weights over its stacked gradient "
+           "starts: " +
+               e.message());
+    if (k == 0) rig.fake.Hold(false);  // The next start waits for a slot.
+  }
+  ffi::Error e = rig.Join();
+  Expect(e.success(), "and joins: " + e.message());
+  Expect(stack.SameState(want), "rows 2, 1, 0 stepped with their gradients");
+  Expect(stacked == weights,
+         "every row of the device buffer holds its new weights");
+  const std::vector<std::string> log = rig.fake.Log();
+  const std::string back = "side: copy to device " + std::to_string(2 * n);
+  const std::string fetched = "side#2: copy to host " + std::to_string(2 * n);
+  std::vector<int> backs, fetches;
+  for (int i = 0; i < static_cast<int>(log.size()); ++i) {
+    if (log[i] == back) backs.push_back(i);
+    if (log[i] == fetched) fetches.push_back(i);
+  }
+  Expect(backs.size() == 3 && fetches.size() == 3,
+         "three rows fetched and three copied back");
+  Expect(backs.size() == 3 && fetches.size() == 3 && fetches[2] > backs[0],
+         "the third fetch, into the first's slot, follows its copy back");
+}
+
 // Point 5 for the rows: a stack's re-seed (AdamReseedRows) reads nothing
 // while `unchanged` is set; cleared, its worker fetches the stack's
 // parameters a row at a time (on demand, through one row of staging) and
@@ -1172,6 +1236,8 @@ int main(int argc, char** argv) {
       {"row_out_of_range", TestRowOutOfRangeIsAStickyError},
       {"row_weights", TestRowWritesItsRoundedWeights},
       {"row_stacked_gradient", TestStackedGradientRowsAreFetchedByTheWorker},
+      {"row_weights_over_stacked_gradient",
+       TestStackedGradientRowsGetTheirNewWeightsBack},
       {"stack_reseed_on_demand", TestStackReseedFetchesRowByRowOnlyWhenChanged},
       {"host_pool", TestHostPoolResultsDoNotDependOnWorkers},
   };

@@ -970,6 +970,7 @@ def adam_step_row(
   keep_nonfinite: bool = False,
   place: Place | None = None,
   scalars: list[jax.Array] | None = None,
+  weights_over_grads: bool = False,
 ) -> list[jax.Array]:
   """Steps row `row` of stacked fp32 state in place.
 
@@ -1005,7 +1006,12 @@ def adam_step_row(
   L - 1 down need no row from the device; and on a GPU the call holds its
   inputs: `scalars` (`scalar_operands`, made before the loop) and the
   cursor must stay alive until that join too, and the compute stream
-  waits for nothing.
+  waits for nothing. `weights_over_grads` (stacked gradients, no
+  `weights`): the step writes each leaf's new master, in its gradient's
+  dtype (rounded to nearest even), over the row of the gradient it read
+  (on a GPU its worker copies it back there), so the returned arrays hold
+  the new weights in the rows stepped once the join has waited
+  (`written_rows`).
   """
   _check_row_leaves(master, mu, nu, grads, params, weights)
   kept = [j for j, g in enumerate(grads) if g.size]
@@ -1013,6 +1019,11 @@ def adam_step_row(
     return list(grads)
   place = place or _as_is
   stacked = grads[kept[0]].shape == master[kept[0]].shape
+  if weights_over_grads and (not stacked or weights is not None):
+    raise ValueError(
+      'adam_step_row: weights_over_grads writes over stacked gradients, '
+      'and takes no weights'
+    )
 
   def run(xs):
     return [xs[j] for j in kept]
@@ -1045,6 +1056,7 @@ def adam_step_row(
       reseed=params is not None,
       staging_bytes=getattr(place, 'staging_bytes', 0),
       hold_inputs=stacked and getattr(place, 'join', False),
+      weights_over_grads=weights_over_grads,
     ),
   )
   grads = list(grads)
@@ -1068,6 +1080,18 @@ def _row_operand(row: jax.typing.ArrayLike, stacked: bool, place: Place):
       f'array; got {jnp.result_type(row)}{list(jnp.shape(row))}'
     )
   return row
+
+
+def written_rows(buffers: list[jax.Array], joined: jax.Array) -> list:
+  """Buffers row steps wrote their new weights over, after their join.
+
+  `buffers`: stacked gradients that `adam_step_row(...,
+  weights_over_grads=True)` steps wrote over, as the loop left them;
+  `joined`: a result of the join (`join_rows`) that waited for those
+  steps, and on a GPU for their workers' copies back. Passed on, aliased,
+  by a join of their own ordered after it: reads of the weights come after.
+  """
+  return _passed_on(buffers, joined)
 
 
 def scalar_operands(hyper: Hyperparams, place: Place) -> list[jax.Array]:
