@@ -441,15 +441,19 @@ def _check_rows(calls: list, layers: int) -> None:
     assert not any(c['waits'] for c in rows), calls
 
 
-# JAX_SUPEROFFLOAD_SCAN_ROWS=held (an experiment, off by default): the
-# stack's backward loop is the library's, and each row step reads its row
-# of the stacked gradient, which the call passes on and the join holds.
-# Its start holds its inputs: the count and the scalars (two 256-byte
-# slots, made before the loop) and a row cursor in host memory; its worker
-# fetches the row (`fetched`), so the compute stream waits for nothing
-# before the join. Failed before: each row step staged its whole
-# gradient and its row at its start, and the compute stream waited for
-# those copies. Five row steps per layer as before.
+# overlap_scan(..., consume_gradients=True), here for every scope through
+# JAX_SUPEROFFLOAD_SCAN_ROWS=held: the stack's backward loop is the
+# library's, and each row step reads its row of the stacked gradient,
+# which the call passes on and the join holds. Its start holds its inputs:
+# the count and the scalars (two 256-byte slots, made before the loop) and
+# a row cursor in host memory; its worker fetches the row (`fetched`), so
+# the compute stream waits for nothing before the join. Failed before:
+# each row step staged its whole gradient and its row at its start, and
+# the compute stream waited for those copies. Its worker then copies the
+# row's new weights back over the row it read, during the backward pass,
+# and nothing crosses to the device after the join (failed before: the
+# stacks' new weights were copied whole after it). Five row steps per
+# layer as before.
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_held_rows_fetch_their_gradients_off_the_compute_stream(
   monkeypatch, dtype
@@ -477,6 +481,13 @@ def test_held_rows_fetch_their_gradients_off_the_compute_stream(
   assert all(c['hold_inputs'] for c in calls if c['target'].endswith('_row'))
   assert result['first_wait_at'] == 1.0, calls
   assert result['reads_before_join'] == [], result['reads_before_join']
+  row_calls = [c for c in calls if c['target'].endswith('_step_row')]
+  fetched = {s['name']: s['fetched'] for s in rows}
+  for c in row_calls:
+    assert c['weights_alias_grads'], c
+    # A row of each gradient, unaligned (fetched counts 256-byte slots).
+    assert 0 < c['weights_bytes'] <= fetched[c['name']], (c, fetched)
+  assert result['to_device'] == [], result['to_device']
 
 
 # bf16 stacks (fp32 masters on the host) start their rows in the loop too.

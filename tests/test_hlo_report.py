@@ -224,6 +224,17 @@ def test_a_row_step_of_stacked_gradients_fetches_one_row_and_writes_no_weights()
   assert facts['hold_inputs'] and not facts['weights_alias_grads'], facts
 
 
+def test_a_row_step_with_weights_over_its_gradient_writes_back_its_row():
+  # The same step writing its new weights over the row it read: its
+  # worker copies that row (128 bytes of bf16) back, not the stack.
+  over = HELD_ROW.replace(
+    'hold_inputs = true,', 'hold_inputs = true, weights_over_grads = true,'
+  )
+  assert over != HELD_ROW
+  facts = hlo_report.call_facts(over)['row']
+  assert facts['weights_alias_grads'] and facts['weights_bytes'] == 128, facts
+
+
 SPECULATIVE = """HloModule speculative
 
 ENTRY %main (c: s32[], m: f32[2,64], g: f32[64]) -> (f32[1], f32[2,64], f32[64]) {

@@ -66,13 +66,13 @@ def _update(tx, g, state, params):
   return superoffload.update_offloaded(tx, g, state, params)
 
 
-def _step(tx, scoped, donate, policy='stationary', path='blocks'):
+def _step(tx, scoped, donate, policy='stationary', path='blocks', **scope):
   def step(params, state, x):
     loss_fn = functools.partial(_loss, policy=policy, path=path)
     if not scoped:
       g = jax.grad(loss_fn)(params, x)
       return _update(tx, g, state, params)
-    with superoffload.overlap_scan(tx, state, params):
+    with superoffload.overlap_scan(tx, state, params, **scope):
       g = jax.grad(loss_fn)(params, x)
       return _update(tx, g, state, params)
 
@@ -91,12 +91,19 @@ def _place(params, policy):
 
 
 def _run(
-  tx, scoped, donate=True, policy='stationary', steps=3, edit=None, dtype=None
+  tx,
+  scoped,
+  donate=True,
+  policy='stationary',
+  steps=3,
+  edit=None,
+  dtype=None,
+  **scope,
 ):
   params = _params(dtype or jnp.float32)
   state = tx.init(params)
   params = _place(params, policy)
-  step = _step(tx, scoped, donate, policy)
+  step = _step(tx, scoped, donate, policy, **scope)
   for i in range(steps):
     if edit is not None and i == 1:
       params = edit(params)
@@ -104,12 +111,14 @@ def _run(
   return jax.tree.map(np.asarray, (params, state))
 
 
-def _rows_in_loop(tx, policy='stationary', dtype=jnp.float32) -> list[str]:
+def _rows_in_loop(
+  tx, policy='stationary', dtype=jnp.float32, **scope
+) -> list[str]:
   """The compiled row steps' lines that sit in a while loop's body."""
   params = _place(_params(dtype), policy)
   state = tx.init(_params(dtype))
   hlo = (
-    _step(tx, True, True, policy)
+    _step(tx, True, True, policy, **scope)
     .lower(params, state, _batch(0))
     .compile()
     .as_text()
@@ -143,20 +152,63 @@ def test_steps_in_the_loop_equal_the_step_without_the_scope(policy, donate):
   )
 
 
-# JAX_SUPEROFFLOAD_SCAN_ROWS=held: the stack's backward loop is the
-# library's (row_backward), and the rows read the stacked gradient, which
-# each call passes on (a result per leaf). The numbers stay those of the
-# step without the scope, bit for bit; weight flow keeps the layer hooks.
+# consume_gradients=True (or JAX_SUPEROFFLOAD_SCAN_ROWS=held for every
+# scope): the stack's backward loop is the library's (row_backward), and
+# the rows read the stacked gradient, which each call passes on (a result
+# per leaf) with the row's new weights written over it. The numbers stay
+# those of the step without the scope, bit for bit; weight flow keeps the
+# layer hooks.
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
-def test_held_rows_read_the_stacked_gradient_and_keep_the_numbers(
-  monkeypatch, dtype
+@pytest.mark.parametrize('how', ['option', 'environment'])
+def test_consuming_rows_read_the_stacked_gradient_and_keep_the_numbers(
+  monkeypatch, dtype, how
 ):
-  monkeypatch.setenv('JAX_SUPEROFFLOAD_SCAN_ROWS', 'held')
+  scope = {'consume_gradients': True}
+  if how == 'environment':
+    monkeypatch.setenv('JAX_SUPEROFFLOAD_SCAN_ROWS', 'held')
+    scope = {}
   tx = _tx()
-  rows = _rows_in_loop(tx, dtype=dtype)
+  rows = _rows_in_loop(tx, dtype=dtype, **scope)
   assert len(rows) == 2 and not any(' = () custom-call' in r for r in rows)
-  assert len(_rows_in_loop(tx, 'flow')) == 2
-  _assert_bitwise(_run(tx, True, dtype=dtype), _run(tx, False, dtype=dtype))
+  assert all('weights_over_grads = true' in r for r in rows), rows
+  flow = _rows_in_loop(tx, 'flow', **scope)
+  assert len(flow) == 2
+  assert not any('weights_over_grads = true' in r for r in flow)
+  _assert_bitwise(
+    _run(tx, True, dtype=dtype, **scope), _run(tx, False, dtype=dtype)
+  )
+  # Without the option, the rows are the layers' and write no weights.
+  if how == 'option':
+    rows = _rows_in_loop(tx, dtype=dtype)
+    assert not any('weights_over_grads = true' in r for r in rows), rows
+
+
+# Consuming rows write the new weights over the stacked gradient, so the
+# gradient the caller gets has no value: anything that reads it (a norm
+# to log, the step's output) is refused when the step is compiled, naming
+# the leaf, instead of reading weights as gradients. Passing it to update
+# alone is the step above.
+@pytest.mark.parametrize(
+  'read',
+  [
+    lambda g: sum(jnp.sum(x * x) for x in jax.tree.leaves(g)),
+    lambda g: g['blocks']['w'],
+  ],
+  ids=['norm', 'returned'],
+)
+def test_a_consumed_gradient_may_only_go_to_update(read):
+  tx = _tx()
+  params = _params()
+
+  @jax.jit
+  def step(params, state, x):
+    with superoffload.overlap_scan(tx, state, params, consume_gradients=True):
+      g = jax.grad(_loss)(params, x)
+      u, state = tx.update(g, state, params)
+    return optax.apply_updates(params, u), state, read(g)
+
+  with pytest.raises(ValueError, match=r"gradient of \['blocks'\].* only"):
+    step(params, tx.init(params), _batch(0))
 
 
 def test_a_bad_scan_rows_setting_names_the_variable(monkeypatch):
@@ -189,9 +241,11 @@ def test_steps_in_the_loop_are_adamw_to_fp32_rounding():
     with superoffload.overlap_scan(tx, state, params):
       g = jax.grad(_loss)(params, x)
       u, _ = tx.update(g, state, params)
-    return optax.apply_updates(params, u), g
+    return optax.apply_updates(params, u)
 
-  got, g = step(params, tx.init(params), _batch(0))
+  got = step(params, tx.init(params), _batch(0))
+  # The same gradient, taken apart (held rows consume the step's own).
+  g = jax.jit(jax.grad(_loss))(params, _batch(0))
   ref = optax.adamw(1e-2, weight_decay=0.1, mask=_no_decay_on_vectors)
   u, _ = ref.update(g, ref.init(params), params)
   want = optax.apply_updates(params, u)

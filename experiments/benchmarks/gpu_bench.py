@@ -132,7 +132,7 @@ def _build_train(cfg):
   tx = train.make_optimizer(cfg, train.make_schedule(cfg), mesh)
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
   train.place_on_mesh(mesh, model, opt)
-  step = train.make_train_step(model, opt, mesh, overlap_scan=cfg.overlap_scan)
+  step = train.config_train_step(cfg, model, opt, mesh)
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1))
   batch = [
@@ -213,7 +213,7 @@ def compiled_step_bytes(cfg) -> dict[str, int] | None:
   # Shapes alone lose the memory kinds: the compiled init knows them.
   abstract = aot_steps.placed_state(mesh, build)
   nnx.update((model, opt), abstract)
-  step = train.make_train_step(model, opt, mesh, overlap_scan=cfg.overlap_scan)
+  step = train.config_train_step(cfg, model, opt, mesh)
   tokens = jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), jnp.int32)
   stats = step.lower(abstract, tokens, tokens).compile().memory_analysis()
   return gpu_analysis.memory_bytes(stats)

@@ -167,9 +167,7 @@ def build(case: Case) -> Built:
     model, optimizer = nnx.eval_shape(make)
     state = placed_state(mesh, make)
     nnx.update((model, optimizer), state)
-    step = steps_lib.make_train_step(
-      model, optimizer, mesh, overlap_scan=cfg.overlap_scan
-    )
+    step = steps_lib.config_train_step(cfg, model, optimizer, mesh)
   tokens = jax.ShapeDtypeStruct(
     (cfg.batch_size, cfg.seq_len),
     jnp.int32,

@@ -220,8 +220,10 @@ def part_train(case: str, layout: str, batch: int, dry: bool) -> dict:
   sizes = dataclasses.replace(sizes, batch=batch if not dry else sizes.batch)
   # "stream+after-loop": scanned blocks start after the backward loop (the
   # trainer's overlap_scan off), to set against the default's in-loop rows;
-  # "stream+held": the rows read the stacked gradient, held until the join
-  # (JAX_SUPEROFFLOAD_SCAN_ROWS=held, read when the step traces).
+  # "stream+held": overlap_scan consumes the gradients, its rows writing
+  # the new weights over the stacked gradient during the backward pass
+  # (JAX_SUPEROFFLOAD_SCAN_ROWS=held, read when the step traces; compare
+  # its losses with the default's: a wrong write-back shows there).
   executor, _, variant = case.partition('+')
   if variant not in ('', 'after-loop', 'held'):
     raise ValueError(f'unknown train variant {variant!r} in {case!r}')

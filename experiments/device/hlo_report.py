@@ -691,7 +691,8 @@ def _start_facts(module: _Module, i: Instr) -> dict[str, Any]:
   Its weights: results in device memory aliasing one of its device
   operands after the front ones (count, scalars, flags): the gradients'
   buffers, which receive the new weights; or, with `weights_over_grads`,
-  the claimed gradients it reads (`_claimed`), which it writes over.
+  the claimed gradients it reads (`_claimed`), which it writes over, or,
+  for a row step of stacked gradients, the row of each it fetched.
   """
   target = i.attr('custom_call_target') or ''
   if target in _NOT_STARTS:
@@ -699,14 +700,28 @@ def _start_facts(module: _Module, i: Instr) -> dict[str, Any]:
   names, results = _operands(i), arrays(i.shape)
   front = ON_DEMAND_PARAMS.get(target, 0)
   weights = 0
-  # A row step's results are the stacked gradients it holds, not weights.
-  aliasing = {} if _fetches_rows(i) else _aliasing(i)
-  for r, o in aliasing.items():
-    operand = arrays(module.shapes.get(names[o], '')) if o < len(names) else []
-    on_device = r < len(results) and not results[r].on_host
-    if o >= front and on_device and operand and not operand[0].on_host:
-      weights += results[r].bytes
-  weights += sum(_claimed(module, i))
+  over = bool(re.search(r'\bweights_over_grads = true\b', i.rest))
+  if _fetches_rows(i):
+    # Its results are the stacked gradients it holds; with the weights
+    # over them, its worker copies a row of each back.
+    if over:
+      k = int(re.search(r'num_leaves = (\d+)', i.rest)[1])
+      grads = [
+        a
+        for n in names[3 + 3 * k : 3 + 4 * k]
+        for a in arrays(module.shapes.get(n, ''))
+        if not a.on_host
+      ]
+      weights = sum(a.bytes // a.dims[0] for a in grads)
+  else:
+    for r, o in _aliasing(i).items():
+      operand = (
+        arrays(module.shapes.get(names[o], '')) if o < len(names) else []
+      )
+      on_device = r < len(results) and not results[r].on_host
+      if o >= front and on_device and operand and not operand[0].on_host:
+        weights += results[r].bytes
+    weights += sum(_claimed(module, i))
   hold = _HOLD_INPUTS.search(i.rest)
   return {
     'hold_inputs': bool(hold) and hold[1] == 'true',

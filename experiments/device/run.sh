@@ -27,7 +27,8 @@ fi
 # and the 1B train step against optax at batch 8 (the overlap's targets),
 # unrolled (where buckets can overlap the backward) then scanned (the rows
 # started in the backward loop, then after it: overlap_scan's gain and
-# its 0.87 GB; then the rows reading the held stacked gradient), STV's
+# its 0.87 GB; then the gradients consumed: the new weights back during
+# the backward, overlap_scan's consume_gradients), STV's
 # costs, a profile. Estimated 540 s on a warm H200 machine (estimates:
 # process start ~8 s, opt parts ~25 s, unrolled train parts ~60 s,
 # scanned ~40 s), a 9-minute budget: the last parts may be cut.

@@ -216,6 +216,12 @@ class Config:
     "inside the backward loop (superoffload.overlap_scan). Each layer's "
     'gradients then stay in device memory until its step starts.',
   )
+  consume_gradients: bool = _offload(
+    False,
+    'superoffload overlap_scan: the host steps write the new weights over '
+    'the stacked gradients, which reach the device during the backward '
+    'pass (the fastest form on a GPU); the step then logs no grad_norm.',
+  )
   mesh_data: int = _offload(
     1, "Data-parallel size: mesh axis 'data', which shards the batch."
   )

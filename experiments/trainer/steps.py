@@ -10,6 +10,7 @@ keeps its placement from step to step and the step compiles once.
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,22 @@ SEQ_AXIS = 'seq'
 
 # The scalars a train step returns besides the new state.
 STEP_METRICS = ('loss', 'grad_norm', 'update_norm', 'param_norm')
+# Set to 'held', superoffload's overlap_scan consumes the stacked gradients
+# in every scope, as consume_gradients=True asks (docs/gpu.md); restated
+# here, as experiments may not import the library's internals.
+SCAN_ROWS_ENV = 'JAX_SUPEROFFLOAD_SCAN_ROWS'
+
+
+def gradients_readable(overlap_scan: bool, consume_gradients: bool) -> bool:
+  """Whether the step may read its gradients (for `grad_norm`).
+
+  Not where overlap_scan consumes them: the host steps write the new
+  weights over the stacked gradients, and a read is refused when the step
+  compiles.
+  """
+  held = os.environ.get(SCAN_ROWS_ENV) == 'held'
+  return not (overlap_scan and (consume_gradients or held))
+
 
 TrainStep = Callable[
   [nnx.State, jax.Array, jax.Array], tuple[nnx.State, dict[str, jax.Array]]
@@ -75,6 +92,7 @@ def make_train_step(
   mesh: Mesh,
   update_norm: bool = False,
   overlap_scan: bool = True,
+  consume_gradients: bool = False,
 ) -> TrainStep:
   """Builds a jitted AdamW step over the state of `model` and `optimizer`.
 
@@ -95,13 +113,18 @@ def make_train_step(
     overlap_scan: Open `superoffload.overlap_scan` around the gradient and
       the update, so scanned blocks start their host steps in the backward
       pass (superoffload's "stream" executor; a no-op otherwise).
+    consume_gradients: With `overlap_scan`, let the host steps write the
+      new weights over the stacked gradients (`superoffload.overlap_scan`'s
+      option): the step then returns no 'grad_norm'.
 
   Returns:
     ``step(state, inputs_BxL, targets_BxL)``, which returns the new state
     and the `STEP_METRICS`: the batch loss before the update and the global
-    norms of the applied gradient and the new parameters (and of the
-    update, with `update_norm`).
+    norms of the applied gradient (unless overlap_scan's rows consume it,
+    `gradients_readable`) and the new parameters (and of the update, with
+    `update_norm`).
   """
+  with_grad_norm = gradients_readable(overlap_scan, consume_gradients)
   graphdef, state = nnx.split((model, optimizer))
   shardings = jax.tree.map(lambda x: x.sharding, state)
   scalar = NamedSharding(mesh, P())
@@ -118,30 +141,51 @@ def make_train_step(
         optimizer.tx,
         nnx.as_pure(optimizer.opt_state),
         nnx.as_pure(nnx.state(model, optimizer.wrt)),
+        consume_gradients=consume_gradients,
       )
       if overlap_scan
       else contextlib.nullcontext()
     )
     with scope:
       loss, grads = grad_fn(model, inputs_BxL, targets_BxL)
-      grad_norm = global_norm(
-        _applied_gradient(model_lib.device_copy(model, grads), optimizer)
-      )
+      metrics = {'loss': loss}
+      if with_grad_norm:
+        metrics['grad_norm'] = global_norm(
+          _applied_gradient(model_lib.device_copy(model, grads), optimizer)
+        )
       # optimizer.update, keeping weight-flow weights in host memory.
       updates, params = model_lib.apply_gradients(model, optimizer, grads)
-    metrics = {
-      'loss': loss,
-      'grad_norm': grad_norm,
-      'param_norm': global_norm(params),
-    }
+    metrics['param_norm'] = global_norm(params)
     if update_norm:
       metrics['update_norm'] = global_norm(updates)
     return nnx.state((model, optimizer)), metrics
 
-  names = [m for m in STEP_METRICS if update_norm or m != 'update_norm']
+  names = [
+    m
+    for m in STEP_METRICS
+    if (update_norm or m != 'update_norm')
+    and (with_grad_norm or m != 'grad_norm')
+  ]
   metric_shardings = dict.fromkeys(names, scalar)
   return jax.jit(
     step, out_shardings=(shardings, metric_shardings), donate_argnums=0
+  )
+
+
+def config_train_step(
+  cfg: config_lib.Config,
+  model: model_lib.Transformer,
+  optimizer: nnx.Optimizer,
+  mesh: Mesh,
+) -> TrainStep:
+  """`make_train_step` with the step options `cfg` sets."""
+  return make_train_step(
+    model,
+    optimizer,
+    mesh,
+    update_norm=cfg.update_norm,
+    overlap_scan=cfg.overlap_scan,
+    consume_gradients=cfg.consume_gradients,
   )
 
 
@@ -261,9 +305,7 @@ def build(cfg: config_lib.Config, mesh: Mesh) -> Trainable:
     model=model,
     optimizer=optimizer,
     schedule=schedule,
-    train_step=make_train_step(
-      model, optimizer, mesh, cfg.update_norm, cfg.overlap_scan
-    ),
+    train_step=config_train_step(cfg, model, optimizer, mesh),
     eval_step=make_eval_step(model, optimizer, mesh),
     state=nnx.state((model, optimizer)),
     num_params=num_params,

@@ -105,6 +105,7 @@ make_schedule = optim.make_schedule
 make_optimizer = optim.make_optimizer
 executor_name = optim.executor_name
 make_train_step = steps_lib.make_train_step
+config_train_step = steps_lib.config_train_step
 make_eval_step = steps_lib.make_eval_step
 commit_placement = steps_lib.commit_placement
 make_mesh = steps_lib.make_mesh

@@ -31,8 +31,8 @@ class Hooks(NamedTuple):
   layer: Callable[[Any, Any, Any], Any]
   # moved(x, y): `y` is `x` moved to another memory (the same values).
   moved: Callable[[Any, Any], None]
-  # rows(stacked_params, params_path) -> (on_row, aux) or None: the hook a
-  # stack's own backward loop calls on its stacked gradient
+  # rows(stacked_params, params_path) -> (on_row, aux, sinks) or None: the
+  # hook a stack's own backward loop calls on its stacked gradient
   # (`row_backward.scan`), instead of `layer` on each layer's.
   rows: Callable[[Any, Any], tuple[Callable, Any] | None] | None = None
 
@@ -69,10 +69,11 @@ def layer_weights(layer_params: Any, row: Any, params_path: Any) -> Any:
 
 
 def row_hook(stacked_params: Any, params_path: Any) -> tuple | None:
-  """``(on_row, aux)`` for a stack whose backward loop is ours, or None.
+  """``(on_row, aux, sinks)`` for a stack whose backward loop is ours.
 
   Asked after `stack_starts`, for a stack that `row_backward.scan` can
-  run; with an answer, the stack's layers are not hooked one by one.
+  run (None: no answer); with an answer, the stack's layers are not
+  hooked one by one.
   """
   hooks = _HOOKS.get()
   if hooks is None or params_path is None or hooks.rows is None:

@@ -13,6 +13,14 @@ after the loop as the gradient.
 The backward recomputes each layer's forward from its input carry, as a
 fully rematerialized scan does (`jax.checkpoint` with no policy), so it
 runs the same work. `applies` says which scans it takes.
+
+A hook may also consume a leaf's stacked gradient: write something else
+(the new weights) over each row once it has read it. Such a leaf has a
+`sink`, a differentiable alias of the stack whose cotangent is the buffer
+the loop leaves (the sink's owner takes it there), and the leaf's own
+gradient is `consumed_gradient`: a value nothing may read (tracing it into
+a computation raises), so that no reader of the gradient ever gets the
+weights written over it.
 """
 
 from __future__ import annotations
@@ -22,6 +30,58 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
+from jax.interpreters import mlir
+
+_consumed_p = jex_core.Primitive('jax_superoffload_consumed_gradient')
+
+
+def _consumed_abstract(*, shape, dtype, why):
+  del why
+  return jax.core.ShapedArray(shape, dtype)
+
+
+def _consumed_read(*_, why, **__):
+  raise ValueError(why)
+
+
+_consumed_p.def_abstract_eval(_consumed_abstract)
+_consumed_p.def_impl(lambda **kw: _consumed_read(**kw))
+mlir.register_lowering(_consumed_p, _consumed_read)
+
+
+def consumed_gradient(like: Any, why: str) -> jax.Array:
+  """A stand-in for a gradient that was consumed, shaped like `like`.
+
+  It has no value: JAX drops it where nothing reads it, and compiling (or
+  running) anything that reads it raises ValueError(`why`).
+  """
+  return _consumed_p.bind(
+    shape=tuple(jnp.shape(like)), dtype=jnp.result_type(like), why=why
+  )
+
+
+def sink(x: jax.Array, take: Callable[[jax.Array], None]) -> jax.Array:
+  """`x`, as a differentiable alias whose cotangent goes to `take`.
+
+  `scan`'s backward gives a consumed leaf's loop buffer as that
+  cotangent; `take` receives it (a value of the outer trace) and `x`
+  gets no gradient from the alias.
+  """
+
+  @jax.custom_vjp
+  def alias(x):
+    return x
+
+  def forward(x):
+    return x, None
+
+  def backward(_, ct):
+    take(ct)
+    return (None,)
+
+  alias.defvjp(forward, backward)
+  return alias(x)
 
 
 def _inexact(tree: Any) -> bool:
@@ -71,6 +131,7 @@ def scan(
   stacked: Any,
   on_row: Callable[[Any, Any, jax.Array], Any],
   aux: Any,
+  sinks: Any = None,
 ) -> tuple[Any, Any]:
   """``jax.lax.scan(lambda c, p: layer(p, c, *consts), carry, stacked)``.
 
@@ -78,15 +139,24 @@ def scan(
   `stacked`'s gradient is in `grads` (rows ``i`` to L-1 are), and carries
   on the stack it returns. `aux` (arrays) reaches `on_row` as an operand:
   a rule may not close over the jit's tracers. `layer` and `consts` as
-  `applies` returned them.
+  `applies` returned them. `sinks`: None, or an entry per leaf of
+  `stacked`: None, or, for a leaf whose gradient `on_row` consumes,
+  ``(alias, why)``: its `sink` alias gets the buffer the loop leaves as
+  its cotangent, and the leaf's own cotangent is a `consumed_gradient`
+  that raises ``ValueError(why)`` where read.
   """
+  leaves = jax.tree.leaves(stacked)
+  sinks = list(sinks) if sinks is not None else [None] * len(leaves)
+  aliases = [s[0] if s is not None else None for s in sinks]
 
   @jax.custom_vjp
-  def run(stacked, carry, aux, consts):
-    del aux
+  def run(stacked, carry, aux, consts, aliases):
+    del aux, aliases
     return jax.lax.scan(lambda c, p: layer(p, c, *consts), carry, stacked)
 
-  def forward(stacked, carry, aux, consts):
+  def forward(stacked, carry, aux, consts, aliases):
+    del aliases
+
     def step(c, p):
       out, y = layer(p, c, *consts)
       return out, (y, c)
@@ -100,10 +170,17 @@ def scan(
     weights_ct, carry_ct = _backward_loop(
       layer, consts, stacked, carries, ct_last, ct_ys, on_row, aux
     )
-    return weights_ct, carry_ct, None, [None] * len(consts)
+    values, treedef = jax.tree.flatten(weights_ct)
+    to_sinks = [None] * len(values)
+    for j, s in enumerate(sinks):
+      if s is not None:
+        to_sinks[j] = values[j]
+        values[j] = consumed_gradient(values[j], s[1])
+    weights_ct = jax.tree.unflatten(treedef, values)
+    return weights_ct, carry_ct, None, [None] * len(consts), to_sinks
 
   run.defvjp(forward, backward)
-  return run(stacked, carry, aux, consts)
+  return run(stacked, carry, aux, consts, aliases)
 
 
 def _backward_loop(

@@ -8,6 +8,7 @@ the stacked state (see scan_overlap.py for what starts and why).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_superoffload._src.core import host_memory
+from jax_superoffload._src.core import row_backward
 from jax_superoffload._src.host import grace_adam
 from jax_superoffload._src.host import steps
 from jax_superoffload._src.optim import scan_scope
@@ -85,8 +87,11 @@ def _start(
       _row_shape(g, stacks[j][0]) for g, j in zip(picked, js, strict=True)
     ]
     scope.reserve = max(scope.reserve, steps.staged_bytes(row_shapes, None))
-    # A call's leaves all have host weights, or none do (`calls`).
+    # A call's leaves all have host weights, or none do (`calls`); held
+    # rows write theirs over the gradients instead.
     weights = [stacks[j][3] for j in js if len(stacks[j]) > 3]
+    if held is not None:
+      weights = []
     out = grace_adam.adam_step_row(
       *([stacks[j][r] for j in js] for r in range(3)),
       picked,
@@ -95,6 +100,7 @@ def _start(
       weights=weights or None,
       place=steps.stream_place(None, scope.reserve),
       scalars=scalars,
+      weights_over_grads=held is not None,
     )
     for j, g in zip(js, out, strict=True):
       grads[j] = g
@@ -109,9 +115,10 @@ def _row_shape(grad: Any, master: Any) -> Any:
   return jax.ShapeDtypeStruct(jnp.shape(grad)[1:], jnp.result_type(grad))
 
 
-# Where the rows read their gradients (for experiments, read at trace
-# time): 'layer', each layer's, as its backward makes it (the default);
-# 'held', the stack's, through a backward loop of the library's own.
+# Where the rows read their gradients, for every scope (for experiments,
+# read at trace time): 'layer', as the scope asks (the default); 'held',
+# the stack's, through a backward loop of the library's own, writing the
+# new weights over it, as `consume_gradients=True` asks.
 ROWS_ENV = 'JAX_SUPEROFFLOAD_SCAN_ROWS'
 ROWS_CHOICES = ('layer', 'held')
 
@@ -130,36 +137,48 @@ def rows_from_env() -> str:
   return value
 
 
-def rows(stacked: Any, params_path: Any) -> tuple | None:
-  """``(on_row, aux)`` for a stack whose backward loop is ours, or None.
+def _consumes(scope: scan_scope.Scope) -> bool:
+  """Whether `scope`'s rows write the new weights over the gradients."""
+  return scope.consume or rows_from_env() == 'held'
 
-  With ``JAX_SUPEROFFLOAD_SCAN_ROWS=held`` (`ROWS_ENV`), and only then:
+
+def rows(stacked: Any, params_path: Any) -> tuple | None:
+  """``(on_row, aux, sinks)`` for a stack whose backward loop is ours.
+
+  None unless the scope consumes the gradients (`overlap_scan`'s
+  `consume_gradients`, or ``JAX_SUPEROFFLOAD_SCAN_ROWS=held``).
   `row_backward.scan` calls ``on_row(aux, grads, i)`` with the stacked
   gradient once its row ``i`` is in, and the acquired leaves' row steps
-  read that row from the stack, which the loop keeps and `finish` holds
-  until the join, with each call's scalars (made here, before the loop)
-  and row cursor (`acquire`'s). On a GPU the worker fetches the row when
-  the step runs, and the start holds its inputs, so the compute stream
-  waits for nothing before the join (docs/gpu.md has what that gives,
-  compiled). The numbers are the layer hooks' (the CPU reads the row in
-  place).
+  read that row from the stack, which the loop keeps, with each call's
+  scalars (made here, before the loop) and row cursor (`acquire`'s). On
+  a GPU the worker fetches the row when the step runs, and the start
+  holds its inputs, so the compute stream waits for nothing before the
+  join. Each step then writes the row's new weights over it (its worker
+  copies them back), so the loop leaves the new weights, not the
+  gradient: the leaf's sink takes that buffer (`scope.written`), which
+  `finish` holds until the join and hands on as the weights, and the
+  gradient the caller gets is a `row_backward.consumed_gradient`, which
+  only `update` may take. The numbers are the layer hooks' (the CPU reads
+  and writes the row in place); docs/gpu.md has what it gives, compiled.
   """
   scope = scan_scope.CURRENT.get()
   if scope is None or scan_scope.as_path(params_path) not in scope.active:
     return None
-  if rows_from_env() != 'held':
+  if not _consumes(scope):
     return None
   leaves = jax.tree.leaves(stacked)
+  if not any(_traced(x) for x in leaves):
+    return None  # Eager: nothing would drop the consumed gradient.
   take, ids = _matched(
     scope, stacked, params_path, scope.stacks, jnp.shape(leaves[0])[0]
   )
   if not take:
     return None
+  cursors = scope.cursors.get(scan_scope.as_path(params_path))
+  if cursors is None or len(cursors) != len(scan_scope.calls(scope, ids)):
+    return None  # Not the calls `acquire` made cursors for.
   stacks = [scope.stacks[i] for i in ids]
   hypers = [scope.hyper[g] for g, _ in scan_scope.calls(scope, ids)]
-  cursors = scope.cursors.get(scan_scope.as_path(params_path))
-  if cursors is None or len(cursors) != len(hypers):
-    return None  # Not the calls `acquire` made cursors for.
   # Made before the loop and held until the join (`finish`): each call's
   # scalars and its row cursor.
   place = steps.stream_place(None, scope.reserve)
@@ -177,7 +196,29 @@ def rows(stacked: Any, params_path: Any) -> tuple | None:
       scope.held.add(i)
     return jax.tree.unflatten(treedef, values)
 
-  return on_row, (stacks, hypers, held)
+  sinks = [None] * len(leaves)
+  for j, i in zip(take, ids, strict=True):
+    sinks[j] = (
+      row_backward.sink(leaves[j], functools.partial(_written, scope, i)),
+      _consumed_why(scope, i),
+    )
+  return on_row, (stacks, hypers, held), sinks
+
+
+def _written(scope: scan_scope.Scope, i: int, buffer: jax.Array) -> None:
+  """Notes `buffer`, where leaf `i`'s rows wrote its new weights."""
+  scope.written[i] = buffer
+
+
+def _consumed_why(scope: scan_scope.Scope, i: int) -> str:
+  """What reading leaf `i`'s consumed gradient raises."""
+  return (
+    f'overlap_scan: the gradient of {scope.plan.lay.paths[i]} went to its '
+    "layers' host steps, which wrote the new weights over it: only "
+    'tx.update may take it, as it is (nothing may read it). Read it in a '
+    'scope opened with consume_gradients=False (the default; unset '
+    f'{ROWS_ENV})'
+  )
 
 
 def acquire(stacked: Any, params_path: Any, unroll: Any, inputs: Any) -> Any:
@@ -227,9 +268,9 @@ def acquire(stacked: Any, params_path: Any, unroll: Any, inputs: Any) -> Any:
 def _cursors(scope: scan_scope.Scope, ids: list[int], rows: int) -> list:
   """Per row call of leaves `ids`, its row cursor, set to L, if held.
 
-  Only with ``JAX_SUPEROFFLOAD_SCAN_ROWS=held`` (`rows`).
+  Only where the scope consumes the gradients (`rows`).
   """
-  if not ids or rows_from_env() != 'held':
+  if not ids or not _consumes(scope):
     return []
   return [grace_adam.row_cursor(rows) for _ in scan_scope.calls(scope, ids)]
 
@@ -287,6 +328,19 @@ def _primal(x: Any) -> Any:
   while isinstance(x, jax.core.Tracer) and hasattr(x, 'primal'):
     x = x.primal
   return x
+
+
+def _traced(x: Any) -> bool:
+  """Whether `x`, under any other tracer, is a value a `jit` traces.
+
+  Not an eager value. By the tracer's class name, as `_per_example` (JAX
+  exports no test).
+  """
+  while isinstance(x, jax.core.Tracer):
+    if 'Jaxpr' in type(x).__name__:
+      return True
+    x = getattr(x, 'primal', getattr(x, 'val', None))
+  return False
 
 
 def _per_example(tree: Any) -> bool:

@@ -38,12 +38,14 @@ transformed before it, a gradient scaled, clipped or summed after it, or
 one from an inner `jit`, is refused at trace time (`check_gradients`),
 before anything runs.
 
-With ``JAX_SUPEROFFLOAD_SCAN_ROWS=held`` (an experiment, read at trace
-time; docs/gpu.md) a stationary, fully rematerialized stack without `xs`
-instead gets a backward loop of the library's own (`row_backward`), and
-its row steps read their rows of the stacked gradient, which the join
-holds, with a row cursor each in host memory (`scan_hooks.rows`): on a
-GPU the compute stream then waits for no copy before the join.
+With ``consume_gradients=True`` (or ``JAX_SUPEROFFLOAD_SCAN_ROWS=held``
+in the environment, read at trace time, which turns it on in every scope)
+a stationary, fully rematerialized stack without `xs` instead gets a
+backward loop of the library's own (`row_backward`): its row steps read
+their rows of the stacked gradient, with a row cursor each in host
+memory, and write the new weights over them, which the join hands on
+(`scan_hooks.rows`). On a GPU the compute stream then waits for no copy
+before the join, and the new weights cross during the backward pass.
 
 At the scope's opening, the state of those leaves passes through the join
 once: the row steps then write buffers of the step's own (a state the
@@ -74,7 +76,11 @@ from jax_superoffload._src.parallel import following
 
 @contextlib.contextmanager
 def overlap_scan(
-  tx: optax.GradientTransformation, opt_state: Any, params: Any
+  tx: optax.GradientTransformation,
+  opt_state: Any,
+  params: Any,
+  *,
+  consume_gradients: bool = False,
 ) -> Iterator[None]:
   """Starts scanned layers' host steps inside the backward loop.
 
@@ -93,12 +99,25 @@ def overlap_scan(
   it as the backward pass made it: the layers' steps have already used it
   (anything else is refused when `tx.update` is traced).
 
+  With `consume_gradients`, the host steps also write each layer's new
+  weights over its gradient as soon as the step is done, so the new
+  weights reach the device during the backward pass instead of after it
+  (on a GPU, the fastest form; docs/gpu.md). The stacked gradients are
+  then the optimizer's alone: `tx.update` takes them as they are, and
+  anything else that reads them (a norm to log, the step's output) is
+  refused when the step is compiled, naming the leaf. It applies to
+  stacks run in device memory, fully rematerialized (``remat=True``, no
+  `remat_policy`), without `xs`, inside `jax.jit`; others keep the
+  layer-by-layer form, and their gradients stay readable.
+
   Args:
     tx: The transformation `superoffload.adam` / `adamw` returned. Any
       other makes the scope do nothing.
     opt_state: The state `tx.update` will be given (the same arrays).
     params: The parameters `tx.update` will be given, whose paths
       `params_path` names.
+    consume_gradients: Let the host steps write the new weights over the
+      stacked gradients, which only `tx.update` may then take.
 
   Raises:
     RuntimeError: On leaving the scope, if layers started their steps but
@@ -117,7 +136,9 @@ def overlap_scan(
     active = False  # A split state steps per shard, after the loop.
   if active and not scan_scope.one_device((ours[0].master, params)):
     active = False  # A row step has no result to carry a sharding.
-  scope = scan_scope.Scope(opts, ours[0], params) if active else None
+  scope = None
+  if active:
+    scope = scan_scope.Scope(opts, ours[0], params, consume_gradients)
   token = scan_scope.CURRENT.set(scope)
   try:
     hooks = None
@@ -281,6 +302,17 @@ def with_stacks(
   return new
 
 
+def for_ordering(scope: scan_scope.Scope | None, grads: list) -> list:
+  """`grads` to order a call after (a join's barrier), never to read.
+
+  A gradient the rows consumed has no value (`scan_hooks.rows`): the
+  buffer its loop left, which its rows wrote, stands in for it.
+  """
+  if scope is None:
+    return list(grads)
+  return [scope.written.get(i, g) for i, g in enumerate(grads)]
+
+
 def finish(scope: scan_scope.Scope, grads: list, params: list | None) -> dict:
   """The rows' new state after the loop: ``{i: (master, mu, nu, weight)}``.
 
@@ -304,7 +336,7 @@ def finish(scope: scan_scope.Scope, grads: list, params: list | None) -> dict:
       'overlap_scan: the layers re-seeded their steps from the parameters; '
       'call update with them: tx.update(grads, opt_state, params)'
     )
-  barrier = steps.join_barrier(list(grads))
+  barrier = steps.join_barrier(for_ordering(scope, grads))
   done = {}
   for i in ids:
     # One join and one copy per leaf, as the buckets have: each new weight
@@ -313,11 +345,18 @@ def finish(scope: scan_scope.Scope, grads: list, params: list | None) -> dict:
     # stay alive until then: the re-seed's worker may read them.
     # The host weights, where the leaf has them, first: they are copied.
     # A held leaf's rows read its stacked gradient, their scalars and
-    # cursors until the join.
+    # cursors until the join, and write its new weights over the gradient.
     keep = [scope.params[i]]
+    stack = scope.stacks[i]
+    if i in scope.written:
+      keep += [scope.written[i], *scope.held_operands]
+      # Its host weights, if it has them, went unused.
+      joined, _ = grace_adam.join_rows(list(stack[:3]), barrier, keep=keep)
+      (weight,) = grace_adam.written_rows([scope.written[i]], joined[0])
+      done[i] = (*joined, weight)
+      continue
     if i in scope.held:
       keep += [scope.cotangents[i], *scope.held_operands]
-    stack = scope.stacks[i]
     joined, weight = grace_adam.join_rows(
       [*stack[3:], *stack[:3]], barrier, to_device=1, keep=keep
     )

@@ -173,8 +173,11 @@ def _rows_staging(group_of: dict, params, ids: list[int]) -> int:
 class Scope:
   """An open `overlap_scan`: what the hooks and `update` share while tracing."""
 
-  def __init__(self, opts, state, params: Any):
+  def __init__(self, opts, state, params: Any, consume: bool = False):
     self.opts = opts
+    # Whether the rows may write the new weights over the stacked
+    # gradients (`overlap_scan(..., consume_gradients=True)`).
+    self.consume = consume
     self.masters = jax.tree.leaves(state.master)
     self.plan = state_lib.bucketing_for(opts, params, state.placement)
     with_paths = jax.tree.leaves_with_path(params)
@@ -218,6 +221,9 @@ class Scope:
     # the operands their calls hold until the join (scalars, cursors).
     self.held: set[int] = set()
     self.held_operands: list = []
+    # Per held leaf, the buffer its loop leaves, where its rows wrote the
+    # new weights over the gradient (`scan_hooks.rows`).
+    self.written: dict[int, Any] = {}
     # Per stack path, its row calls' cursors (`scan_hooks.acquire`).
     self.cursors: dict = {}
     self.claimed = False

@@ -114,7 +114,7 @@ def _schedule(
   plan = inputs.plan
   want_delta = inputs.params is None
   started = rows.started if rows is not None else set()
-  barrier = _join_barrier(opts, inputs.grads)
+  barrier = _join_barrier(opts, scan_overlap.for_ordering(rows, inputs.grads))
   out = []
   for group in plan.lay.groups:
     hyper = opts.hyperparams(count, decay=group.decay)

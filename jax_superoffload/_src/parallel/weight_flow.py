@@ -316,8 +316,10 @@ def _held_rows(plain, carry, stacked_params, params_path):
   if converted is None:
     return None
   fn, consts = converted
-  on_row, aux = hook
-  return row_backward.scan(fn, consts, carry, stacked_params, on_row, aux)
+  on_row, aux, sinks = hook
+  return row_backward.scan(
+    fn, consts, carry, stacked_params, on_row, aux, sinks
+  )
 
 
 def _row_counters(stacked_params: Any, params_path: Any) -> jax.Array | None:
