@@ -211,6 +211,22 @@ def test_a_consumed_gradient_may_only_go_to_update(read):
     step(params, tx.init(params), _batch(0))
 
 
+# A jit that keeps what nothing reads (keep_unused=True) compiles the
+# consumed gradient too: refused the same way, with the reason.
+def test_a_jit_that_keeps_unused_values_cannot_consume():
+  tx = _tx()
+  params = _params()
+
+  def step(params, state, x):
+    with superoffload.overlap_scan(tx, state, params, consume_gradients=True):
+      g = jax.grad(_loss)(params, x)
+      u, state = tx.update(g, state, params)
+    return optax.apply_updates(params, u), state
+
+  with pytest.raises(ValueError, match='keep_unused=True'):
+    jax.jit(step, keep_unused=True)(params, tx.init(params), _batch(0))
+
+
 def test_a_bad_scan_rows_setting_names_the_variable(monkeypatch):
   monkeypatch.setenv('JAX_SUPEROFFLOAD_SCAN_ROWS', 'stacked')
   with pytest.raises(ValueError, match=r"JAX_SUPEROFFLOAD_SCAN_ROWS='stacked'"):

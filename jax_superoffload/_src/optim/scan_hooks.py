@@ -215,9 +215,9 @@ def _consumed_why(scope: scan_scope.Scope, i: int) -> str:
   return (
     f'overlap_scan: the gradient of {scope.plan.lay.paths[i]} went to its '
     "layers' host steps, which wrote the new weights over it: only "
-    'tx.update may take it, as it is (nothing may read it). Read it in a '
-    'scope opened with consume_gradients=False (the default; unset '
-    f'{ROWS_ENV})'
+    'tx.update may take it, as it is (nothing may read it, and a jit '
+    'with keep_unused=True keeps it). Read it in a scope opened with '
+    f'consume_gradients=False (the default; unset {ROWS_ENV})'
   )
 
 
