@@ -313,6 +313,8 @@ def test_bucket_starts_hold_their_inputs_and_write_weights_over_grads(dtype):
   claims = result['custom_calls'].get('jax_superoffload_stream_claim', {})
   assert sum(claims.values()) == len(starts), result['custom_calls']
   assert result['to_device'] == [], result['to_device']
+  # And the buffers they write reach the join uncopied.
+  assert result['written_copies'] == [], result['written_copies']
   size = 4 if dtype == 'float32' else 2
   assert _written_over(result) >= size * result['num_params'] - 4096
 
@@ -488,6 +490,8 @@ def test_held_rows_fetch_their_gradients_off_the_compute_stream(
     # A row of each gradient, unaligned (fetched counts 256-byte slots).
     assert 0 < c['weights_bytes'] <= fetched[c['name']], (c, fetched)
   assert result['to_device'] == [], result['to_device']
+  # And the buffers they write reach the join uncopied.
+  assert result['written_copies'] == [], result['written_copies']
 
 
 # bf16 stacks (fp32 masters on the host) start their rows in the loop too.

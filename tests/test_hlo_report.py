@@ -224,6 +224,25 @@ def test_a_row_step_of_stacked_gradients_fetches_one_row_and_writes_no_weights()
   assert facts['hold_inputs'] and not facts['weights_alias_grads'], facts
 
 
+# The buffer a row step writes its weights over must reach its join
+# uncopied: a copy in the loop (here, of the call's result) leaves the
+# worker writing where nothing reads. Without weights over it, a copy is
+# nothing of the kind.
+def test_a_copy_of_a_written_over_gradient_is_reported():
+  over = HELD_ROW.replace(
+    'hold_inputs = true,', 'hold_inputs = true, weights_over_grads = true,'
+  )
+  copied = over.replace(
+    'ROOT %row = bf16[3,64]{1,0} custom-call(',
+    '%row = bf16[3,64]{1,0} custom-call(',
+  ).replace('\n}\n', '\n  ROOT %cp = bf16[3,64]{1,0} copy(%row)\n}\n')
+  assert copied != over
+  assert hlo_report.written_copies(over) == []
+  assert hlo_report.written_copies(copied) == ['cp']
+  plain = copied.replace(' weights_over_grads = true,', '')
+  assert hlo_report.written_copies(plain) == []
+
+
 def test_a_row_step_with_weights_over_its_gradient_writes_back_its_row():
   # The same step writing its new weights over the row it read: its
   # worker copies that row (128 bytes of bf16) back, not the stack.

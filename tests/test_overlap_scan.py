@@ -211,6 +211,32 @@ def test_a_consumed_gradient_may_only_go_to_update(read):
     step(params, tx.init(params), _batch(0))
 
 
+# The rows start in the backward loop whatever follows; an update traced
+# in a branch of lax.cond (a step skipped when not finite) would leave
+# them unjoined, still writing, when the branch is not taken. Refused when
+# traced, with or without consuming. Failed before: it compiled.
+@pytest.mark.parametrize('consume', [False, True])
+def test_an_update_inside_a_cond_branch_is_refused(consume):
+  tx = _tx()
+  params = _params()
+
+  @jax.jit
+  def step(params, state, x):
+    with superoffload.overlap_scan(
+      tx, state, params, consume_gradients=consume
+    ):
+      loss, g = jax.value_and_grad(_loss)(params, x)
+
+      def apply():  # Closes over the gradients and the state.
+        u, new = tx.update(g, state, params)
+        return optax.apply_updates(params, u), new
+
+      return jax.lax.cond(jnp.isfinite(loss), apply, lambda: (params, state))
+
+  with pytest.raises(ValueError, match='inside control flow'):
+    step(params, tx.init(params), _batch(0))
+
+
 # A jit that keeps what nothing reads (keep_unused=True) compiles the
 # consumed gradient too: refused the same way, with the reason.
 def test_a_jit_that_keeps_unused_values_cannot_consume():

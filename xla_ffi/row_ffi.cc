@@ -90,8 +90,8 @@ ffi::Error GetRowLeaf(ffi::RemainingArgs& args, int64_t k, bool reseed,
   if (over_grads) {
     if (!*stacked || weights) {
       return LeafError(j,
-                       "new weights go over the gradients only where they "
-                       "are stacked, and the leaf has no stacked weights");
+                       "weights_over_grads needs stacked gradients and no "
+                       "stacked weights operand");
     }
     b.lowp_out = const_cast<void*>(b.grad);
     b.lowp_type = b.grad_type;
@@ -112,11 +112,12 @@ ffi::Error SameRows(size_t j, int64_t rows, int64_t* all) {
 }
 
 // `b`, row 0's buffers of stacked state, moved to row `row`; its gradient
-// too where it is stacked and read in place (`grad_in_place`), and the new
-// weights, unless they go over a gradient's stand-in (a staged row).
-void AtRow(int64_t row, bool grad_in_place, AdamBuffers* b) {
+// too where it is stacked and read in place (`grad_in_place`), and its new
+// weights unless they go over the gradient's stand-in (`over_stand_in`: a
+// staged row, already the step's).
+void AtRow(int64_t row, bool grad_in_place, bool over_stand_in,
+           AdamBuffers* b) {
   const int64_t offset = row * b->size;
-  const bool over_stand_in = !grad_in_place && b->lowp_out == b->grad;
   if (grad_in_place) {
     b->grad =
         static_cast<const char*>(b->grad) + ElementBytes(b->grad_type, offset);
@@ -185,7 +186,8 @@ ffi::Error StepRow(const RowStep& step, Workers workers) {
   std::vector<SegmentLeaf> leaves = step.leaves;
   std::vector<int64_t> sizes;
   for (SegmentLeaf& leaf : leaves) {
-    AtRow(row, step.stacked_grads && !step.grads_staged, &leaf.b);
+    AtRow(row, step.stacked_grads && !step.grads_staged,
+          step.over_grads && step.grads_staged, &leaf.b);
     sizes.push_back(leaf.b.size);
   }
   const Isa isa = BestIsa();

@@ -95,8 +95,16 @@ ffi::Error OnStream::Stage(std::vector<Touched>& touched,
     s.written |= t.role != Role::kInput && !demand;
   }
   size_t total = 0;
-  for (const Staged& s : staged)
+  for (const Staged& s : staged) {
+    // Copied back to a window of its own size: the buffer must be touched
+    // as that window alone.
+    if (s.returned && (s.read || s.written)) {
+      return InvalidArgument(
+          "a buffer fetched and written back a window at a time is also "
+          "read or written whole");
+    }
     total += stream_internal::Aligned(s.copy.bytes);
+  }
   if (total == 0) return ffi::Error::Success();
   void* base = nullptr;
   JSO_RETURN_IF_ERROR(

@@ -378,6 +378,47 @@ def _in_host_memory(i: Instr) -> bool:
   return all(a.on_host for a in arrays(i.shape))
 
 
+def written_copies(hlo: str) -> list[str]:
+  """Copies XLA made of a stacked gradient that row steps write over.
+
+  A row step with `weights_over_grads` hands its stacked gradient on
+  (aliased), and its worker later copies the row's new weights into that
+  buffer: XLA must carry the very buffer through the rest of the loop and
+  to the join that passes it on (`grace_adam.written_rows`). A copy of
+  it, in the loop's body or between the loop and that join, would leave
+  the worker writing where nothing reads (and the join handing on rows
+  not yet written). Returns the names of such copies: in a computation
+  holding such row steps, any copy shaped like one's results; elsewhere,
+  a copy on the way from a loop's results to a join's operand.
+  """
+  module = _Module(hlo)
+  target = lambda i: i.attr('custom_call_target') or ''  # noqa: E731
+  over = re.compile(r'\bweights_over_grads = true\b')
+  kinds = lambda i: {(a.dtype, a.dims) for a in arrays(i.shape)}  # noqa: E731
+  shapes: set = set()
+  bad = []
+  for _, instrs in module.comps.values():
+    mine = set().union(
+      *(
+        kinds(i)
+        for i in instrs
+        if target(i) == ROW_TARGET and over.search(i.rest)
+      )
+    )
+    shapes |= mine
+    bad += [i.name for i in instrs if i.op == 'copy' and kinds(i) & mine]
+  for i in module.by_name.values():
+    if target(i) != JOIN_TARGET:
+      continue
+    for name in _operands(i):
+      source = module.by_name.get(name)
+      while source is not None and source.op in ('bitcast', 'copy'):
+        if source.op == 'copy' and kinds(source) & shapes:
+          bad.append(source.name)
+        source = module.by_name.get(_operands(source)[0])
+  return bad
+
+
 def reads_before_join(hlo: str) -> list[str]:
   """Instructions that read a joined optimizer call's results unjoined.
 
@@ -539,6 +580,16 @@ def _fetches_rows(i) -> bool:
   return i.attr('custom_call_target') == ROW_TARGET and bool(arrays(i.shape))
 
 
+# A row step's operands before its leaves': the count, the scalars, the row.
+_ROW_FRONT = 3
+
+
+def _row_grads(i, names: list[str], device) -> list:
+  """Row step `i`'s gradient operands in device memory (`device`'s)."""
+  k = int(re.search(r'num_leaves = (\d+)', i.rest)[1])
+  return device(names[_ROW_FRONT + 3 * k : _ROW_FRONT + 4 * k])
+
+
 def _held_row_bytes(i, names: list[str], device) -> tuple[int, int]:
   """A row step of stacked gradients: (bytes staged, of which fetched).
 
@@ -546,10 +597,9 @@ def _held_row_bytes(i, names: list[str], device) -> tuple[int, int]:
   its worker: `hold_inputs`), its row cursor in host memory (not staged);
   its worker fetches one row of each stacked gradient when the step runs.
   """
-  k = int(re.search(r'num_leaves = (\d+)', i.rest)[1])
-  grads = device(names[3 + 3 * k : 3 + 4 * k])
+  grads = _row_grads(i, names, device)
   fetched = sum(_aligned(a.bytes // a.dims[0]) for a in grads)
-  scalars = sum(_aligned(a.bytes) for a in device(names[:3]))
+  scalars = sum(_aligned(a.bytes) for a in device(names[:_ROW_FRONT]))
   return scalars + fetched, fetched
 
 
@@ -705,14 +755,10 @@ def _start_facts(module: _Module, i: Instr) -> dict[str, Any]:
     # Its results are the stacked gradients it holds; with the weights
     # over them, its worker copies a row of each back.
     if over:
-      k = int(re.search(r'num_leaves = (\d+)', i.rest)[1])
-      grads = [
-        a
-        for n in names[3 + 3 * k : 3 + 4 * k]
-        for a in arrays(module.shapes.get(n, ''))
-        if not a.on_host
+      device = lambda ns: [  # noqa: E731
+        a for n in ns for a in arrays(module.shapes.get(n, '')) if not a.on_host
       ]
-      weights = sum(a.bytes // a.dims[0] for a in grads)
+      weights = sum(a.bytes // a.dims[0] for a in _row_grads(i, names, device))
   else:
     for r, o in _aliasing(i).items():
       operand = (
@@ -800,6 +846,7 @@ def summarize(hlo: str, memory: dict[str, int]) -> dict[str, Any]:
     'custom_calls': custom_calls(hlo),
     'host_execute_calls': sum(e.kind == 'host_execute' for e in events),
     'reads_before_join': reads_before_join(hlo),
+    'written_copies': written_copies(hlo),
     'stream_staging': stream_staging(hlo),
     'to_device': to_device_calls(hlo),
     'backward_gemms': sum(e.kind == 'gemm' and e.backward for e in events),

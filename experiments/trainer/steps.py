@@ -47,7 +47,8 @@ def gradients_readable(overlap_scan: bool, consume_gradients: bool) -> bool:
 
   Not where overlap_scan consumes them: the host steps write the new
   weights over the stacked gradients, and a read is refused when the step
-  compiles.
+  compiles. Conservative: a stack the scope keeps readable (weight flow,
+  a remat policy) costs the metric too.
   """
   held = os.environ.get(SCAN_ROWS_ENV) == 'held'
   return not (overlap_scan and (consume_gradients or held))

@@ -907,8 +907,18 @@ def _validated(
   return (*runs, copies if copies else list(out[3 * k :]))
 
 
-def _check_row_leaves(master, mu, nu, grads, params, weights) -> None:
-  """Raises ValueError unless the row step's leaves fit together."""
+def _check_row_leaves(
+  master, mu, nu, grads, params, weights, over=False
+) -> None:
+  """Raises ValueError unless the row step's leaves fit together.
+
+  `over`: the weights go over the gradients, which must be stacked.
+  """
+  if over and (grads[0].shape != master[0].shape or weights is not None):
+    raise ValueError(
+      'adam_step_row: weights_over_grads writes over stacked gradients, '
+      'and takes no weights'
+    )
   runs = {'mu': mu, 'nu': nu, 'grads': grads}
   if params is not None:
     runs['params'] = params
@@ -1001,29 +1011,22 @@ def adam_step_row(
   stay alive, unchanged, until a join that waits for it (`join_rows`'s
   `keep`); write the next rows into the returned arrays. With them `row`
   is a cursor (`row_cursor`, set to L before the loop): the call steps
-  row ``cursor - 1`` and
-  leaves the cursor there, so the calls of a loop running its rows from
-  L - 1 down need no row from the device; and on a GPU the call holds its
-  inputs: `scalars` (`scalar_operands`, made before the loop) and the
-  cursor must stay alive until that join too, and the compute stream
-  waits for nothing. `weights_over_grads` (stacked gradients, no
-  `weights`): the step writes each leaf's new master, in its gradient's
-  dtype (rounded to nearest even), over the row of the gradient it read
-  (on a GPU its worker copies it back there), so the returned arrays hold
-  the new weights in the rows stepped once the join has waited
-  (`written_rows`).
+  row ``cursor - 1`` and leaves the cursor there, so the calls of a loop
+  running its rows from L - 1 down need no row from the device; and on a
+  GPU the call holds its inputs: `scalars` (`scalar_operands`, made before
+  the loop) and the cursor must stay alive until that join too, and the
+  compute stream waits for nothing. `weights_over_grads` (stacked
+  gradients, no `weights`): the step writes each leaf's new master, in its
+  gradient's dtype (rounded to nearest even), over the row of the
+  gradient it read (on a GPU its worker copies it back there): after the
+  join the returned arrays hold the new weights (`written_rows`).
   """
-  _check_row_leaves(master, mu, nu, grads, params, weights)
+  _check_row_leaves(master, mu, nu, grads, params, weights, weights_over_grads)
   kept = [j for j, g in enumerate(grads) if g.size]
   if not kept:
     return list(grads)
   place = place or _as_is
   stacked = grads[kept[0]].shape == master[kept[0]].shape
-  if weights_over_grads and (not stacked or weights is not None):
-    raise ValueError(
-      'adam_step_row: weights_over_grads writes over stacked gradients, '
-      'and takes no weights'
-    )
 
   def run(xs):
     return [xs[j] for j in kept]
@@ -1059,11 +1062,8 @@ def adam_step_row(
       weights_over_grads=weights_over_grads,
     ),
   )
-  grads = list(grads)
-  if stacked:
-    for j, g in zip(kept, out, strict=True):
-      grads[j] = g
-  return grads
+  passed = dict(zip(kept, out, strict=True)) if stacked else {}
+  return [passed.get(j, g) for j, g in enumerate(grads)]
 
 
 def _row_operand(row: jax.typing.ArrayLike, stacked: bool, place: Place):

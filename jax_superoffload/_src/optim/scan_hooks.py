@@ -196,13 +196,22 @@ def rows(stacked: Any, params_path: Any) -> tuple | None:
       scope.held.add(i)
     return jax.tree.unflatten(treedef, values)
 
+  return on_row, (stacks, hypers, held), _sinks(scope, leaves, take, ids)
+
+
+def _sinks(scope: scan_scope.Scope, leaves: list, take: list, ids: list):
+  """Per leaf of a stack, the `row_backward.scan` sink of a consumed one.
+
+  Leaves `leaves[take[k]]`, ids `ids[k]`, are consumed: the loop's buffer
+  goes to `scope.written`; the others have None.
+  """
   sinks = [None] * len(leaves)
   for j, i in zip(take, ids, strict=True):
     sinks[j] = (
       row_backward.sink(leaves[j], functools.partial(_written, scope, i)),
       _consumed_why(scope, i),
     )
-  return on_row, (stacks, hypers, held), sinks
+  return sinks
 
 
 def _written(scope: scan_scope.Scope, i: int, buffer: jax.Array) -> None:

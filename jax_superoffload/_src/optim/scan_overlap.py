@@ -253,10 +253,32 @@ def claim(
   if not same:
     return None
   scope.claimed = True
+  _check_trace(scope)
   check_gradients(scope, updates)
   if scope.started:
     _check_inputs(scope, state, params)
   return scope
+
+
+def _check_trace(scope: scan_scope.Scope) -> None:
+  """Raises if `update` is traced elsewhere than the scope was opened.
+
+  The rows start in the backward loop whatever happens after it, and only
+  `update`'s join waits for them (and, on a GPU, for their copies back):
+  in a branch of `lax.cond` (a step skipped when it is not finite) or a
+  loop, that join may not run while the rows still write.
+
+  Raises:
+    ValueError: If layers started their steps and the trace differs.
+  """
+  if scope.started and scan_scope.trace_state() != scope.trace:
+    raise ValueError(
+      'overlap_scan: tx.update was traced inside control flow (a branch '
+      'of lax.cond or lax.switch, a loop) of the step, while the layers '
+      'started their host steps unconditionally in the backward loop; call '
+      'tx.update where the scope was opened (to skip a step, select on '
+      'its results), or run the step without overlap_scan'
+    )
 
 
 def _check_inputs(scope: scan_scope.Scope, state: Any, params: Any) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 
 from jax_superoffload._src.core import backend
@@ -175,9 +176,7 @@ class Scope:
 
   def __init__(self, opts, state, params: Any, consume: bool = False):
     self.opts = opts
-    # Whether the rows may write the new weights over the stacked
-    # gradients (`overlap_scan(..., consume_gradients=True)`).
-    self.consume = consume
+    self.consume = consume  # overlap_scan's consume_gradients.
     self.masters = jax.tree.leaves(state.master)
     self.plan = state_lib.bucketing_for(opts, params, state.placement)
     with_paths = jax.tree.leaves_with_path(params)
@@ -221,18 +220,24 @@ class Scope:
     # the operands their calls hold until the join (scalars, cursors).
     self.held: set[int] = set()
     self.held_operands: list = []
-    # Per held leaf, the buffer its loop leaves, where its rows wrote the
-    # new weights over the gradient (`scan_hooks.rows`).
+    # Per consumed leaf, the buffer its rows wrote (`scan_hooks.rows`).
     self.written: dict[int, Any] = {}
     # Per stack path, its row calls' cursors (`scan_hooks.acquire`).
     self.cursors: dict = {}
     self.claimed = False
+    # Where the scope was opened: `update` must be traced there too.
+    self.trace = trace_state()
     # The state's digest of the parameters: a stack whose parameters have
     # it re-seeds nothing and reads none (`scan_hooks.acquire`).
     self.digest = _digest(opts, state, len(leaves)) if ids else None
     # The stack leaves digested together, as `acquire` took them: `update`
     # keeps their digest after the step in the same groups.
     self.row_groups: list[list[int]] = []
+
+
+def trace_state() -> Any:
+  """The trace JAX is tracing in now, comparable with an earlier one."""
+  return jex_core.get_opaque_trace_state(convention='nnx')
 
 
 def _digest(opts, state, num_leaves: int) -> jax.Array | None:
