@@ -97,7 +97,9 @@ def overlap_scan(
   Which leaves start in the loop, and when the scope does nothing, is in
   the module's doc. One gradient per scope, and `tx.update` must receive
   it as the backward pass made it: the layers' steps have already used it
-  (anything else is refused when `tx.update` is traced).
+  (anything else is refused when `tx.update` is traced), where the scope
+  was opened, not in a branch of `lax.cond` (to skip a step, select on
+  its results).
 
   With `consume_gradients`, the host steps also write each layer's new
   weights over its gradient as soon as the step is done, so the new
