@@ -34,7 +34,7 @@ class Hooks(NamedTuple):
   # rows(stacked_params, params_path) -> (on_row, aux, sinks) or None: the
   # hook a stack's own backward loop calls on its stacked gradient
   # (`row_backward.scan`), instead of `layer` on each layer's.
-  rows: Callable[[Any, Any], tuple[Callable, Any] | None] | None = None
+  rows: Callable[[Any, Any], tuple[Callable, Any, Any] | None] | None = None
 
 
 _HOOKS: contextvars.ContextVar[Hooks | None] = contextvars.ContextVar(

@@ -89,9 +89,11 @@ def _start(
     scope.reserve = max(scope.reserve, steps.staged_bytes(row_shapes, None))
     # A call's leaves all have host weights, or none do (`calls`); held
     # rows write theirs over the gradients instead.
-    weights = [stacks[j][3] for j in js if len(stacks[j]) > 3]
-    if held is not None:
-      weights = []
+    weights = (
+      []
+      if held is not None
+      else [stacks[j][3] for j in js if len(stacks[j]) > 3]
+    )
     out = grace_adam.adam_step_row(
       *([stacks[j][r] for j in js] for r in range(3)),
       picked,
@@ -174,11 +176,11 @@ def rows(stacked: Any, params_path: Any) -> tuple | None:
   )
   if not take:
     return None
-  cursors = scope.cursors.get(scan_scope.as_path(params_path))
-  if cursors is None or len(cursors) != len(scan_scope.calls(scope, ids)):
-    return None  # Not the calls `acquire` made cursors for.
   stacks = [scope.stacks[i] for i in ids]
   hypers = [scope.hyper[g] for g, _ in scan_scope.calls(scope, ids)]
+  cursors = scope.cursors.get(scan_scope.as_path(params_path))
+  if cursors is None or len(cursors) != len(hypers):
+    return None  # Not the calls `acquire` made cursors for.
   # Made before the loop and held until the join (`finish`): each call's
   # scalars and its row cursor.
   place = steps.stream_place(None, scope.reserve)
@@ -191,9 +193,8 @@ def rows(stacked: Any, params_path: Any) -> tuple | None:
     values, treedef = jax.tree.flatten(grads)
     picked = [values[j] for j in take]
     out = _start(scope, ids, hypers, stacks, picked, row, held)
-    for j, i, g in zip(take, ids, out, strict=True):
+    for j, g in zip(take, out, strict=True):
       values[j] = g
-      scope.held.add(i)
     return jax.tree.unflatten(treedef, values)
 
   return on_row, (stacks, hypers, held), _sinks(scope, leaves, take, ids)

@@ -368,7 +368,7 @@ def finish(scope: scan_scope.Scope, grads: list, params: list | None) -> dict:
     # leaf's new weights wait in device memory at a time. The parameters
     # stay alive until then: the re-seed's worker may read them.
     # The host weights, where the leaf has them, first: they are copied.
-    # A held leaf's rows read its stacked gradient, their scalars and
+    # A consumed leaf's rows read its stacked gradient, their scalars and
     # cursors until the join, and write its new weights over the gradient.
     keep = [scope.params[i]]
     stack = scope.stacks[i]
@@ -379,8 +379,6 @@ def finish(scope: scan_scope.Scope, grads: list, params: list | None) -> dict:
       (weight,) = grace_adam.written_rows([scope.written[i]], joined[0])
       done[i] = (*joined, weight)
       continue
-    if i in scope.held:
-      keep += [scope.cotangents[i], *scope.held_operands]
     joined, weight = grace_adam.join_rows(
       [*stack[3:], *stack[:3]], barrier, to_device=1, keep=keep
     )

@@ -216,9 +216,8 @@ class Scope:
         _rows_staging(self.group_of, leaves, ids),
       )
     self.started: set[int] = set()
-    # Leaves whose rows read the stacked gradient (`scan_hooks.rows`), and
-    # the operands their calls hold until the join (scalars, cursors).
-    self.held: set[int] = set()
+    # The operands the rows that read the stacked gradient hold until the
+    # join (scalars, cursors; `scan_hooks.rows`).
     self.held_operands: list = []
     # Per consumed leaf, the buffer its rows wrote (`scan_hooks.rows`).
     self.written: dict[int, Any] = {}
