@@ -164,6 +164,7 @@ def test_consuming_rows_read_the_stacked_gradient_and_keep_the_numbers(
   monkeypatch, dtype, how
 ):
   scope = {'consume_gradients': True}
+  monkeypatch.delenv('JAX_SUPEROFFLOAD_SCAN_ROWS', raising=False)
   if how == 'environment':
     monkeypatch.setenv('JAX_SUPEROFFLOAD_SCAN_ROWS', 'held')
     scope = {}
